@@ -1,0 +1,45 @@
+"""deepinfer: a vertical inference engine for the DeepSeek model family with a vendor-neutral kernel ABI.
+
+    import deepinfer
+    print(deepinfer.run("def fibonacci(n):"))            # the embedded default model
+    engine = deepinfer.load("path/to/DeepSeek-V2-Lite", config={"backend": "cpu"})
+    for piece in engine.stream("hello"): print(piece, end="")
+"""
+__version__ = "0.1.0"
+
+from .errors import (  # noqa: E402
+    BackendCallError,
+    BackendLoadError,
+    CheckpointError,
+    ConfigError,
+    DeepinferError,
+    UnsupportedOpError,
+)
+from .loader import candidates, get_backend  # noqa: E402
+
+
+def load(model=None, config=None, **overrides):
+    """An engine for repeated generation (see deepinfer.engine.Engine)."""
+    from .engine import Engine
+
+    return Engine.from_pretrained(model, config=config, **overrides)
+
+
+def run(model=None, prompt: str = "", config=None, **options) -> str:
+    """Generate text for one prompt and return it; `options` are sampling options
+    (max_new_tokens, temperature, top_k, top_p, seed, stop)."""
+    if prompt == "" and isinstance(model, str) and config is None and not _looks_like_model(model):
+        model, prompt = None, model
+    return load(model, config=config).generate(prompt, **options)
+
+
+def _looks_like_model(s: str) -> bool:
+    import os
+
+    return os.path.isdir(os.path.expanduser(s))
+
+
+__all__ = [
+    "__version__", "run", "load", "get_backend", "candidates",
+    "DeepinferError", "BackendLoadError", "BackendCallError", "UnsupportedOpError", "CheckpointError", "ConfigError",
+]

@@ -1,0 +1,331 @@
+"""The Backend object: one shape for every backend, the NumPy reference and any ABI library.
+
+Ops are called by name with the keyword arguments of their args struct in deepinfer_abi.h
+(`backend.linear(x=x, w=w, out=y)`); absent optional tensors are simply left out. The header is
+the only place those names are written down: NativeBackend marshals keywords into the C struct by
+walking the struct's fields, and the reference backend's functions are checked against the same
+field lists by the tests.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+
+from . import abi
+from . import dtypes as D
+from .errors import BackendCallError, UnsupportedOpError
+from .tensor import DeviceBuffer, Quant, Tensor
+
+log = logging.getLogger("deepinfer")
+
+ffi = abi.ffi
+
+
+@dataclass
+class BackendInfo:
+    name: str
+    version: str
+    device: str                      # "cpu", "cuda", ...
+    path: Optional[str] = None       # the shared library, None for the reference
+    abi_version: str = f"{abi.ABI_MAJOR}.{abi.ABI_MINOR}"
+    attributes: dict = field(default_factory=dict)
+
+
+class Backend:
+    """Base class. Subclasses implement `_run(op, kwargs)` and memory handling."""
+
+    info: BackendInfo
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def device(self) -> str:
+        return self.info.device
+
+    # ------------------------------------------------------------------ ops
+    def ops(self) -> list[str]:
+        """The ops this backend implements (others are UNIMPLEMENTED)."""
+        raise NotImplementedError
+
+    def has_op(self, op: str) -> bool:
+        return op in self.ops()
+
+    def query(self, op: str, **kwargs) -> tuple[int, int]:
+        """(support, workspace bytes) for this concrete call; support is abi.SUPPORT_*."""
+        return (abi.SUPPORT_YES if self.has_op(op) else abi.SUPPORT_NO), 0
+
+    def call(self, op: str, **kwargs) -> None:
+        if op not in abi.OPS:
+            raise AttributeError(f"unknown op {op!r}; the ABI has: {', '.join(abi.OP_NAMES)}")
+        unknown = set(kwargs) - set(abi.op_fields(op))
+        if unknown:
+            raise TypeError(f"{op}() got unknown argument(s) {sorted(unknown)}; it takes {abi.op_fields(op)}")
+        self._run(op, kwargs)
+
+    def _run(self, op: str, kwargs: dict) -> None:
+        raise NotImplementedError
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        if name in abi.OPS:
+            return lambda **kw: self.call(name, **kw)
+        raise AttributeError(name)
+
+    # ------------------------------------------------------------------ memory
+    def empty(self, shape, dtype, fill: Optional[float] = None) -> Tensor:
+        """A new tensor in this backend's memory (host memory for host backends)."""
+        return Tensor.empty(shape, dtype, fill)
+
+    def upload(self, t) -> Tensor:
+        """Make a host tensor (or NumPy array) usable by this backend; no copy on host backends."""
+        return t if isinstance(t, Tensor) else Tensor.from_numpy(np.asarray(t))
+
+    def to_numpy(self, t: Tensor) -> np.ndarray:
+        """Elements of a tensor as a host NumPy array (a copy)."""
+        return np.array(t.numpy())
+
+    def synchronize(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+# ====================================================================== native (ABI) backends
+
+
+class NativeBackend(Backend):
+    """A validated ABI library bound through cffi (ABI mode: no compiler needed)."""
+
+    def __init__(self, lib, api, info: BackendInfo, device_id: int = 0, num_threads: int = 0):
+        self._lib = lib          # keeps the library mapped for as long as this object lives
+        self._api = api
+        self.info = info
+        self._lock = threading.Lock()
+        opts = ffi.new("DI_ContextOptions*")
+        opts.struct_size = ffi.sizeof("DI_ContextOptions")
+        opts.device_id = device_id
+        opts.num_threads = num_threads
+        ctx = ffi.new("DI_Context**")
+        self._check("context_create", api.context_create(opts, ctx), ctx=ffi.NULL)
+        self._ctx = ctx[0]
+        self._device_type = abi.const("DI_DEVICE_CPU") if info.device == "cpu" else None
+        self._workspace: Optional[DeviceBuffer] = None
+        info.attributes = self.attributes()
+        if info.device != "cpu":
+            self._device_type = {"cuda": abi.const("DI_DEVICE_CUDA"), "rocm": abi.const("DI_DEVICE_ROCM")}.get(
+                info.device, abi.const("DI_DEVICE_EXT")
+            )
+
+    # -- plumbing
+    def _has(self, entry: str) -> bool:
+        if ffi.offsetof("DI_Api", entry) >= self._api.struct_size:
+            return False  # an older library: the entry is past its table
+        return getattr(self._api, entry) != ffi.NULL
+
+    def _error_message(self, ctx) -> str:
+        if not self._has("last_error"):
+            return "(library has no last_error)"
+        msg = self._api.last_error(ctx)
+        return ffi.string(msg).decode("utf-8", "replace") if msg != ffi.NULL else ""
+
+    def _check(self, what: str, status: int, ctx=None) -> None:
+        if status != abi.OK:
+            ctx = self._ctx if ctx is None else ctx
+            name = abi.STATUS_NAMES.get(status, f"status {status}")
+            cls = UnsupportedOpError if status == abi.UNIMPLEMENTED else BackendCallError
+            raise cls(what, status, name, self._error_message(ctx))
+
+    def attributes(self) -> dict:
+        out = {}
+        if not self._has("get_attribute"):
+            return out
+        buf = ffi.new("char[]", 512)
+        for key in ("name", "version", "abi.version", "device.name", "device.sm_count", "device.memory_bytes",
+                    "device.arch", "cpu.features", "threads"):
+            if self._api.get_attribute(self._ctx, key.encode(), buf, 512) == abi.OK:
+                out[key] = ffi.string(buf).decode("utf-8", "replace")
+        return out
+
+    def ops(self) -> list[str]:
+        return [op for op in abi.OP_NAMES if self._has(op)]
+
+    # -- memory
+    def _free(self, ptr: int) -> None:
+        self._api.mem_free(self._ctx, ffi.cast("void*", ptr))
+
+    def _alloc(self, nbytes: int) -> DeviceBuffer:
+        p = ffi.new("void**")
+        self._check("mem_alloc", self._api.mem_alloc(self._ctx, max(int(nbytes), 1), p))
+        return DeviceBuffer(int(ffi.cast("uintptr_t", p[0])), nbytes, self)
+
+    def empty(self, shape, dtype, fill: Optional[float] = None) -> Tensor:
+        if self.device == "cpu":
+            return Tensor.empty(shape, dtype, fill)
+        t = Tensor(None, shape, dtype)
+        t.buffer = self._alloc(t.nbytes)
+        if fill is not None:
+            host = Tensor.empty(shape, dtype, fill)
+            self._copy(t.buffer.ptr, host.data_ptr, t.nbytes, "DI_COPY_HOST_TO_DEVICE")
+        return t
+
+    def _copy(self, dst: int, src: int, nbytes: int, kind: str) -> None:
+        self._check("mem_copy", self._api.mem_copy(
+            self._ctx, ffi.cast("void*", dst), ffi.cast("void*", src), nbytes, abi.const(kind), ffi.NULL))
+
+    def upload(self, t) -> Tensor:
+        t = t if isinstance(t, Tensor) else Tensor.from_numpy(np.asarray(t))
+        if self.device == "cpu":
+            return t
+        if not t.on_host:
+            return t
+        if not t.is_contiguous() or t.offset:
+            raise ValueError("upload needs a contiguous host tensor")
+        quant = None
+        if t.quant is not None:
+            quant = Quant(self.upload(t.quant.scales), t.quant.block,
+                          self.upload(t.quant.zeros) if t.quant.zeros is not None else None)
+        d = Tensor(None, t.shape, t.dtype, t.strides, 0, quant)
+        d.buffer = self._alloc(t.nbytes)
+        self._copy(d.buffer.ptr, t.data_ptr, t.nbytes, "DI_COPY_HOST_TO_DEVICE")
+        self.synchronize()
+        return d
+
+    def to_numpy(self, t: Tensor) -> np.ndarray:
+        if t.on_host:
+            return np.array(t.numpy())
+        if not t.is_contiguous():
+            raise ValueError("to_numpy of a strided device tensor")
+        host = Tensor.empty(t.shape, t.dtype)
+        self.synchronize()
+        self._copy(host.data_ptr, t.buffer.ptr + t.offset, t.nbytes, "DI_COPY_DEVICE_TO_HOST")
+        self.synchronize()
+        return np.array(host.numpy())
+
+    def synchronize(self) -> None:
+        if self._has("stream_synchronize"):
+            self._check("stream_synchronize", self._api.stream_synchronize(self._ctx, ffi.NULL))
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None) is not None:
+            self._workspace = None
+            self._api.context_destroy(self._ctx)
+            self._ctx = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- marshalling keyword arguments into the op's args struct
+    def _fill_tensor(self, c, t: Optional[Tensor], keep: list, what: str) -> None:
+        if t is None:
+            return  # ffi.new zero-fills: data NULL = absent
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{what} must be a deepinfer Tensor, got {type(t).__name__}")
+        if t.ndim > abi.MAX_DIMS:
+            raise ValueError(f"{what} has {t.ndim} dims; the ABI allows {abi.MAX_DIMS}")
+        c.data = ffi.cast("void*", t.data_ptr)
+        c.device_type = abi.const("DI_DEVICE_CPU") if t.on_host else self._device_type
+        c.device_id = 0
+        c.ndim = t.ndim
+        c.dtype.code, c.dtype.bits, c.dtype.lanes = t.dtype.code, t.dtype.bits, 1
+        for i, (n, s) in enumerate(zip(t.shape, t.strides)):
+            c.shape[i], c.strides[i] = n, s
+        c.byte_offset = t.offset
+        if t.quant is not None:
+            q = ffi.new("DI_Quant*")
+            keep.append(q)
+            q.struct_size = ffi.sizeof("DI_Quant")
+            q.scheme = abi.const("DI_QUANT_BLOCK")
+            q.block_rows, q.block_cols = t.quant.block
+            q.nibble_order = abi.const("DI_NIBBLE_LOW_FIRST")
+            self._fill_tensor(q.scales, t.quant.scales, keep, what + ".scales")
+            self._fill_tensor(q.zeros, t.quant.zeros, keep, what + ".zeros")
+            c.quant = q
+
+    def _marshal(self, op: str, kwargs: dict):
+        _, struct, fields = abi.OPS[op]
+        args = ffi.new(struct + "*")
+        keep: list = [args]
+        args.header.struct_size = ffi.sizeof(struct)
+        for name, ctype in fields:
+            v = kwargs.get(name)
+            if ctype.cname == "DI_Tensor":
+                self._fill_tensor(getattr(args, name), v, keep, name)
+            elif ctype.kind == "pointer" and ctype.item.cname == "DI_Tensor":
+                if v is None:
+                    continue
+                arr = ffi.new("DI_Tensor[]", max(len(v), 1))
+                keep.append(arr)
+                for i, t in enumerate(v):
+                    self._fill_tensor(arr[i], t, keep, f"{name}[{i}]")
+                setattr(args, name, arr)
+            elif v is not None:
+                setattr(args, name, v)
+        if op == "moe_experts" and "num_experts" not in kwargs and kwargs.get("w_gate") is not None:
+            args.num_experts = len(kwargs["w_gate"])
+        return args, keep
+
+    def query(self, op: str, **kwargs) -> tuple[int, int]:
+        if not self._has(op):
+            return abi.SUPPORT_NO, 0
+        if not self._has("op_query"):
+            return abi.SUPPORT_YES, 0
+        args, _keep = self._marshal(op, kwargs)
+        res = ffi.new("DI_OpQuery*")
+        res.struct_size = ffi.sizeof("DI_OpQuery")
+        self._check(f"op_query({op})", self._api.op_query(self._ctx, abi.OPS[op][0], args, res))
+        return res.support, res.workspace_size
+
+    def _run(self, op: str, kwargs: dict) -> None:
+        if not self._has(op):
+            raise UnsupportedOpError(op, abi.UNIMPLEMENTED, "UNIMPLEMENTED",
+                                     f"backend {self.name!r} does not implement {op}")
+        args, _keep = self._marshal(op, kwargs)
+        if self.device != "cpu" and self._has("op_query"):
+            res = ffi.new("DI_OpQuery*")
+            res.struct_size = ffi.sizeof("DI_OpQuery")
+            if self._api.op_query(self._ctx, abi.OPS[op][0], args, res) == abi.OK and res.workspace_size:
+                if self._workspace is None or self._workspace.nbytes < res.workspace_size:
+                    self._workspace = self._alloc(res.workspace_size)
+                args.header.workspace = ffi.cast("void*", self._workspace.ptr)
+                args.header.workspace_size = res.workspace_size
+        with self._lock:
+            status = getattr(self._api, op)(self._ctx, args)
+            self._check(op, status)
+
+
+# ====================================================================== fallback policy
+
+
+class FallbackBackend(Backend):
+    """Runs ops the primary backend lacks on the reference backend; only when the user asks for it.
+
+    Host backends only (the reference cannot read device memory). Every fallback is logged once.
+    """
+
+    def __init__(self, primary: Backend, reference: Backend):
+        if primary.device != "cpu":
+            raise ValueError("per-op fallback to the reference needs a host-memory backend")
+        self.primary, self.reference = primary, reference
+        self.info = primary.info
+        self._warned: set[str] = set()
+
+    def ops(self) -> list[str]:
+        return sorted(set(self.primary.ops()) | set(self.reference.ops()), key=abi.OP_NAMES.index)
+
+    def _run(self, op: str, kwargs: dict) -> None:
+        if self.primary.has_op(op):
+            return self.primary._run(op, kwargs)
+        if op not in self._warned:
+            log.warning("backend %s lacks %s: falling back to the reference backend (config fallback=true)",
+                        self.primary.name, op)
+            self._warned.add(op)
+        self.reference._run(op, kwargs)
