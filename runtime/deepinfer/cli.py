@@ -1,0 +1,150 @@
+"""The `deepinfer` command: backends, conformance, run, eval-ppl, quantize."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from .errors import DeepinferError
+
+
+def _cmd_backends(args) -> int:
+    from .loader import candidates
+
+    found = candidates(args.path or None)
+    for c in found:
+        print(c.summary())
+        if c.ok and args.verbose:
+            for k, v in sorted(c.attributes.items()):
+                print(f"    {k}: {v}")
+            print(f"    ops: {', '.join(c.ops)}")
+        elif c.ok:
+            dev = c.attributes.get("device.name")
+            extra = []
+            if dev:
+                extra.append(dev)
+            for key, label in (("device.sm_count", "SMs"), ("device.memory_bytes", "bytes"), ("threads", "threads")):
+                if key in c.attributes:
+                    extra.append(f"{c.attributes[key]} {label}")
+            if extra:
+                print("    " + ", ".join(extra))
+            print(f"    {len(c.ops)} ops")
+    if args.json:
+        print(json.dumps([c.__dict__ for c in found], indent=2))
+    return 0
+
+
+def _cmd_conformance(args) -> int:
+    from .conformance import main as conformance_main
+
+    return conformance_main(args.rest)
+
+
+def _engine(args):
+    from .engine import Engine
+
+    overrides = {}
+    if getattr(args, "backend", None):
+        overrides["backend"] = args.backend
+    if getattr(args, "precision", None):
+        overrides["precision"] = args.precision
+    return Engine.from_pretrained(args.model, config=args.config, **overrides)
+
+
+def _cmd_run(args) -> int:
+    if args.prompt is None:  # `deepinfer run PROMPT`: the embedded default model
+        args.model, args.prompt = None, args.model
+    if args.prompt is None:
+        print("deepinfer run: give a prompt", file=sys.stderr)
+        return 2
+    eng = _engine(args)
+    opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, seed=args.seed, stop=args.stop or None)
+    if args.chat:
+        stream = eng.chat_stream([{"role": "user", "content": args.prompt}], **opts)
+    else:
+        sys.stdout.write(args.prompt)
+        stream = eng.stream(args.prompt, **opts)
+    for piece in stream:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def _cmd_eval_ppl(args) -> int:
+    from .evaluate import main as eval_main
+
+    return eval_main(args)
+
+
+def _cmd_quantize(args) -> int:
+    from .quantizer import main as quantize_main
+
+    return quantize_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="deepinfer", description="DeepSeek inference through a vendor-neutral kernel ABI")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    b = sub.add_parser("backends", help="list every backend found, with scores and the reasons for rejections")
+    b.add_argument("path", nargs="*", help="extra libraries or folders to consider")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(fn=_cmd_backends)
+
+    c = sub.add_parser("conformance", help="certify a backend library (writes a JSON certificate)", add_help=False)
+    c.add_argument("rest", nargs=argparse.REMAINDER)
+    c.set_defaults(fn=_cmd_conformance)
+
+    r = sub.add_parser("run", help="generate text: deepinfer run [MODEL] PROMPT")
+    r.add_argument("model", nargs="?", help="model directory (default: the embedded model)")
+    r.add_argument("prompt", nargs="?")
+    r.add_argument("--config", help="engine config JSON file")
+    r.add_argument("--backend")
+    r.add_argument("--precision")
+    r.add_argument("--max-new-tokens", type=int, default=64)
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--top-k", type=int, default=0)
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--stop", action="append", help="stop string (repeatable)")
+    r.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    r.set_defaults(fn=_cmd_run)
+
+    e = sub.add_parser("eval-ppl", help="held-out perplexity and top-1 agreement against bf16")
+    e.add_argument("model", nargs="?")
+    e.add_argument("--precision", default="bf16")
+    e.add_argument("--backend")
+    e.add_argument("--config")
+    e.add_argument("--max-tokens", type=int, default=4096)
+    e.add_argument("--text", help="evaluate this file instead of the model's heldout.txt")
+    e.set_defaults(fn=_cmd_eval_ppl)
+
+    q = sub.add_parser("quantize", help="write a quantized copy of a model directory")
+    q.add_argument("src")
+    q.add_argument("dst")
+    q.add_argument("--format", required=True, choices=["int4", "int8", "fp8"])
+    q.add_argument("--group", type=int, default=64)
+    q.add_argument("--asym", action="store_true", help="int4 with zero points")
+    q.add_argument("--calibration", help="text file for activation-aware scaling and clip search")
+    q.set_defaults(fn=_cmd_quantize)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="deepinfer: %(message)s")
+    try:
+        return args.fn(args) or 0
+    except DeepinferError as e:
+        print(f"deepinfer: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

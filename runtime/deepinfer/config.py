@@ -1,0 +1,75 @@
+"""EngineConfig: every knob of an engine, from JSON (`--config FILE`) or a dict; unknown keys are errors."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Optional
+
+from .errors import ConfigError
+
+PRECISIONS = ("auto", "bf16", "f32", "fp8", "int8", "int4", "w8a8", "w4a8")
+
+
+@dataclass
+class EngineConfig:
+    backend: Optional[str] = None        # "reference", "cpu", "cuda", a path to a .so, or None = best found
+    precision: str = "auto"              # one of PRECISIONS; "auto" picks from capabilities and memory
+    group_size: int = 64                 # int4 group size when the engine quantizes weights itself
+    memory_budget_bytes: Optional[int] = None   # None: the device's free memory
+    max_batch: int = 8                   # sequences decoded together
+    max_seq_len: int = 2048              # longest prompt + generation
+    kv_cache_tokens: Optional[int] = None   # KV cache capacity in tokens (None: max_batch * max_seq_len)
+    kv_block_size: int = 16              # tokens per cache block
+    num_threads: int = 0                 # host threads for the CPU backend (0: all)
+    device_id: int = 0
+    fallback: bool = False               # run ops the backend lacks on the reference (logged)
+    activation_dtype: str = "auto"       # "f32", "bf16" or "auto" (f32 on CPU backends)
+    speculative: dict = field(default_factory=dict)  # {"mtp": true, "num_draft": 1}
+    verbose: bool = False
+
+    @classmethod
+    def from_any(cls, cfg=None, **overrides) -> "EngineConfig":
+        if cfg is None:
+            data = {}
+        elif isinstance(cfg, EngineConfig):
+            data = asdict(cfg)
+        elif isinstance(cfg, dict):
+            data = dict(cfg)
+        elif isinstance(cfg, (str, Path)):
+            p = Path(cfg)
+            try:
+                data = json.loads(p.read_text())
+            except FileNotFoundError:
+                raise ConfigError(f"config file {p} not found") from None
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"config file {p} is not valid JSON: {e}") from None
+            if not isinstance(data, dict):
+                raise ConfigError(f"config file {p} must hold a JSON object")
+        else:
+            raise ConfigError(f"config must be a dict, a path or an EngineConfig, not {type(cfg).__name__}")
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine config key(s) {unknown}; valid keys: {sorted(known)}")
+        c = cls(**data)
+        c.validate()
+        return c
+
+    def validate(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision {self.precision!r} is not one of {PRECISIONS}")
+        if self.group_size not in (32, 64, 128):
+            raise ConfigError(f"group_size must be 32, 64 or 128, not {self.group_size}")
+        for k in ("max_batch", "max_seq_len", "kv_block_size"):
+            if not isinstance(getattr(self, k), int) or getattr(self, k) <= 0:
+                raise ConfigError(f"{k} must be a positive integer, not {getattr(self, k)!r}")
+        if self.activation_dtype not in ("auto", "f32", "bf16"):
+            raise ConfigError(f"activation_dtype must be auto, f32 or bf16, not {self.activation_dtype!r}")
+        unknown_spec = set(self.speculative) - {"mtp", "num_draft"}
+        if unknown_spec:
+            raise ConfigError(f"unknown speculative option(s) {sorted(unknown_spec)}; valid: mtp, num_draft")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
