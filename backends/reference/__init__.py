@@ -1,0 +1,66 @@
+"""The NumPy reference backend: the executable form of abi/README.md and the oracle every other
+backend is certified against.
+
+Each op is one plain function in a module by topic (quant, linear, norm, rope, attention, moe,
+elementwise, sampling) whose keyword parameters are exactly the fields of the op's args struct in
+deepinfer_abi.h. Inputs are read into float64 (float32 where the README defines f32 semantics:
+dequantize, quantize, the residual sum of rmsnorm) and each output is rounded once to its dtype.
+"""
+from __future__ import annotations
+
+from deepinfer import __version__, abi
+from deepinfer.backend import Backend, BackendInfo
+
+from .attention import mla_cache_write, mla_decode, mla_prefill
+from .common import unsupported, write, write_4bit
+from .elementwise import add, concat, embedding, mul, silu_mul
+from .linear import linear
+from .moe import moe_experts, moe_router
+from .norm import rmsnorm
+from .quant import dequantize, dequantize_array, quantize, quantize_array
+from .rope import inv_freq, rope
+from .sampling import sample, splitmix64
+
+# op name -> function, in DI_OpId order
+OPS = {
+    "embedding": embedding,
+    "rmsnorm": rmsnorm,
+    "linear": linear,
+    "quantize": quantize,
+    "dequantize": dequantize,
+    "rope": rope,
+    "mla_cache_write": mla_cache_write,
+    "mla_prefill": mla_prefill,
+    "mla_decode": mla_decode,
+    "moe_router": moe_router,
+    "moe_experts": moe_experts,
+    "add": add,
+    "mul": mul,
+    "silu_mul": silu_mul,
+    "concat": concat,
+    "sample": sample,
+}
+
+if list(OPS) != abi.OP_NAMES:  # the header is the source of truth for the op set
+    raise RuntimeError(f"reference ops {list(OPS)} do not match the header's {abi.OP_NAMES}")
+
+
+class ReferenceBackend(Backend):
+    """Runs every op of ABI v1.0 on host tensors with NumPy."""
+
+    info = BackendInfo(name="reference", version=__version__, device="cpu")
+
+    def ops(self) -> list[str]:
+        return list(OPS)
+
+    def _run(self, op: str, kwargs: dict) -> None:
+        fn = OPS.get(op)
+        if fn is None:
+            raise unsupported(op, f"the reference backend does not implement {op}")
+        fn(**kwargs)
+
+
+__all__ = [
+    "ReferenceBackend", "OPS", "dequantize_array", "quantize_array", "write", "write_4bit", "inv_freq",
+    "splitmix64",
+]

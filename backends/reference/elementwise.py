@@ -1,0 +1,69 @@
+"""embedding, add, mul, silu_mul, concat (abi/README.md section 8)."""
+from __future__ import annotations
+
+import numpy as np
+
+from .common import FLOAT, INDEX, check_dim, check_tensor, read, read_index, write
+
+
+def silu(v: np.ndarray) -> np.ndarray:
+    """v / (1 + exp(-v)), written so that exp never overflows for large negative v."""
+    e = np.exp(-np.abs(v))
+    return np.where(v >= 0, v / (1.0 + e), v * e / (1.0 + e))
+
+
+def embedding(ids=None, table=None, out=None) -> None:
+    """out[t] = table[ids[t]]; an id outside [0, V) gives a zero row."""
+    op = "embedding"
+    check_tensor(op, "ids", ids, INDEX, ndim=1)
+    check_tensor(op, "table", table, FLOAT + ("f16",), ndim=2)
+    check_tensor(op, "out", out, FLOAT, ndim=2)
+    (T,), (V, H) = ids.shape, table.shape
+    check_dim(op, "out.shape[0]", out.shape[0], T, "ids.shape[0]")
+    check_dim(op, "out.shape[1]", out.shape[1], H, "table.shape[1]")
+    idx = read_index(ids)
+    valid = (idx >= 0) & (idx < V)
+    rows = np.zeros((T, H), np.float64)
+    rows[valid] = read(table)[idx[valid]]
+    write(out, rows)
+
+
+def _same_shapes(op: str, **tensors) -> tuple:
+    for name, t in tensors.items():
+        check_tensor(op, name, t, FLOAT)
+    names = list(tensors)
+    first = tensors[names[0]]
+    for name in names[1:]:
+        if tuple(tensors[name].shape) != tuple(first.shape):
+            raise ValueError(f"{op}: {name}.shape={list(tensors[name].shape)} != {names[0]}.shape={list(first.shape)}")
+    return first.shape
+
+
+def add(a=None, b=None, out=None) -> None:
+    _same_shapes("add", a=a, b=b, out=out)
+    write(out, read(a) + read(b))
+
+
+def mul(a=None, b=None, out=None) -> None:
+    _same_shapes("mul", a=a, b=b, out=out)
+    write(out, read(a) * read(b))
+
+
+def silu_mul(gate=None, up=None, out=None) -> None:
+    op = "silu_mul"
+    for name, t in (("gate", gate), ("up", up), ("out", out)):
+        check_tensor(op, name, t, FLOAT, ndim=2)
+    _same_shapes(op, gate=gate, up=up, out=out)
+    write(out, silu(read(gate)) * read(up))
+
+
+def concat(a=None, b=None, out=None) -> None:
+    op = "concat"
+    check_tensor(op, "a", a, FLOAT, ndim=2)
+    check_tensor(op, "b", b, FLOAT, ndim=2)
+    check_tensor(op, "out", out, FLOAT, ndim=2)
+    T = a.shape[0]
+    check_dim(op, "b.shape[0]", b.shape[0], T, "a.shape[0]")
+    check_dim(op, "out.shape[0]", out.shape[0], T, "a.shape[0]")
+    check_dim(op, "out.shape[1]", out.shape[1], a.shape[1] + b.shape[1], "a.shape[1] + b.shape[1]")
+    write(out, np.concatenate([read(a), read(b)], axis=-1))

@@ -1,0 +1,43 @@
+"""linear (abi/README.md section 8): out = dequant(x) @ dequant(w)^T (+ bias)."""
+from __future__ import annotations
+
+import numpy as np
+
+from deepinfer.tensor import Tensor
+
+from .common import FLOAT, check_dim, check_shape, check_tensor, read, unsupported, write
+from .quant import dequantize_array
+
+# activation formats of x: (q dtype, block) pairs, symmetric, f32 scales
+X_FORMATS = {("int8", (1, 0)), ("e4m3", (1, 128))}
+
+
+def weight_values(op: str, name: str, w: Tensor) -> np.ndarray:
+    """The float64 values of a weight in any format linear accepts (plain f32/bf16 or quantized)."""
+    if w.quant is not None:
+        return dequantize_array(w, op, name).astype(np.float64)
+    return read(w)
+
+
+def linear(x=None, w=None, bias=None, out=None) -> None:
+    op = "linear"
+    check_tensor(op, "x", x, FLOAT, ndim=2, quant_ok=True)
+    check_tensor(op, "w", w, FLOAT, ndim=2, quant_ok=True)
+    check_tensor(op, "out", out, FLOAT, ndim=2)
+    (M, K), N = x.shape, w.shape[0]
+    check_dim(op, "w.shape[1]", w.shape[1], K, "x.shape[1]")
+    check_shape(op, "out", out, (M, N))
+    if bias is not None:
+        check_tensor(op, "bias", bias, FLOAT, ndim=1)
+        check_dim(op, "bias.shape[0]", bias.shape[0], N, "w.shape[0]")
+    if x.quant is not None:
+        fmt = (x.dtype.name, tuple(int(b) for b in x.quant.block))
+        if fmt not in X_FORMATS or x.quant.zeros is not None:
+            raise unsupported(op, f"activation format {x.quant.describe(x.dtype)} (x takes f32, bf16, "
+                                  f"int8 block (1,0) or e4m3 block (1,128), symmetric)")
+    xv = weight_values(op, "x", x)
+    wv = weight_values(op, "w", w)
+    y = xv @ wv.T
+    if bias is not None:
+        y = y + read(bias)[None, :]
+    write(out, y)

@@ -1,0 +1,138 @@
+"""DeepSeek mixture of experts: moe_router and moe_experts (abi/README.md section 8)."""
+from __future__ import annotations
+
+import numpy as np
+
+from deepinfer import abi
+
+from .common import (FLOAT, INDEX, check_dim, check_shape, check_tensor, f32, failed_precondition, i32, read,
+                     read_index, unsupported, write)
+from .elementwise import silu
+from .linear import weight_values
+
+SCORING_SOFTMAX = abi.const("DI_SCORING_SOFTMAX")
+SCORING_SIGMOID = abi.const("DI_SCORING_SIGMOID")
+GROUP_SCORE_MAX = abi.const("DI_GROUP_SCORE_MAX")
+GROUP_SCORE_SUM_TOP2 = abi.const("DI_GROUP_SCORE_SUM_TOP2")
+
+
+def top_indices(values: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest values per row, largest first, ties to the lower index."""
+    order = np.argsort(-values, axis=-1, kind="stable")   # stable: equal values keep index order
+    return order[..., :k]
+
+
+def moe_router(logits=None, bias=None, topk_ids=None, topk_weights=None, scoring=None, n_group=None,
+               topk_group=None, group_score=None, norm_topk_prob=None, routed_scaling_factor=None) -> None:
+    op = "moe_router"
+    check_tensor(op, "logits", logits, ("f32",), ndim=2)
+    check_tensor(op, "topk_ids", topk_ids, INDEX, ndim=2)
+    check_tensor(op, "topk_weights", topk_weights, ("f32",), ndim=2)
+    T, E = logits.shape
+    K = topk_ids.shape[1]
+    check_dim(op, "topk_ids.shape[0]", topk_ids.shape[0], T, "logits.shape[0]")
+    check_shape(op, "topk_weights", topk_weights, (T, K))
+    if bias is not None:
+        check_tensor(op, "bias", bias, ("f32",), ndim=1)
+        check_dim(op, "bias.shape[0]", bias.shape[0], E, "logits.shape[1]")
+    scoring, group_score = i32(scoring, op, "scoring"), i32(group_score, op, "group_score")
+    n_group, topk_group = i32(n_group, op, "n_group"), i32(topk_group, op, "topk_group")
+    norm = i32(norm_topk_prob, op, "norm_topk_prob") != 0
+    route_scale = f32(routed_scaling_factor, op, "routed_scaling_factor")
+    if scoring not in (SCORING_SOFTMAX, SCORING_SIGMOID):
+        raise unsupported(op, f"scoring={scoring} (known: {SCORING_SOFTMAX} softmax, {SCORING_SIGMOID} sigmoid)")
+    if n_group < 0:
+        raise ValueError(f"{op}: n_group={n_group} is negative")
+    grouped = n_group > 1   # 0 (a zero-filled struct) and 1 both mean no grouping
+    if grouped:
+        if group_score not in (GROUP_SCORE_MAX, GROUP_SCORE_SUM_TOP2):
+            raise unsupported(op, f"group_score={group_score} (known: {GROUP_SCORE_MAX} max, "
+                                  f"{GROUP_SCORE_SUM_TOP2} sum of top 2)")
+        if E % n_group:
+            raise ValueError(f"{op}: logits.shape[1]={E} experts do not split into n_group={n_group} groups")
+        if not 1 <= topk_group <= n_group:
+            raise ValueError(f"{op}: topk_group={topk_group} outside [1, n_group={n_group}]")
+        if group_score == GROUP_SCORE_SUM_TOP2 and E // n_group < 2:
+            raise ValueError(f"{op}: SUM_TOP2 needs at least 2 experts per group, got {E // n_group}")
+    eligible = topk_group * (E // n_group) if grouped else E
+    if K > eligible:
+        raise ValueError(f"{op}: topk_ids.shape[1]={K} > {eligible} experts eligible for selection")
+
+    x = read(logits)
+    if scoring == SCORING_SOFTMAX:
+        e = np.exp(x - x.max(axis=-1, keepdims=True))
+        scores = e / e.sum(axis=-1, keepdims=True)
+    else:
+        scores = 1.0 / (1.0 + np.exp(-x))
+    sel = scores + read(bias)[None, :] if bias is not None else scores.copy()
+    if grouped:
+        groups = sel.reshape(T, n_group, E // n_group)
+        if group_score == GROUP_SCORE_MAX:
+            gscore = groups.max(axis=-1)
+        else:
+            gscore = np.sort(groups, axis=-1)[..., -2:].sum(axis=-1)
+        keep = top_indices(gscore, topk_group)                  # ties: the lower group wins
+        dropped = np.ones((T, n_group), bool)
+        np.put_along_axis(dropped, keep, False, axis=-1)
+        # DeepSeek's model.py masks with -inf (HF's remote code used 0.0; see the README)
+        sel = np.where(np.repeat(dropped, E // n_group, axis=-1), -np.inf, sel)
+    ids = top_indices(sel, K)
+    weights = np.take_along_axis(scores, ids, axis=-1)
+    if norm:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    weights = weights * route_scale
+    write(topk_ids, ids)
+    write(topk_weights, weights)
+
+
+def resident(w) -> bool:
+    """None, or a descriptor without memory (data NULL), marks an expert that is not loaded."""
+    return w is not None and getattr(w, "buffer", None) is not None
+
+
+def moe_experts(x=None, topk_ids=None, topk_weights=None, num_experts=None, accumulate=None,
+                w_gate=None, w_up=None, w_down=None, out=None) -> None:
+    """out[t] (+)= sum_k w[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]) for e = topk_ids[t, k] in [0, E)."""
+    op = "moe_experts"
+    check_tensor(op, "x", x, FLOAT, ndim=2)
+    check_tensor(op, "topk_ids", topk_ids, INDEX, ndim=2)
+    check_tensor(op, "topk_weights", topk_weights, ("f32",), ndim=2)
+    check_tensor(op, "out", out, FLOAT, ndim=2)
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    check_dim(op, "topk_ids.shape[0]", topk_ids.shape[0], T, "x.shape[0]")
+    check_shape(op, "topk_weights", topk_weights, (T, K))
+    check_shape(op, "out", out, (T, H))
+    accumulate = i32(accumulate, op, "accumulate") != 0
+    for name, lst in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if lst is None or isinstance(lst, (str, bytes)) or not hasattr(lst, "__len__"):
+            raise TypeError(f"{op}: {name} must be a list of Tensors (None = not resident)")
+    E = len(w_gate)
+    if num_experts is not None:
+        E = i32(num_experts, op, "num_experts")
+    for name, lst in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        check_dim(op, f"len({name})", len(lst), E, "num_experts")
+
+    ids = read_index(topk_ids)
+    routed = sorted({int(e) for e in ids.ravel() if 0 <= e < E})
+    for e in routed:
+        if not all(resident(w[e]) for w in (w_gate, w_up, w_down)):
+            raise failed_precondition(op, f"expert {e} not resident")
+        for name, w in (("w_gate", w_gate[e]), ("w_up", w_up[e]), ("w_down", w_down[e])):
+            check_tensor(op, f"{name}[{e}]", w, FLOAT, ndim=2, quant_ok=True)
+        I = w_gate[e].shape[0]
+        check_shape(op, f"w_gate[{e}]", w_gate[e], (I, H))
+        check_shape(op, f"w_up[{e}]", w_up[e], (I, H))
+        check_shape(op, f"w_down[{e}]", w_down[e], (H, I))
+
+    xv, wts = read(x), read(topk_weights)
+    y = np.zeros((T, H))
+    for e in routed:
+        gate = weight_values(op, f"w_gate[{e}]", w_gate[e])
+        up = weight_values(op, f"w_up[{e}]", w_up[e])
+        down = weight_values(op, f"w_down[{e}]", w_down[e])
+        tok, slot = np.nonzero(ids == e)           # every (token, k) routed to expert e
+        h = silu(xv[tok] @ gate.T) * (xv[tok] @ up.T)
+        # add.at: a token listing the same expert twice gets both contributions
+        np.add.at(y, tok, wts[tok, slot][:, None] * (h @ down.T))
+    write(out, read(out) + y if accumulate else y)

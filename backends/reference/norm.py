@@ -1,0 +1,36 @@
+"""rmsnorm (abi/README.md section 8)."""
+from __future__ import annotations
+
+import numpy as np
+
+from .common import FLOAT, check_dim, check_shape, check_tensor, f32, read, write
+
+
+def rmsnorm(x=None, weight=None, residual=None, out=None, residual_out=None, eps=None) -> None:
+    """s = x + residual (an f32 sum); residual_out = s; out = s * rsqrt(mean(s^2) + eps) * weight."""
+    op = "rmsnorm"
+    check_tensor(op, "x", x, FLOAT, ndim=2)
+    check_tensor(op, "weight", weight, FLOAT, ndim=1)
+    check_tensor(op, "out", out, FLOAT, ndim=2)
+    eps = f32(eps, op, "eps")
+    T, H = x.shape
+    check_dim(op, "weight.shape[0]", weight.shape[0], H, "x.shape[1]")
+    check_shape(op, "out", out, (T, H))
+    if residual is not None:
+        check_tensor(op, "residual", residual, FLOAT, ndim=2)
+        check_shape(op, "residual", residual, (T, H))
+    if residual_out is not None:
+        check_tensor(op, "residual_out", residual_out, FLOAT, ndim=2)
+        check_shape(op, "residual_out", residual_out, (T, H))
+    if eps < 0:
+        raise ValueError(f"{op}: eps={eps} is negative")
+
+    s = read(x, np.float32)
+    if residual is not None:
+        s = (s + read(residual, np.float32)).astype(np.float32)  # the README's sum is an f32 sum
+    s64 = s.astype(np.float64)
+    inv_rms = 1.0 / np.sqrt(np.mean(s64 * s64, axis=-1, keepdims=True) + eps)
+    y = s64 * inv_rms * read(weight)[None, :]
+    if residual_out is not None:
+        write(residual_out, s)
+    write(out, y)
