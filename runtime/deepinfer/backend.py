@@ -146,7 +146,7 @@ class NativeBackend(Backend):
         if not self._has("get_attribute"):
             return out
         buf = ffi.new("char[]", 512)
-        for key in ("name", "version", "abi.version", "device.name", "device.sm_count", "device.memory_bytes",
+        for key in ("name", "version", "abi.version", "device.type", "device.name", "device.sm_count", "device.memory_bytes",
                     "device.arch", "cpu.features", "threads"):
             if self._api.get_attribute(self._ctx, key.encode(), buf, 512) == abi.OK:
                 out[key] = ffi.string(buf).decode("utf-8", "replace")
@@ -329,3 +329,9 @@ class FallbackBackend(Backend):
                         self.primary.name, op)
             self._warned.add(op)
         self.reference._run(op, kwargs)
+
+    def synchronize(self) -> None:
+        self.primary.synchronize()
+
+    def close(self) -> None:
+        self.primary.close()

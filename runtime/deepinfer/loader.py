@@ -31,6 +31,9 @@ LIB_GLOB = "libdeepinfer_*.so"
 # default ranking when a library has no score(): accelerators before the CPU, CPU before the oracle
 _DEVICE_SCORE = {"cuda": 100, "rocm": 100, "hip": 100, "ascend": 90, "cpu": 10}
 
+# values of the `device.type` attribute (abi/README.md section 7)
+_DEVICE_TYPES = {"cpu": "cpu", "cuda": "cuda", "rocm": "rocm", "ext": "ext"}
+
 # Libraries stay mapped for the life of the process: unloading one while a tensor or context it
 # owns is alive would crash (ggml's registry learned this), and cffi cannot tell.
 _OPEN_LIBS: dict[str, object] = {}
@@ -200,24 +203,24 @@ def probe(path: Path, source: str = "explicit") -> Candidate:
         c.name = ffi.string(info.name).decode() if info.name != ffi.NULL else path.stem
         c.version = ffi.string(info.version).decode() if info.version != ffi.NULL else "?"
         c.abi_version = f"{info.abi_major}.{info.abi_minor}"
-        c.device = _device_of(c.name)
-        score = _DEVICE_SCORE.get(c.device, 50)
+        score = _DEVICE_SCORE.get(_device_of(c.name), 50)
         if info.score != ffi.NULL:
             score = int(info.score())
+        c.score = score
         c.sha256 = _sha256(path)
+        if score < 0:  # checked before the self-test: such a library may not even create a context
+            c.reason = "library says it cannot run on this machine (score < 0)"
+            return c
+        c.device = _device_of(c.name)
         be = NativeBackend(lib, api, BackendInfo(c.name, c.version, c.device, str(path), c.abi_version))
         try:
             c.ops = be.ops()
             c.attributes = be.info.attributes
-            if "device.name" in c.attributes and c.device == "cpu" and c.name != "cpu":
-                pass
         finally:
             be.close()
-        c.score = score
-        if score < 0:
-            c.reason = "library says it cannot run on this machine (score < 0)"
-        else:
-            c.ok = True
+        # the library's own word on where its memory lives beats a guess from its name
+        c.device = _DEVICE_TYPES.get(c.attributes.get("device.type", ""), c.device)
+        c.ok = True
     except BackendLoadError as e:
         c.reason = str(e)
     except Exception as e:  # a library that fails its self-test must not take the loader down

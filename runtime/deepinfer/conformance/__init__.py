@@ -1,0 +1,16 @@
+"""The backend conformance suite: `deepinfer conformance LIB.so` certifies a vendor library.
+
+    from deepinfer.conformance import run_conformance, summary
+    cert = run_conformance("libdeepinfer_x.so", levels=("L0", "L1", "L2", "L3"), out="cert.json")
+    print(summary(cert))
+
+Levels: L0 ABI behaviour (cffi, no Backend sugar), L1 op numerics against the reference on
+generated shapes for every op and format the library claims, L2 bit-exact dequantization of every
+quantized format, L3 streams and graph capture (libraries that have them). The special name
+"reference" runs the suite's machinery against the reference itself (a smoke test).
+"""
+from .cli import main
+from .runner import LEVELS, run_conformance, run_level, summary
+from .tolerances import TOLERANCES_V1, TOLERANCES_VERSION
+
+__all__ = ["main", "run_conformance", "run_level", "summary", "LEVELS", "TOLERANCES_V1", "TOLERANCES_VERSION"]

@@ -1,0 +1,30 @@
+"""Conformance levels in a child process (see runner._run_isolated).
+
+argv: levels(comma separated) lib_path profile seed only_ops(comma separated) previous.json results.jsonl
+Each check announces itself on stdout ("START key") before it runs and appends its outcome to
+results.jsonl when it ends, so that if the library crashes the process the parent knows which
+check did it and can start a new child that skips every check in previous.json.
+"""
+import json
+import sys
+
+
+def main(argv):
+    level, lib_path, profile, seed, only, prev_file, sink_file = argv
+    from .harness import Recorder
+    from .runner import run_level
+
+    def progress(msg: str) -> None:
+        print(msg, flush=True)
+
+    with open(prev_file) as f:
+        previous = json.load(f)
+    rec = Recorder(progress, previous, sink_file)
+    for lv in level.split(","):
+        progress(f"== {lv}")
+        run_level(lv, lib_path, profile, int(seed), [o for o in only.split(",") if o] or None, progress, rec)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,494 @@
+"""Run one Case on a backend and compare it with the reference.
+
+Inputs are fresh host arrays; outputs are poisoned (NaN for floats, 0x7F bytes otherwise) before
+each run, and the padding around strided views holds a sentinel the op must leave alone. The
+library and the reference each get their own copy of every buffer, so an op that writes its inputs
+is caught and aliasing (out = a, residual_out = x) is reproduced exactly on both sides.
+"""
+from __future__ import annotations
+
+import math
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from .. import abi
+from .. import dtypes as D
+from ..errors import BackendCallError, UnsupportedOpError
+from ..tensor import Quant, Tensor
+from . import tolerances as TOL
+from .cases import Case, QSpec, TSpec
+
+POISON_BYTE = 0x7F
+PAD_BYTE = 0x5A      # sentinel of the columns around a strided view
+
+
+# ====================================================================== materialising tensors
+
+
+@dataclass
+class _Held:
+    """A tensor handed to the op, with what is needed to read it back and check its padding."""
+
+    view: Tensor
+    base: Tensor                   # the whole buffer (== view unless padded)
+    lo: int = 0
+    hi: int = 0
+    base_before: Optional[np.ndarray] = None
+
+
+def _poison(arr: np.ndarray, dtype: str) -> None:
+    dt = D.get(dtype)
+    if dt.is_float and dtype not in ("e8m0",):
+        arr[...] = np.nan
+    else:
+        arr.view(np.uint8)[...] = POISON_BYTE
+
+
+def _host(spec: TSpec) -> tuple[Tensor, Tensor, int, int]:
+    dt = D.get(spec.dtype)
+    quant = None
+    if spec.quant is not None:
+        quant = _host_quant(spec.quant)
+    if dt.packed:
+        if spec.values is None:
+            n = spec.shape[-1]
+            buf = np.full(tuple(spec.shape[:-1]) + ((n + 1) // 2,), POISON_BYTE, np.uint8)
+            t = Tensor(buf, spec.shape, dt, quant=quant)
+        else:
+            t = Tensor.from_numpy(np.asarray(spec.values), dt, quant=quant)
+        return t, t, 0, 0
+    lo, hi = spec.pad
+    shape = tuple(spec.shape)
+    if lo or hi:
+        wide = np.empty(shape[:-1] + (lo + shape[-1] + hi,), dt.np)
+        wide.view(np.uint8)[...] = PAD_BYTE
+        inner = wide[..., lo:lo + shape[-1]]
+    else:
+        wide = np.empty(shape, dt.np)
+        inner = wide
+    if spec.values is None:
+        _poison(inner, spec.dtype)
+    else:
+        inner[...] = np.asarray(spec.values, dt.np).reshape(shape)
+    base = Tensor(wide, wide.shape, dt, quant=None if (lo or hi) else quant)
+    if lo or hi:
+        view = Tensor(wide, shape, dt, base.strides, dt.nbytes(lo), quant)
+        return view, base, lo, hi
+    return base, base, 0, 0
+
+
+def _host_quant(q: QSpec) -> Quant:
+    s, _, _, _ = _host(q.scales)
+    z = _host(q.zeros)[0] if q.zeros is not None else None
+    return Quant(s, tuple(q.block), z)
+
+
+class Materialized:
+    """The kwargs of one call on one backend, and the handles to read its outputs back."""
+
+    def __init__(self, backend, case: Case):
+        self.backend = backend
+        self.case = case
+        self.held: dict[str, _Held] = {}
+        self.kwargs: dict = {}
+        device = getattr(backend, "device", "cpu") != "cpu"
+        for name, spec in case.tensors.items():
+            if isinstance(spec, list):
+                self.kwargs[name] = [None if s is None else self._one(f"{name}[{i}]", s, device)
+                                     for i, s in enumerate(spec)]
+                continue
+            if spec.alias:
+                self.held[name] = self.held[spec.alias]
+                self.kwargs[name] = self.kwargs[spec.alias]
+                continue
+            self.kwargs[name] = self._one(name, spec, device)
+        self.kwargs.update(case.scalars)
+
+    def _one(self, name: str, spec: TSpec, device: bool) -> Tensor:
+        view, base, lo, hi = _host(spec)
+        before = np.array(base.numpy()) if (lo or hi) else None
+        if device:
+            # padded views never carry a quant descriptor (the cases do not build such views)
+            base_d = self.backend.upload(base)
+            view = base_d if view is base else Tensor(base_d.buffer, view.shape, view.dtype, view.strides,
+                                                      view.offset)
+            base = base_d
+        self.held[name] = _Held(view, base, lo, hi, before)
+        return view
+
+    def read(self, name: str) -> np.ndarray:
+        """Logical elements of an output (name or 'name.scales')."""
+        if name.endswith(".scales"):
+            t = self.held[name[: -len(".scales")]].view.quant.scales
+            return np.array(self.backend.to_numpy(t))
+        h = self.held[name]
+        whole = np.array(self.backend.to_numpy(h.base))
+        if h.lo or h.hi:
+            return np.ascontiguousarray(whole[..., h.lo:whole.shape[-1] - h.hi])
+        return whole
+
+    def padding_damage(self) -> list[str]:
+        """Arguments whose padding columns changed (an op wrote outside its view)."""
+        bad = []
+        for name, h in self.held.items():
+            if h.base_before is None:
+                continue
+            now = np.array(self.backend.to_numpy(h.base))
+            cols = list(range(h.lo)) + list(range(now.shape[-1] - h.hi, now.shape[-1]))
+            if now[..., cols].tobytes() != h.base_before[..., cols].tobytes():
+                bad.append(name)
+        return sorted(set(bad))
+
+    def inputs_changed(self) -> list[str]:
+        """Read-only inputs the op modified (compared with the values the case gave)."""
+        bad = []
+        outs = {n for n, s in self.case.tensors.items() if isinstance(s, TSpec) and (s.out or s.alias)}
+        aliased = {s.alias for s in self.case.tensors.values() if isinstance(s, TSpec) and s.alias}
+        for name, spec in self.case.tensors.items():
+            if not isinstance(spec, TSpec) or name in outs or name in aliased or spec.values is None:
+                continue
+            if D.get(spec.dtype).packed:
+                continue
+            now = self.read(name)
+            want = np.asarray(spec.values, D.get(spec.dtype).np).reshape(now.shape)
+            if np.ascontiguousarray(now).tobytes() != np.ascontiguousarray(want).tobytes():
+                bad.append(name)
+        return bad
+
+
+# ====================================================================== recording (crash-resumable runs)
+
+
+class Recorder:
+    """Collects outcomes; in a child process it also appends each one to a file as it happens, so that
+    after a crash the parent knows what finished and which check was running, and can resume after it."""
+
+    def __init__(self, progress=None, previous: dict | None = None, sink_path: str | None = None):
+        self.progress = progress or (lambda m: None)
+        self.previous = previous or {}        # key -> status of a check done by an earlier (crashed) run
+        self.sink = open(sink_path, "a", buffering=1) if sink_path else None
+        self.level = "L?"
+        self.outcomes: list = []
+
+    @staticmethod
+    def key(op: str, name: str, seed: int = 0) -> str:
+        return f"{op}|{name}|{seed}"
+
+    def start(self, key: str) -> Optional[str]:
+        """None: run the check; otherwise the status it got before (the caller skips it)."""
+        key = f"{self.level}|{key}"
+        if key in self.previous:
+            return self.previous[key]
+        self.progress(f"START {key}")
+        return None
+
+    def done(self, o: "Outcome") -> None:
+        self.outcomes.append(o)
+        if self.sink:
+            import json
+            key = f"{self.level}|{self.key(o.op, o.case, o.seed)}"
+            self.sink.write(json.dumps({"key": key, "level": self.level, **o.as_dict()}, default=str) + "\n")
+            self.sink.flush()
+
+
+# ====================================================================== comparison
+
+
+@dataclass
+class Outcome:
+    op: str
+    case: str
+    fmt: str
+    status: str                    # pass | fail | unsupported | error
+    message: str = ""
+    seed: int = 0
+    max_err: float = 0.0
+    nmse: float = 0.0
+    seconds: float = 0.0
+    details: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        d = {"op": self.op, "case": self.case, "format": self.fmt, "status": self.status, "seed": self.seed}
+        if self.message:
+            d["message"] = self.message
+        if self.status in ("pass", "fail") and (self.max_err or self.nmse):
+            d["max_err"] = float(self.max_err)
+            d["nmse"] = float(self.nmse)
+        return d
+
+
+def _as_f64(a: np.ndarray) -> np.ndarray:
+    return np.asarray(a).astype(np.float64)
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    if a.dtype.itemsize == 1 and a.dtype.name in ("int4", "uint4", "float4_e2m1fn"):
+        return a.astype(np.float32).view(np.uint32)   # 4-bit values: compare the decoded values
+    return a.view(np.uint8).reshape(a.shape + (a.dtype.itemsize,)) if a.ndim else a.view(np.uint8)
+
+
+def compare_exact(got: np.ndarray, want: np.ndarray, what: str) -> Optional[str]:
+    if got.shape != want.shape:
+        return f"{what}: shape {got.shape} != {want.shape}"
+    if got.size == 0:
+        return None
+    g, w = _bits(got), _bits(want)
+    diff = np.any((g != w).reshape(got.shape + (-1,)), axis=-1) if got.ndim else bool(np.any(g != w))
+    if not np.any(diff):
+        return None
+    idx = np.argwhere(diff) if got.ndim else [()]
+    first = tuple(int(i) for i in idx[0])
+    n = int(np.count_nonzero(diff))
+    return (f"{what}: {n} of {got.size} elements differ (bit-exact required); first at {list(first)}: "
+            f"got {got[first]!r}, want {want[first]!r}")
+
+
+def compare_close(got: np.ndarray, want: np.ndarray, tol: TOL.Tol, what: str) -> tuple[Optional[str], float, float]:
+    if got.shape != want.shape:
+        return f"{what}: shape {got.shape} != {want.shape}", 0.0, 0.0
+    if got.size == 0:
+        return None, 0.0, 0.0
+    if tol.exact:
+        return compare_exact(got, want, what), 0.0, 0.0
+    g, w = _as_f64(got), _as_f64(want)
+    want_nan = np.isnan(w)
+    if np.any(want_nan):
+        return f"{what}: the reference produced NaN at {np.argwhere(want_nan)[0].tolist()} (reference bug?)", 0, 0
+    bad_nan = ~np.isfinite(g) & np.isfinite(w)
+    if np.any(bad_nan):
+        first = tuple(np.argwhere(bad_nan)[0])
+        return (f"{what}: {int(bad_nan.sum())} non-finite element(s) (poison NaN = never written?); first at "
+                f"{list(first)}: got {g[first]}, want {w[first]}"), math.inf, math.inf
+    err = np.abs(g - w)
+    rms = float(np.sqrt(np.mean(w * w)))
+    bound = tol.rtol * np.abs(w) + tol.atol_rel * rms + 1e-30
+    denom = float(np.sum(w * w))
+    nmse = float(np.sum(err * err) / denom) if denom > 0 else float(np.sum(err * err))
+    max_err = float(err.max())
+    over = err > bound
+    if np.any(over):
+        first = tuple(int(i) for i in np.argwhere(over)[0])
+        return (f"{what}: {int(over.sum())} of {got.size} elements outside rtol={tol.rtol} atol_rel={tol.atol_rel} "
+                f"(rms {rms:.3g}); worst err {max_err:.3g}; first at {list(first)}: got {g[first]!r}, "
+                f"want {w[first]!r}"), max_err, nmse
+    if nmse > tol.nmse:
+        return f"{what}: nmse {nmse:.3g} > {tol.nmse}", max_err, nmse
+    return None, max_err, nmse
+
+
+def _router_select_scores(case: Case) -> np.ndarray:
+    """sel = scores + bias in f64, as the spec defines it (used only to recognise ties)."""
+    logits = np.asarray(case.tensors["logits"].values, np.float64)
+    if case.scalars["scoring"] == abi.const("DI_SCORING_SIGMOID"):
+        scores = 1 / (1 + np.exp(-logits))
+    else:
+        e = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        scores = e / e.sum(axis=-1, keepdims=True)
+    b = case.tensors.get("bias")
+    return scores + (np.asarray(b.values, np.float64) if b is not None else 0.0)
+
+
+def _cmp_router(case: Case, got: dict, want: dict) -> tuple[Optional[str], float, float]:
+    gi, wi = got["topk_ids"].astype(np.int64), want["topk_ids"].astype(np.int64)
+    if gi.shape != wi.shape:
+        return f"topk_ids: shape {gi.shape} != {wi.shape}", 0, 0
+    if gi.size == 0:
+        return None, 0, 0
+    if np.any((gi < 0) | (gi >= case.tensors["logits"].shape[1])):
+        r = np.argwhere((gi < 0) | (gi >= case.tensors["logits"].shape[1]))[0]
+        return f"topk_ids: id {gi[tuple(r)]} out of range at {r.tolist()} (poison = never written?)", 0, 0
+    sel = _router_select_scores(case)
+    rows_ok = np.ones(gi.shape[0], bool)
+    for t in np.nonzero(np.any(gi != wi, axis=1))[0]:
+        # a mismatch is acceptable only between experts whose selection scores tie
+        diff = gi[t] != wi[t]
+        if np.all(np.abs(sel[t, gi[t][diff]] - sel[t, wi[t][diff]]) <= TOL.ROUTER_TIE_EPS * (1 + np.abs(sel[t, wi[t][diff]]))):
+            rows_ok[t] = False    # tie: skip the weights of this row
+            continue
+        return (f"topk_ids row {t}: got {gi[t].tolist()}, want {wi[t].tolist()} (selection scores "
+                f"{np.round(sel[t, gi[t]], 6).tolist()} vs {np.round(sel[t, wi[t]], 6).tolist()})"), 0, 0
+    tol = TOL.lookup("moe_router", "f32")
+    return compare_close(got["topk_weights"][rows_ok], want["topk_weights"][rows_ok], tol, "topk_weights")
+
+
+def _splitmix64(x: int) -> int:
+    m = (1 << 64) - 1
+    z = (x + 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return z ^ (z >> 31)
+
+
+def _cmp_sample(case: Case, got: np.ndarray, want: np.ndarray) -> Optional[str]:
+    got, want = got.astype(np.int64), want.astype(np.int64)
+    if got.shape != want.shape:
+        return f"out: shape {got.shape} != {want.shape}"
+    V = case.tensors["logits"].shape[1]
+    for b in np.nonzero(got != want)[0]:
+        if not 0 <= got[b] < V:
+            return f"row {b}: token {got[b]} out of [0, {V}) (poison = never written?)"
+        temp = float(case.tensors["temperature"].values[b])
+        if temp <= 0:
+            return f"row {b} (greedy): got {got[b]}, want {want[b]} (argmax, lowest index on ties)"
+        # recompute the spec in f64 and accept the difference only at a near-tie
+        logits = np.asarray(case.tensors["logits"].values[b], np.float64) / temp
+        p = np.exp(logits - logits.max())
+        p /= p.sum()
+        eps = TOL.SAMPLE_BOUNDARY_EPS
+        near_equal_p = abs(p[got[b]] - p[want[b]]) <= eps * max(p[want[b]], 1e-30) + eps * 1e-3
+        order = sorted(range(V), key=lambda i: (-p[i], i))
+        k = int(case.tensors["top_k"].values[b]) or V
+        kept = order[:k]
+        top_p = float(case.tensors["top_p"].values[b])
+        c = np.cumsum(p[kept])
+        n = int(np.searchsorted(c, top_p - 1e-12)) + 1
+        kept = kept[: max(1, min(n, len(kept)))]
+        pk = p[kept]
+        total = pk.sum()
+        u = (_splitmix64(int(case.tensors["seeds"].values[b])) >> 11) * 2.0 ** -53
+        bounds = np.concatenate([[0.0], np.cumsum(pk)])
+        near_boundary = np.min(np.abs(bounds - u * total)) <= eps * total
+        near_cutoff = abs(p[got[b]] - pk[-1]) <= eps * pk[-1]
+        if not (near_equal_p or near_boundary or near_cutoff):
+            return (f"row {b} (temperature {temp}, top_k {k if k != V else 0}, top_p {top_p}): got token {got[b]} "
+                    f"(p={p[got[b]]:.6g}), want {want[b]} (p={p[want[b]]:.6g}); not a tie")
+    return None
+
+
+# ====================================================================== running
+
+
+def _status_name(e: BackendCallError) -> str:
+    return e.status_name
+
+
+def run_on(backend, case: Case, m: Optional[Materialized] = None) -> tuple[Materialized, Optional[BackendCallError]]:
+    m = m or Materialized(backend, case)
+    try:
+        backend.call(case.op, **m.kwargs)
+        backend.synchronize()
+    except BackendCallError as e:
+        return m, e
+    return m, None
+
+
+class ReferenceCache:
+    """The reference's results of each case, computed once per run."""
+
+    def __init__(self, reference):
+        self.reference = reference
+        self._cache: dict[int, tuple[Case, dict]] = {}
+
+    def outcome(self, case: Case) -> tuple[Optional[dict], Optional[Exception]]:
+        """(results, None), or (None, the exception) when the reference rejects the call."""
+        key = id(case)
+        if key not in self._cache:
+            try:
+                m, err = run_on(self.reference, case)
+            except (ValueError, TypeError) as e:   # the reference's INVALID_ARGUMENT
+                m, err = None, e
+            # the case is kept alive with its results, so its id cannot be reused by another case
+            self._cache[key] = (case, None if err else {n: m.read(n) for n in case.check}, err)
+        return self._cache[key][1], self._cache[key][2]
+
+    def results(self, case: Case) -> dict:
+        res, err = self.outcome(case)
+        if err is not None:
+            raise RuntimeError(f"the reference backend failed on '{case.name}': {err}")
+        return res
+
+
+def check_case(target, case: Case, ref: ReferenceCache, tolerances=None) -> Outcome:
+    t0 = time.perf_counter()
+    o = Outcome(case.op, case.name, case.fmt, "fail", seed=case.seed)
+    try:
+        _check_case(target, case, ref, tolerances, o)
+    except Exception as e:  # a harness or reference bug must show up as a result, not end the run
+        o.status = "error"
+        o.message = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
+    o.seconds = time.perf_counter() - t0
+    return o
+
+
+def _has_op_query(backend) -> bool:
+    has = getattr(backend, "_has", None)
+    return bool(has and has("op_query"))
+
+
+def _check_case(target, case, ref, tolerances, o: Outcome) -> None:
+    if not target.has_op(case.op):
+        o.status, o.message = "unsupported", f"{case.op} not in the library's table"
+        return
+    m = Materialized(target, case)
+    try:
+        support, _ws = target.query(case.op, **m.kwargs)
+    except BackendCallError as e:
+        o.message = f"op_query failed instead of answering: {e}"
+        return
+    m, err = run_on(target, case, m)
+    if case.expect != "OK":
+        if err is None:
+            o.message = f"expected {case.expect}, the call returned OK"
+        elif err.status_name != case.expect:
+            o.message = f"expected {case.expect}, got {err.status_name}: {err.message}"
+        elif not err.message:
+            o.message = f"{case.expect} without a last_error message"
+        else:
+            o.status, o.message = "pass", f"{err.status_name}: {err.message}"
+        return
+    if err is not None:
+        if isinstance(err, UnsupportedOpError):
+            if support in (abi.SUPPORT_YES, abi.SUPPORT_SLOW) and _has_op_query(target):
+                o.message = f"op_query said {'YES' if support == abi.SUPPORT_YES else 'SLOW'} but the call " \
+                            f"returned UNIMPLEMENTED: {err.message}"
+            else:
+                o.status, o.message = "unsupported", err.message or "UNIMPLEMENTED (no message)"
+                if not err.message:
+                    o.status, o.message = "fail", "UNIMPLEMENTED without a last_error message"
+            return
+        if err.status_name == "INVALID_ARGUMENT":
+            _, ref_err = ref.outcome(case)
+            if isinstance(ref_err, (ValueError, TypeError)) or getattr(ref_err, "status_name", "") == "INVALID_ARGUMENT":
+                o.status, o.message = "pass", f"both reject the input as INVALID_ARGUMENT: {err.message}"
+                return
+        o.message = f"call failed: {err.status_name}: {err.message}"
+        return
+    want, ref_err = ref.outcome(case)
+    if ref_err is not None:
+        o.message = f"the library returned OK but the reference rejects the call: {ref_err}"
+        return
+    got = {n: m.read(n) for n in case.check}
+    problems = []
+    if case.compare == "router":
+        msg, o.max_err, o.nmse = _cmp_router(case, got, want)
+        if msg:
+            problems.append(msg)
+    elif case.compare == "sample":
+        msg = _cmp_sample(case, got["out"], want["out"])
+        if msg:
+            problems.append(msg)
+    else:
+        table = tolerances or TOL.CURRENT
+        tol = TOL.EXACT if case.compare == "exact" else TOL.lookup(case.op, case.tol_key, table)
+        for n in case.check:
+            msg, me, nm = compare_close(got[n], want[n], tol, n)
+            o.max_err, o.nmse = max(o.max_err, me), max(o.nmse, nm)
+            if msg:
+                problems.append(msg)
+    dmg = m.padding_damage()
+    if dmg:
+        problems.append(f"wrote outside the view of {', '.join(dmg)} (padding columns changed)")
+    changed = m.inputs_changed()
+    if changed:
+        problems.append(f"modified read-only input(s) {', '.join(changed)}")
+    if problems:
+        o.message = "; ".join(problems)
+    else:
+        o.status = "pass"
+        if support == abi.SUPPORT_NO:
+            o.message = "op_query said NO for this call, yet it ran correctly"

@@ -1,0 +1,97 @@
+"""How close a library's result must be to the reference's, per op and per output kind.
+
+The table is versioned: a certificate records TOLERANCES_VERSION and the exact values it used, so a
+certificate stays meaningful after the bounds are tightened. Never edit a published table in
+place; add TOLERANCES_V2 and point CURRENT at it.
+
+An element passes when |got - want| <= rtol * |want| + atol_rel * rms(want), where rms(want) is
+the root mean square of the whole expected tensor (so elements near zero after cancellation are
+judged against the tensor's scale, not their own). The tensor passes when every element passes and
+the normalised mean squared error sum((got-want)^2) / sum(want^2) is at most nmse. "exact" means
+bit-identical (NaN never equals anything but the same NaN at a position the reference also left NaN).
+
+Keys of the inner dicts:
+  f32, bf16, f16   plain float inputs/outputs of that dtype
+  q/f32, q/bf16    a quantized operand (weights or activations), output of that dtype; the reference
+                   computes on its own dequantized values, the library may accumulate in any order or
+                   in integers, so only f32 rounding of the accumulation separates them
+  exact            integer outputs, copies and casts, quantize and dequantize
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Tol:
+    rtol: float
+    atol_rel: float
+    nmse: float
+
+    @property
+    def exact(self) -> bool:
+        return self.rtol == 0 and self.atol_rel == 0 and self.nmse == 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+EXACT = Tol(0.0, 0.0, 0.0)
+
+# f32: different summation orders and a vectorised exp differ by a few ulp (~1e-7 each);
+# bf16 output: one rounding to an 8-bit mantissa is 2^-9 relative, two neighbours differ by 2^-8,
+# and inputs the library converts differently (bf16 -> f32 is exact) add nothing.
+_F32 = Tol(1e-5, 1e-5, 1e-10)
+_F32_TRANSCENDENTAL = Tol(1e-4, 1e-4, 1e-8)      # exp / rsqrt / sin / cos inside
+_BF16 = Tol(1e-2, 1e-2, 1e-4)
+_BF16_CHAINED = Tol(2e-2, 2e-2, 4e-4)            # a bf16 rounding in the middle is allowed
+_F16 = Tol(2e-3, 2e-3, 1e-6)
+_Q_F32 = Tol(2e-5, 2e-5, 1e-9)
+_Q_BF16 = Tol(1e-2, 1e-2, 1e-4)
+
+TOLERANCES_VERSION = "v1"
+
+TOLERANCES_V1: dict[str, dict[str, Tol]] = {
+    "embedding":       {"exact": EXACT},
+    "rmsnorm":         {"f32": _F32, "bf16": _BF16, "f16": _F16},
+    "linear":          {"f32": _F32, "bf16": _BF16, "f16": _F16, "q/f32": _Q_F32, "q/bf16": _Q_BF16},
+    "quantize":        {"exact": EXACT},
+    "dequantize":      {"exact": EXACT},
+    # angles are positions * inv_freq; computing them in f32 (allowed: "at least f32") costs
+    # position * 2^-24 radians, ~1e-4 at the positions the cases use (< 2048)
+    "rope":            {"f32": Tol(1e-4, 2e-4, 1e-8), "bf16": _BF16},
+    "mla_cache_write": {"exact": EXACT},
+    "mla_prefill":     {"f32": _F32_TRANSCENDENTAL, "bf16": _BF16_CHAINED},
+    "mla_decode":      {"f32": _F32_TRANSCENDENTAL, "bf16": _BF16_CHAINED},
+    # ids are exact except between experts whose selection scores tie (see harness._cmp_router)
+    "moe_router":      {"f32": _F32, "exact": EXACT},
+    "moe_experts":     {"f32": _F32_TRANSCENDENTAL, "bf16": _BF16_CHAINED, "q/f32": _F32_TRANSCENDENTAL,
+                        "q/bf16": _BF16_CHAINED},
+    "add":             {"f32": Tol(1e-6, 1e-7, 1e-12), "bf16": _BF16, "f16": _F16},
+    "mul":             {"f32": Tol(1e-6, 1e-7, 1e-12), "bf16": _BF16, "f16": _F16},
+    "silu_mul":        {"f32": _F32, "bf16": _BF16, "f16": _F16},
+    "concat":          {"exact": EXACT},
+    # greedy rows exact; sampled rows equal except where u * sum(kept p) falls within
+    # SAMPLE_BOUNDARY_EPS of a boundary between two tokens (near-ties of the kept probabilities)
+    "sample":          {"exact": EXACT},
+}
+
+SAMPLE_BOUNDARY_EPS = 1e-5
+ROUTER_TIE_EPS = 1e-5
+
+CURRENT = TOLERANCES_V1
+
+
+def lookup(op: str, key: str, table: dict | None = None) -> Tol:
+    table = CURRENT if table is None else table
+    per_op = table[op]
+    if key in per_op:
+        return per_op[key]
+    if key.startswith("q/") and key[2:] in per_op:
+        return per_op[key[2:]]
+    raise KeyError(f"tolerance table {TOLERANCES_VERSION} has no entry {op}/{key}")
+
+
+def table_as_dict(table: dict | None = None) -> dict:
+    table = CURRENT if table is None else table
+    return {op: {k: t.as_dict() for k, t in d.items()} for op, d in table.items()}

@@ -1,0 +1,32 @@
+"""The CPU backend must pass the whole conformance suite (the quick profile in CI)."""
+from __future__ import annotations
+
+import hashlib
+import json
+
+from plugin_build import PROFILE
+
+from deepinfer import abi
+from deepinfer.conformance import LEVELS, TOLERANCES_VERSION, run_conformance, summary
+
+
+def test_cpu_library_passes_conformance(cpu_lib, tmp_path):
+    out = tmp_path / "cpu-cert.json"
+    cert = run_conformance(str(cpu_lib), levels=LEVELS, out=str(out), profile=PROFILE)
+    assert cert["passed"], "the CPU backend fails conformance:\n" + summary(cert)
+    # the certificate on disk is the one returned, with everything a vendor needs to cite
+    on_disk = json.loads(out.read_text())
+    assert on_disk["passed"] is True
+    lib = on_disk["library"]
+    assert lib["sha256"] == hashlib.sha256(cpu_lib.read_bytes()).hexdigest()
+    assert lib["name"] == "cpu" and lib["abi_version"] == f"{abi.ABI_MAJOR}.{abi.ABI_MINOR}"
+    assert on_disk["abi_version"] == "1.0"
+    assert on_disk["tolerances"]["version"] == TOLERANCES_VERSION
+    assert on_disk["tolerances"]["values"]["linear"]["f32"]["rtol"] > 0
+    assert set(on_disk["levels"]) == set(LEVELS)
+    for key in ("date", "deepinfer_version", "ops_claimed", "ops_passed", "ops_unimplemented"):
+        assert key in on_disk
+    # every op the CPU backend claims passed L1 (nothing may hide behind "unsupported" everywhere)
+    assert on_disk["ops_passed"]["L1"] == on_disk["ops_claimed"]
+    assert on_disk["levels"]["L2"]["counts"].get("pass", 0) > 50
+    assert on_disk["levels"]["L0"]["counts"].get("pass", 0) > 100
