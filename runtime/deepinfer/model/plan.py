@@ -1,0 +1,263 @@
+"""Execution plans: the model graph traced once per batch shape into a flat list of op calls over
+buffers that a liveness-based planner places in one arena.
+
+How it works: the graph code calls ops on a `Tracer` exactly as it would on a Backend. Activations
+it asks for (`tracer.empty`) are Tensors whose buffer is a symbolic `SymBuf`; views of them
+(`view`, `narrow`) are ordinary Tensor views of that symbol. Tracing records (op, kwargs). The
+planner then gives every activation symbol the interval [first op that mentions it, last op that
+mentions it] and places symbols in one arena by first fit over the live ones, so buffers of
+different layers with the same shape land on the same bytes. Binding swaps each symbolic Tensor
+for a view into the arena; executing is a loop of backend calls with no allocation at all.
+
+Per-step inputs (token ids, positions, slots, block tables...) are small int32 buffers outside
+the arena that `set_input` overwrites before each run.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from .. import abi
+from .. import dtypes as D
+from ..tensor import Quant, Tensor
+
+ALIGN = 256
+# fields that ops write; a symbol first seen in any other field is read before it was written
+OUTPUT_FIELDS = {"out", "residual_out", "topk_ids", "topk_weights", "cache"}
+
+
+class SymBuf:
+    """A symbolic activation buffer (bytes are assigned by the planner)."""
+
+    __slots__ = ("id", "nbytes", "kind", "name", "first", "last", "offset")
+
+    def __init__(self, id: int, nbytes: int, kind: str, name: str):
+        self.id, self.nbytes, self.kind, self.name = id, nbytes, kind, name
+        self.first = self.last = -1
+        self.offset = -1
+
+    def __repr__(self):
+        return f"SymBuf({self.name}#{self.id}, {self.nbytes}B, [{self.first},{self.last}])"
+
+
+class Tracer:
+    """Records op calls; looks like a Backend to the graph code."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.calls: list[tuple[str, dict]] = []
+        self.syms: list[SymBuf] = []
+        self.inputs: dict[str, Tensor] = {}
+        self.outputs: dict[str, Tensor] = {}
+
+    # -- buffers
+    def empty(self, shape, dtype, name: str = "act") -> Tensor:
+        t = Tensor(None, shape, dtype)
+        sb = SymBuf(len(self.syms), t.nbytes, "act", name)
+        self.syms.append(sb)
+        t.buffer = sb
+        return t
+
+    def input(self, name: str, shape, dtype="int32") -> Tensor:
+        t = Tensor(None, shape, dtype)
+        sb = SymBuf(len(self.syms), t.nbytes, "input", name)
+        sb.first = -1  # written by the host before the run
+        self.syms.append(sb)
+        t.buffer = sb
+        self.inputs[name] = t
+        return t
+
+    def output(self, name: str, t: Tensor) -> None:
+        self.outputs[name] = t
+
+    # -- ops
+    def call(self, op: str, **kwargs) -> None:
+        if op not in abi.OPS:
+            raise AttributeError(f"unknown op {op!r}")
+        unknown = set(kwargs) - set(abi.op_fields(op))
+        if unknown:
+            raise TypeError(f"{op}() got unknown argument(s) {sorted(unknown)}")
+        i = len(self.calls)
+        for k, v in kwargs.items():
+            ts = []
+            for t in (v if isinstance(v, (list, tuple)) else (v,)):
+                if isinstance(t, Tensor):
+                    ts.append(t)
+                    if t.quant is not None:   # an activation quantized at run time has symbolic scales
+                        ts += [x for x in (t.quant.scales, t.quant.zeros) if x is not None]
+            for t in ts:
+                if isinstance(t.buffer, SymBuf):
+                    sb = t.buffer
+                    if sb.kind == "act" and sb.first < 0:
+                        if k not in OUTPUT_FIELDS:
+                            raise RuntimeError(f"plan: {op}.{k} reads {sb.name} before any op wrote it")
+                        sb.first = i
+                    sb.last = i
+        self.calls.append((op, kwargs))
+
+    def __getattr__(self, name):
+        if name in abi.OPS:
+            return lambda **kw: self.call(name, **kw)
+        raise AttributeError(name)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def place(syms: list[SymBuf], end: int) -> int:
+    """First-fit placement of activation symbols by liveness; returns the arena size in bytes."""
+    order = sorted((s for s in syms if s.kind == "act" and s.first >= 0), key=lambda s: (s.first, -s.nbytes))
+    live: list[SymBuf] = []
+    size = 0
+    for s in order:
+        live = [x for x in live if x.last >= s.first]
+        need = _align(max(s.nbytes, 1))
+        off = 0
+        for x in sorted(live, key=lambda x: x.offset):
+            if off + need <= x.offset:
+                break
+            off = max(off, x.offset + _align(max(x.nbytes, 1)))
+        s.offset = off
+        live.append(s)
+        size = max(size, off + need)
+    return size
+
+
+@dataclass
+class Plan:
+    """A traced, placed and bound list of op calls for one batch shape."""
+
+    key: tuple
+    calls: list = field(default_factory=list)          # (op, kwargs) with symbolic tensors
+    syms: list = field(default_factory=list)
+    inputs: dict = field(default_factory=dict)         # name -> symbolic Tensor
+    outputs: dict = field(default_factory=dict)
+    arena_bytes: int = 0
+    total_activation_bytes: int = 0
+    input_bytes: int = 0
+    bound: list = field(default_factory=list)          # (op, kwargs) with concrete tensors
+    bound_inputs: dict = field(default_factory=dict)
+    bound_outputs: dict = field(default_factory=dict)
+    _arena_gen: int = -1
+    _prepared: Optional[list] = None
+    _host_inputs: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_tracer(cls, key, tr: Tracer) -> "Plan":
+        p = cls(key=key, calls=tr.calls, syms=tr.syms, inputs=tr.inputs, outputs=tr.outputs)
+        n = len(tr.calls)
+        # outputs stay live to the end of the plan (the caller reads them after the run)
+        for t in tr.outputs.values():
+            t.buffer.last = n
+        p.arena_bytes = place(tr.syms, n)
+        p.total_activation_bytes = sum(s.nbytes for s in tr.syms if s.kind == "act")
+        off = 0
+        for s in tr.syms:
+            if s.kind == "input":
+                s.offset = off
+                off += _align(max(s.nbytes, 1))
+        p.input_bytes = off
+        return p
+
+    # -- binding: symbolic tensors -> views of real memory
+    def bind(self, arena: "Arena", backend) -> None:
+        if self._arena_gen == arena.generation and self.bound:
+            return
+        if not self.bound_inputs:
+            self._input_store = backend.empty((max(self.input_bytes, 1),), "uint8")
+        memo: dict = {}
+
+        def real(t):
+            if isinstance(t, (list, tuple)):
+                return [real(x) for x in t]
+            if not isinstance(t, Tensor) or not isinstance(t.buffer, SymBuf):
+                return t
+            key = id(t)
+            if key in memo:
+                return memo[key]
+            sb = t.buffer
+            base = arena.tensor if sb.kind == "act" else self._input_store
+            q = t.quant
+            if q is not None:
+                q = Quant(real(q.scales), q.block, real(q.zeros) if q.zeros is not None else None)
+            r = Tensor(base.buffer, t.shape, t.dtype, t.strides, base.offset + sb.offset + t.offset, q)
+            memo[key] = r
+            return r
+
+        self.bound = [(op, {k: real(v) for k, v in kw.items()}) for op, kw in self.calls]
+        self.bound_inputs = {k: real(v) for k, v in self.inputs.items()}
+        self.bound_outputs = {k: real(v) for k, v in self.outputs.items()}
+        self._arena_gen = arena.generation
+        self._prepared = None
+        self._host_inputs = {k: np.zeros(v.shape, v.dtype.np) for k, v in self.inputs.items()}
+
+    def host_input(self, name: str) -> np.ndarray:
+        """A host staging array for an input; fill it, then `run` copies it in."""
+        return self._host_inputs[name]
+
+    def run(self, backend) -> None:
+        for name, t in self.bound_inputs.items():
+            _write(backend, t, self._host_inputs[name])
+        if self._prepared is None:
+            self._prepared = _prepare(backend, self.bound)
+        if self._prepared:
+            # a host ABI library: the args structs were marshalled once at bind time
+            check, lock = backend._check, backend._lock
+            with lock:
+                for op, fn, ctx, args, _keep in self._prepared:
+                    status = fn(ctx, args)
+                    if status:
+                        check(op, status)
+            return
+        for op, kw in self.bound:
+            backend.call(op, **kw)
+
+
+def _prepare(backend, bound) -> list:
+    """For a host-memory NativeBackend: each call's C args struct built once (the buffers never
+    move between runs of a plan), so a step is a loop of C calls; [] for other backends.
+
+    Uses NativeBackend's marshalling; device backends keep backend.call (workspace queries)."""
+    from ..backend import NativeBackend
+
+    if type(backend) is not NativeBackend or backend.device != "cpu":
+        return []
+    out = []
+    for op, kw in bound:
+        if not backend._has(op):
+            return []   # let backend.call raise its clear UNIMPLEMENTED error
+        args, keep = backend._marshal(op, {k: v for k, v in kw.items() if v is not None})
+        out.append((op, getattr(backend._api, op), backend._ctx, args, keep))
+    return out
+
+
+def _write(backend, t: Tensor, arr: np.ndarray) -> None:
+    if t.on_host:
+        t.numpy()[...] = arr
+    else:
+        # device backends: one host-to-device copy of the staged bytes
+        src = np.ascontiguousarray(arr)
+        backend._copy(t.data_ptr + t.offset, src.ctypes.data, src.nbytes, "DI_COPY_HOST_TO_DEVICE")
+
+
+class Arena:
+    """One activation buffer shared by every plan of a model (plans never run concurrently).
+
+    It grows only when a plan needs more than any before it; growing bumps `generation` so that
+    plans rebind their views (descriptor work only)."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.tensor: Optional[Tensor] = None
+        self.nbytes = 0
+        self.generation = 0
+
+    def ensure(self, nbytes: int) -> None:
+        if self.tensor is None or nbytes > self.nbytes:
+            self.nbytes = max(_align(nbytes), ALIGN)
+            self.tensor = self.backend.empty((self.nbytes,), "uint8")
+            self.generation += 1

@@ -1,0 +1,74 @@
+"""Shared fixtures: the backends under test and the tiny DeepSeek checkpoints (made once per session)."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(_ROOT / "runtime"))
+
+# where a CMake build of the CPU backend usually lands
+CPU_LIB_CANDIDATES = [os.environ.get("DEEPINFER_CPU_LIB", ""), "/tmp/build/backends/cpu/libdeepinfer_cpu.so",
+                      str(_ROOT / "build/backends/cpu/libdeepinfer_cpu.so")]
+
+
+def _cpu_backend():
+    import deepinfer
+    from deepinfer.errors import BackendLoadError
+
+    for p in CPU_LIB_CANDIDATES:
+        if p and Path(p).is_file():
+            return deepinfer.loader.load_library(p)
+    try:
+        return deepinfer.get_backend("cpu")
+    except (BackendLoadError, ValueError, LookupError) as e:
+        pytest.skip(f"CPU backend library not built ({e}); build with cmake -S . -B /tmp/build && "
+                    "cmake --build /tmp/build, or set DEEPINFER_CPU_LIB")
+
+
+_BACKENDS: dict = {}
+
+
+@pytest.fixture(scope="module")
+def torch_one_thread():
+    """The transformers oracles are tiny: one torch thread is ~10x faster than two contending ones
+    on a loaded 2-core runner. Model test modules opt in with pytestmark; restored afterwards."""
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session", params=["reference", "cpu"])
+def model_backend(request):
+    """Each model test runs on the reference backend and on the CPU library (skipped if not built)."""
+    name = request.param
+    if name not in _BACKENDS:
+        import deepinfer
+
+        _BACKENDS[name] = deepinfer.get_backend("reference") if name == "reference" else _cpu_backend()
+    return _BACKENDS[name]
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """tiny_checkpoint(family) -> (model dir, transformers oracle, MTP block or None), cached per session."""
+    import tiny_checkpoints
+
+    made: dict = {}
+
+    def get(family: str):
+        if family not in made:
+            made[family] = tiny_checkpoints.make(family, tmp_path_factory.mktemp(f"ckpt_{family}"))
+        return made[family]
+
+    return get

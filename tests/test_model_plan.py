@@ -1,0 +1,130 @@
+"""Execution plans and the paged KV cache: a cached decode step allocates nothing, the arena is
+smaller than the sum of all activations, plans are cached by batch shape, blocks are recycled."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import deepinfer
+from deepinfer.model import CacheFullError, DeepseekModel
+from deepinfer.model.plan import SymBuf, Tracer, place
+from deepinfer.tensor import Tensor
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+
+@pytest.fixture
+def v3_model(tiny_checkpoint):
+    path, _, _ = tiny_checkpoint("v3")
+    return DeepseekModel(path, deepinfer.get_backend("reference"), max_batch=4, max_seq_len=64, block_size=4)
+
+
+def test_decode_step_allocates_nothing(v3_model, monkeypatch):
+    m = v3_model
+    m.forward([0, 1], [[1, 2, 3], [4, 5]], [0, 0])
+    m.sample(m.forward([0, 1], [[6], [7]], [3, 2]), temperature=[0.0, 0.0])   # traces and binds the B=2 plan
+    calls = []
+    orig_backend_empty, orig_tensor_empty = m.backend.empty, Tensor.empty.__func__
+    monkeypatch.setattr(m.backend, "empty", lambda *a, **k: calls.append(a) or orig_backend_empty(*a, **k))
+    monkeypatch.setattr(Tensor, "empty", classmethod(lambda cls, *a, **k: calls.append(a) or
+                                                     orig_tensor_empty(cls, *a, **k)))
+    n_plans = len(m.plans)
+    for i in range(5):
+        logits = m.forward([0, 1], [[8 + i], [9 + i]], [4 + i, 3 + i])
+        m.sample(logits, temperature=[0.0, 0.0])
+    assert calls == [] and len(m.plans) == n_plans
+
+
+def test_arena_recycles_activations(v3_model):
+    m = v3_model
+    m.forward([(0, list(range(20, 36)), 0)])
+    p = m.plans[("main", "prefill", 16, 1, False, False)]
+    assert 0 < p.arena_bytes < p.total_activation_bytes / 3
+    # placed buffers that are live at the same time never overlap
+    acts = [s for s in p.syms if s.kind == "act" and s.first >= 0]
+    for a in acts:
+        for b in acts:
+            if a.id < b.id and a.first <= b.last and b.first <= a.last:
+                assert a.offset + a.nbytes <= b.offset or b.offset + b.nbytes <= a.offset
+    report = m.memory_report()
+    assert report["arena_bytes"] >= p.arena_bytes
+
+
+def test_plans_cached_by_batch_shape(v3_model):
+    m = v3_model
+    m.forward([0, 1, 2], [[1], [2], [3]], [0, 0, 0])
+    keys = set(m.plans)
+    m.forward([0, 1, 2], [[4], [5], [6]], [1, 1, 1])
+    m.forward([0, 1, 2], [[7], [8], [9]], [2, 2, 2])
+    assert len(m.plans) == len(keys) + 1          # one decode plan for B=3, reused
+    m.forward([0, 1], [[1], [2]], [3, 3])
+    assert ("main", "decode", 2, 2, False, False) in m.plans
+
+
+def test_kv_blocks_are_recycled_and_bounded(tiny_checkpoint):
+    path, _, _ = tiny_checkpoint("v2lite")
+    m = DeepseekModel(path, deepinfer.get_backend("reference"), max_batch=2, max_seq_len=16, block_size=4,
+                      num_cache_blocks=5)
+    m.forward([(0, list(range(1, 13)), 0)])        # 3 blocks
+    assert m.kv.num_free_blocks == 2
+    with pytest.raises(CacheFullError, match="KV cache full"):
+        m.forward([(1, list(range(1, 13)), 0)])
+    m.free(0)
+    m.free(0)                                       # freeing twice is harmless
+    assert m.kv.num_free_blocks == 5
+    m.forward([(1, list(range(1, 13)), 0)])
+    with pytest.raises(CacheFullError, match="max_seq_len"):
+        m.forward([(1, list(range(5)), 12)])
+
+
+def test_bad_batches_are_rejected(v3_model):
+    m = v3_model
+    with pytest.raises(ValueError, match="vocabulary"):
+        m.forward([(0, [1, 999], 0)])
+    with pytest.raises(ValueError, match="cached"):
+        m.forward([(0, [1], 5)])
+    with pytest.raises(ValueError, match="max_batch"):
+        m.forward([(i, [1], 0) for i in range(5)])
+    with pytest.raises(ValueError, match="twice"):
+        m.forward([(0, [1], 0), (0, [2], 0)])
+
+
+def test_planner_detects_read_before_write():
+    tr = Tracer(None)
+    a = tr.empty((4, 4), "f32")
+    b = tr.empty((4, 4), "f32")
+    with pytest.raises(RuntimeError, match="before any op wrote it"):
+        tr.add(a=a, b=a, out=b)
+
+
+def test_place_first_fit():
+    syms = [SymBuf(i, n, "act", "x") for i, n in enumerate([1000, 1000, 1000, 500])]
+    for s, (f, l) in zip(syms, [(0, 1), (1, 2), (2, 3), (3, 4)]):
+        s.first, s.last = f, l
+    size = place(syms, 5)
+    assert syms[2].offset == syms[0].offset      # 0 died before 2 was born
+    assert size == 2 * 1024
+
+
+def test_speculative_rollback(v3_model, tiny_checkpoint):
+    """Re-running positions already cached (a rejected draft) overwrites them."""
+    _, hf, _ = tiny_checkpoint("v3")
+    import torch
+
+    m = v3_model
+    ids = [3, 4, 5, 6, 7]
+    m.forward([(0, ids[:3], 0)])
+    m.forward([(0, [99, 98], 3)])                   # a draft that gets rejected
+    got = m.backend.to_numpy(m.forward([(0, ids[3:], 3)], all_logits=True))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0, 3:].numpy()
+    assert np.abs(got - ref).max() < 1e-4 * max(1, np.abs(ref).max())
+
+
+def test_score_chunks_match_one_pass(v3_model):
+    ids = list(range(30, 50))
+    one = v3_model.score(ids, chunk=64)
+    chunked = v3_model.score(ids, chunk=6)          # prefill 6, then chunks of 6 through the cache
+    assert one.shape == (20, 256)
+    assert np.abs(one - chunked).max() < 1e-4 * max(1, np.abs(one).max())
+    assert v3_model.kv.num_free_blocks == v3_model.kv.num_blocks
