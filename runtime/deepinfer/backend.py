@@ -71,6 +71,11 @@ class Backend:
     def _run(self, op: str, kwargs: dict) -> None:
         raise NotImplementedError
 
+    def prepare(self, op: str, **kwargs) -> Callable[[], None]:
+        """The call bound once, to be run many times over the same buffers (a plan's steps).
+        Native backends marshal the C args struct here, so running it is one C call."""
+        return lambda: self.call(op, **kwargs)
+
     def __getattr__(self, name: str) -> Callable[..., None]:
         if name in abi.OPS:
             return lambda **kw: self.call(name, **kw)
@@ -88,6 +93,10 @@ class Backend:
     def to_numpy(self, t: Tensor) -> np.ndarray:
         """Elements of a tensor as a host NumPy array (a copy)."""
         return np.array(t.numpy())
+
+    def write(self, t: Tensor, arr: np.ndarray) -> None:
+        """Copy host values into an existing tensor (same shape and dtype)."""
+        t.numpy()[...] = arr
 
     def synchronize(self) -> None:
         pass
@@ -207,6 +216,15 @@ class NativeBackend(Backend):
         self.synchronize()
         return np.array(host.numpy())
 
+    def write(self, t: Tensor, arr: np.ndarray) -> None:
+        if t.on_host:
+            t.numpy()[...] = arr
+            return
+        src = np.ascontiguousarray(arr, dtype=t.dtype.np)
+        if not t.is_contiguous() or src.nbytes != t.nbytes:
+            raise ValueError(f"write: {src.shape} {src.dtype} does not fill contiguous {t!r}")
+        self._copy(t.data_ptr + t.offset, src.ctypes.data, src.nbytes, "DI_COPY_HOST_TO_DEVICE")
+
     def synchronize(self) -> None:
         if self._has("stream_synchronize"):
             self._check("stream_synchronize", self._api.stream_synchronize(self._ctx, ffi.NULL))
@@ -284,11 +302,12 @@ class NativeBackend(Backend):
         self._check(f"op_query({op})", self._api.op_query(self._ctx, abi.OPS[op][0], args, res))
         return res.support, res.workspace_size
 
-    def _run(self, op: str, kwargs: dict) -> None:
+    def _bind(self, op: str, kwargs: dict):
+        """Marshal one call, with its workspace, into a ready C args struct."""
         if not self._has(op):
             raise UnsupportedOpError(op, abi.UNIMPLEMENTED, "UNIMPLEMENTED",
                                      f"backend {self.name!r} does not implement {op}")
-        args, _keep = self._marshal(op, kwargs)
+        args, keep = self._marshal(op, kwargs)
         if self.device != "cpu" and self._has("op_query"):
             res = ffi.new("DI_OpQuery*")
             res.struct_size = ffi.sizeof("DI_OpQuery")
@@ -297,9 +316,28 @@ class NativeBackend(Backend):
                     self._workspace = self._alloc(res.workspace_size)
                 args.header.workspace = ffi.cast("void*", self._workspace.ptr)
                 args.header.workspace_size = res.workspace_size
+                keep.append(self._workspace)
+        return args, keep
+
+    def _run(self, op: str, kwargs: dict) -> None:
+        args, _keep = self._bind(op, kwargs)
         with self._lock:
             status = getattr(self._api, op)(self._ctx, args)
             self._check(op, status)
+
+    def prepare(self, op: str, **kwargs) -> Callable[[], None]:
+        if op not in abi.OPS:
+            raise AttributeError(f"unknown op {op!r}")
+        args, keep = self._bind(op, {k: v for k, v in kwargs.items() if v is not None})
+        fn, ctx, lock, check = getattr(self._api, op), self._ctx, self._lock, self._check
+
+        def run(_keep=keep):  # _keep holds the structs and buffers the args point into
+            with lock:
+                status = fn(ctx, args)
+            if status:
+                check(op, status)
+
+        return run
 
 
 # ====================================================================== fallback policy

@@ -539,9 +539,8 @@ class DeepseekModel:
                 "top_k": np.asarray(top_k if top_k is not None else [0] * B, np.int32),
                 "top_p": np.asarray(top_p if top_p is not None else [1.0] * B, np.float32),
                 "seeds": np.asarray(seeds if seeds is not None else [0] * B, np.uint64)}
-        from .plan import _write
         for k, v in vals.items():
-            _write(self.backend, bufs[k], v.reshape(B))
+            self.backend.write(bufs[k], v.reshape(B))
         self.backend.sample(logits=logits, out=bufs["out"], **{k: bufs[k] for k in vals})
         return [int(t) for t in self.backend.to_numpy(bufs["out"])]
 

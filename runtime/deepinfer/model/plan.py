@@ -201,47 +201,12 @@ class Plan:
 
     def run(self, backend) -> None:
         for name, t in self.bound_inputs.items():
-            _write(backend, t, self._host_inputs[name])
+            backend.write(t, self._host_inputs[name])
         if self._prepared is None:
-            self._prepared = _prepare(backend, self.bound)
-        if self._prepared:
-            # a host ABI library: the args structs were marshalled once at bind time
-            check, lock = backend._check, backend._lock
-            with lock:
-                for op, fn, ctx, args, _keep in self._prepared:
-                    status = fn(ctx, args)
-                    if status:
-                        check(op, status)
-            return
-        for op, kw in self.bound:
-            backend.call(op, **kw)
-
-
-def _prepare(backend, bound) -> list:
-    """For a host-memory NativeBackend: each call's C args struct built once (the buffers never
-    move between runs of a plan), so a step is a loop of C calls; [] for other backends.
-
-    Uses NativeBackend's marshalling; device backends keep backend.call (workspace queries)."""
-    from ..backend import NativeBackend
-
-    if type(backend) is not NativeBackend or backend.device != "cpu":
-        return []
-    out = []
-    for op, kw in bound:
-        if not backend._has(op):
-            return []   # let backend.call raise its clear UNIMPLEMENTED error
-        args, keep = backend._marshal(op, {k: v for k, v in kw.items() if v is not None})
-        out.append((op, getattr(backend._api, op), backend._ctx, args, keep))
-    return out
-
-
-def _write(backend, t: Tensor, arr: np.ndarray) -> None:
-    if t.on_host:
-        t.numpy()[...] = arr
-    else:
-        # device backends: one host-to-device copy of the staged bytes
-        src = np.ascontiguousarray(arr)
-        backend._copy(t.data_ptr + t.offset, src.ctypes.data, src.nbytes, "DI_COPY_HOST_TO_DEVICE")
+            # the buffers never move between runs of a plan, so each call is bound once
+            self._prepared = [backend.prepare(op, **kw) for op, kw in self.bound]
+        for call in self._prepared:
+            call()
 
 
 class Arena:
