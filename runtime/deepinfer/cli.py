@@ -59,6 +59,9 @@ def _cmd_run(args) -> int:
         print("deepinfer run: give a prompt", file=sys.stderr)
         return 2
     eng = _engine(args)
+    m = eng.model
+    print(f"deepinfer: {eng.model_dir.name} on {eng.backend.name}: {getattr(m, 'precision_note', '')}"
+          + (f" ({m.precision_reason})" if getattr(m, "precision_reason", "") else ""), file=sys.stderr)
     opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                 top_p=args.top_p, seed=args.seed, stop=args.stop or None)
     if args.chat:
