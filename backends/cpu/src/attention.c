@@ -1,0 +1,296 @@
+/* MLA attention: mla_prefill (un-absorbed, causal within each packed sequence) and mla_decode
+ * (absorbed kv_b over the paged latent cache). Softmax is the two-pass max/exp form in f32; dot
+ * products go through the same gemm_dot kernel as linear so they use SIMD where available. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "di_cpu.h"
+
+static void softmax_inplace(float* s, int64_t n) {
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < n; i++) mx = fmaxf(mx, s[i]);
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) { s[i] = expf(s[i] - mx); sum += s[i]; }
+    float inv = 1.0f / sum;
+    for (int64_t i = 0; i < n; i++) s[i] *= inv;
+}
+
+/* a [rows, cols] strided (3-d [T, H, D] viewed as rows t*H+h) converted to contiguous f32 */
+static float* to_f32_3d(const DI_Tensor* t) {
+    int dt = dt_id(t->dtype);
+    int64_t A = t->shape[0], B = t->ndim == 3 ? t->shape[1] : 1, D = t->shape[t->ndim - 1];
+    float* buf = di_malloc((size_t)(A * B * D) * sizeof(float));
+    if (!buf) return NULL;
+    for (int64_t i = 0; i < A; i++)
+        for (int64_t j = 0; j < B; j++) {
+            int64_t off = i * t->strides[0] + (t->ndim == 3 ? j * t->strides[1] : 0);
+            load_row(dt, t_at(t, dt, off), 0, D, buf + (i * B + j) * D);
+        }
+    return buf;
+}
+
+/* ------------------------------------------------------------------ prefill */
+#define PF_QB 4  /* query rows per task: one 4 x 4 register block of the dot-product kernel */
+typedef struct {
+    const DI_MLAPrefillArgs* a;
+    const float *q, *kv, *kpe;
+    const int64_t* start;  /* first token of each token's sequence */
+    const int64_t* qblk;   /* first token of each query block (blocks never cross sequences) */
+    const int64_t* qend;   /* one past its last token */
+    int64_t T, H, Dn, Dr, Dv;
+    int od;
+    float scale;
+    float* scratch;
+    int64_t per_worker;
+    const Kernels* k;
+} PrefillJob;
+
+static void prefill_task(void* arg, int64_t task, int worker) {
+    const PrefillJob* j = (const PrefillJob*)arg;
+    int64_t i0 = j->qblk[task], i1 = j->qend[task], st = j->start[i0], H = j->H;
+    int64_t Dq = j->Dn + j->Dr, Dkv = j->Dn + j->Dv, n = i1 - st;  /* keys st .. i1-1 */
+    int mq = (int)(i1 - i0);
+    float* sc = j->scratch + (size_t)worker * (size_t)j->per_worker;
+    float* tmp = sc + PF_QB * j->T;
+    float* o = tmp + PF_QB * j->T;
+    const DI_Tensor* out = &j->a->out;
+    for (int64_t h = 0; h < H; h++) {
+        const float* qb = j->q + (i0 * H + h) * Dq;
+        /* scores of all mq queries against keys up to the last one; causal masking below */
+        j->k->gemm_dot(qb, H * Dq, mq, j->kv + (st * H + h) * Dkv, H * Dkv, (int)n, j->Dn, sc, n);
+        if (j->Dr) {
+            j->k->gemm_dot(qb + j->Dn, H * Dq, mq, j->kpe + st * j->Dr, j->Dr, (int)n, j->Dr, tmp, n);
+            for (int64_t x = 0; x < mq * n; x++) sc[x] += tmp[x];
+        }
+        for (int r = 0; r < mq; r++) {
+            int64_t i = i0 + r, len = i - st + 1;
+            float* srow = sc + r * n;
+            for (int64_t p = 0; p < len; p++) srow[p] *= j->scale;
+            softmax_inplace(srow, len);
+            for (int64_t d = 0; d < j->Dv; d++) o[d] = 0.0f;
+            for (int64_t p = 0; p < len; p++) j->k->axpy(srow[p], j->kv + ((st + p) * H + h) * Dkv + j->Dn, o, j->Dv);
+            store_row(j->od, t_row2(out, j->od, i, h), o, j->Dv);
+        }
+    }
+}
+
+DI_Status op_mla_prefill(DI_Context* ctx, const DI_MLAPrefillArgs* a, int query) {
+    VC v = {ctx, "mla_prefill", query};
+    DI_Status st;
+    if ((st = check_tensor(&v, &a->q, "q", 3, 3, DTM_FLOAT_ACT, 0))) return st;
+    if ((st = check_tensor(&v, &a->kv, "kv", 3, 3, DTM_FLOAT_ACT, 0))) return st;
+    if ((st = check_tensor(&v, &a->k_pe, "k_pe", 2, 2, DTM_FLOAT_ACT, 0))) return st;
+    if ((st = check_tensor(&v, &a->cu_seqlens, "cu_seqlens", 1, 1, DTM(DT_I32), 0))) return st;
+    if ((st = check_tensor(&v, &a->out, "out", 3, 3, DTM_FLOAT_ACT, 0))) return st;
+    int64_t T = a->q.shape[0], H = a->q.shape[1], Dv = a->out.shape[2], Dn = a->kv.shape[2] - Dv;
+    if (Dn < 0)
+        return di_fail(ctx, DI_INVALID_ARGUMENT, "mla_prefill: kv.shape[2]=%lld < out.shape[2]=Dv=%lld",
+                       (long long)a->kv.shape[2], (long long)Dv);
+    int64_t Dr = a->q.shape[2] - Dn;
+    if (Dr < 0)
+        return di_fail(ctx, DI_INVALID_ARGUMENT, "mla_prefill: q.shape[2]=%lld < Dn=%lld (kv.shape[2] - Dv)",
+                       (long long)a->q.shape[2], (long long)Dn);
+    if ((st = check_dim(&v, &a->kv, "kv", 0, T)) || (st = check_dim(&v, &a->kv, "kv", 1, H))) return st;
+    if ((st = check_dim(&v, &a->k_pe, "k_pe", 0, T)) || (st = check_dim(&v, &a->k_pe, "k_pe", 1, Dr))) return st;
+    if ((st = check_dim(&v, &a->out, "out", 0, T)) || (st = check_dim(&v, &a->out, "out", 1, H))) return st;
+    if (a->cu_seqlens.shape[0] < 1)
+        return di_fail(ctx, DI_INVALID_ARGUMENT, "mla_prefill: cu_seqlens needs S + 1 >= 1 entries");
+    if (query) return DI_OK;
+    const int32_t* cu = (const int32_t*)t_base(&a->cu_seqlens);
+    int64_t cs = a->cu_seqlens.strides[0], S = a->cu_seqlens.shape[0] - 1;
+    if (cu[0] != 0 || cu[S * cs] != T)
+        return di_fail(ctx, DI_INVALID_ARGUMENT, "mla_prefill: cu_seqlens must start at 0 and end at T=%lld "
+                       "(got %d .. %d)", (long long)T, cu[0], cu[S * cs]);
+    for (int64_t s = 0; s < S; s++)
+        if (cu[(s + 1) * cs] < cu[s * cs])
+            return di_fail(ctx, DI_INVALID_ARGUMENT, "mla_prefill: cu_seqlens decreases at %lld", (long long)s);
+    if (T == 0 || H == 0) return DI_OK;
+    PrefillJob j;
+    memset(&j, 0, sizeof j);
+    j.a = a; j.T = T; j.H = H; j.Dn = Dn; j.Dr = Dr; j.Dv = Dv; j.scale = a->scale;
+    j.od = dt_id(a->out.dtype);
+    j.k = kernels();
+    int64_t* start = di_malloc((size_t)T * 3 * sizeof(int64_t));
+    float *q = to_f32_3d(&a->q), *kv = to_f32_3d(&a->kv), *kpe = to_f32_3d(&a->k_pe);
+    int nw = pool_size(ctx->pool);
+    j.per_worker = 2 * PF_QB * T + Dv + 16;
+    j.scratch = di_malloc((size_t)nw * (size_t)j.per_worker * sizeof(float));
+    if (!start || !q || !kv || !kpe || !j.scratch) {
+        free(start); free(q); free(kv); free(kpe); free(j.scratch);
+        return DI_OOM(ctx, "mla_prefill");
+    }
+    int64_t* qblk = start + T;
+    int64_t* qend = qblk + T;
+    int64_t nblk = 0;
+    for (int64_t s = 0; s < S; s++) {
+        int64_t b = cu[s * cs], e = cu[(s + 1) * cs];
+        for (int64_t t = b; t < e; t++) start[t] = b;
+        for (int64_t t = b; t < e; t += PF_QB) {
+            qblk[nblk] = t;
+            qend[nblk++] = t + PF_QB < e ? t + PF_QB : e;
+        }
+    }
+    j.q = q; j.kv = kv; j.kpe = kpe; j.start = start; j.qblk = qblk; j.qend = qend;
+    pool_run(ctx->pool, nblk, prefill_task, &j);
+    free(start); free(q); free(kv); free(kpe); free(j.scratch);
+    return DI_OK;
+}
+
+/* ------------------------------------------------------------------ decode */
+#define DEC_CHUNK 64
+typedef struct {
+    const DI_MLADecodeArgs* a;
+    int64_t T, H, Dn, Dr, Dv, Dc, BS, hb, nhb;
+    int qd, wd, cd, od;
+    float scale;
+    const Kernels* k;
+    DI_Status oom;
+} DecodeJob;
+
+static void decode_task(void* arg, int64_t task, int worker) {
+    (void)worker;
+    DecodeJob* j = (DecodeJob*)arg;
+    const DI_MLADecodeArgs* a = j->a;
+    int64_t t = task / j->nhb, h0 = (task % j->nhb) * j->hb;
+    int64_t nh = h0 + j->hb < j->H ? j->hb : j->H - h0;
+    int64_t Dc = j->Dc, Dr = j->Dr, Dn = j->Dn, Dv = j->Dv, Dw = Dc + Dr;
+    int32_t seq = ((const int32_t*)t_base(&a->token_seq))[t * a->token_seq.strides[0]];
+    int64_t L = ((const int32_t*)t_base(&a->kv_len))[t * a->kv_len.strides[0]];
+    float* o = NULL;
+    if (L == 0) {
+        float* z = calloc((size_t)(Dv ? Dv : 1), sizeof(float));
+        if (!z) { j->oom = 1; return; }
+        for (int64_t h = h0; h < h0 + nh; h++) store_row(j->od, t_row2(&a->out, j->od, t, h), z, Dv);
+        free(z);
+        return;
+    }
+    size_t need = (size_t)(nh * Dc + nh * Dr + nh * L + DEC_CHUNK * Dw + nh * Dc + Dc + Dn + Dr + Dv + 16);
+    float* mem = di_malloc(need * sizeof(float));
+    if (!mem) { j->oom = 1; return; }
+    float* qlat = mem;
+    float* qpe = qlat + nh * Dc;
+    float* sc = qpe + nh * Dr;
+    float* chunk = sc + nh * L;
+    float* olat = chunk + DEC_CHUNK * Dw;
+    float* wrow = olat + nh * Dc;
+    float* qrow = wrow + Dc;
+    o = qrow + Dn + Dr;
+    const DI_Tensor* W = &a->wkv_b;
+    /* q_lat[h] = q_nope[h] @ W_uk[h] */
+    for (int64_t i = 0; i < nh; i++) {
+        int64_t h = h0 + i;
+        load_row(j->qd, t_row2(&a->q, j->qd, t, h), 0, Dn + Dr, qrow);
+        memcpy(qpe + i * Dr, qrow + Dn, (size_t)Dr * sizeof(float));
+        float* ql = qlat + i * Dc;
+        for (int64_t c = 0; c < Dc; c++) ql[c] = 0.0f;
+        for (int64_t d = 0; d < Dn; d++) {
+            load_row(j->wd, t_row(W, j->wd, h * (Dn + Dv) + d), 0, Dc, wrow);
+            j->k->axpy(qrow[d], wrow, ql, Dc);
+        }
+    }
+    const int32_t* bt = (const int32_t*)t_row(&a->block_table, DT_I32, seq);
+    /* pass 1: scores over the cache, DEC_CHUNK positions at a time */
+    for (int64_t p0 = 0; p0 < L; p0 += DEC_CHUNK) {
+        int n = (int)(L - p0 < DEC_CHUNK ? L - p0 : DEC_CHUNK);
+        for (int r = 0; r < n; r++) {
+            int64_t p = p0 + r;
+            load_row(j->cd, t_row2(&a->cache, j->cd, bt[p / j->BS], p % j->BS), 0, Dw, chunk + r * Dw);
+        }
+        for (int64_t i = 0; i < nh; i++) {
+            float* s = sc + i * L + p0;
+            float tmp[DEC_CHUNK];
+            j->k->gemm_dot(qlat + i * Dc, Dc, 1, chunk, Dw, n, Dc, s, 1);
+            if (Dr) {
+                j->k->gemm_dot(qpe + i * Dr, Dr, 1, chunk + Dc, Dw, n, Dr, tmp, 1);
+                for (int r = 0; r < n; r++) s[r] += tmp[r];
+            }
+        }
+    }
+    for (int64_t i = 0; i < nh; i++) {
+        float* s = sc + i * L;
+        for (int64_t p = 0; p < L; p++) s[p] *= j->scale;
+        softmax_inplace(s, L);
+        for (int64_t c = 0; c < Dc; c++) olat[i * Dc + c] = 0.0f;
+    }
+    /* pass 2: o_lat = softmax @ c */
+    for (int64_t p0 = 0; p0 < L; p0 += DEC_CHUNK) {
+        int n = (int)(L - p0 < DEC_CHUNK ? L - p0 : DEC_CHUNK);
+        for (int r = 0; r < n; r++) {
+            int64_t p = p0 + r;
+            load_row(j->cd, t_row2(&a->cache, j->cd, bt[p / j->BS], p % j->BS), 0, Dc, chunk + r * Dw);
+        }
+        for (int64_t i = 0; i < nh; i++) {
+            float* ol = olat + i * Dc;
+            const float* s = sc + i * L + p0;
+            for (int r = 0; r < n; r++) j->k->axpy(s[r], chunk + r * Dw, ol, Dc);
+        }
+    }
+    /* out[h] = W_uv[h] @ o_lat[h] */
+    for (int64_t i = 0; i < nh; i++) {
+        int64_t h = h0 + i;
+        for (int64_t d = 0; d < Dv; d++) {
+            load_row(j->wd, t_row(W, j->wd, h * (Dn + Dv) + Dn + d), 0, Dc, wrow);
+            j->k->gemm_dot(olat + i * Dc, Dc, 1, wrow, Dc, 1, Dc, o + d, 1);
+        }
+        store_row(j->od, t_row2(&a->out, j->od, t, h), o, Dv);
+    }
+    free(mem);
+}
+
+DI_Status op_mla_decode(DI_Context* ctx, const DI_MLADecodeArgs* a, int query) {
+    VC v = {ctx, "mla_decode", query};
+    DI_Status st;
+    if ((st = check_tensor(&v, &a->q, "q", 3, 3, DTM_FLOAT_ACT, 0))) return st;
+    if ((st = check_tensor(&v, &a->wkv_b, "wkv_b", 2, 2, DTM_FLOAT_ACT, 0))) return st;
+    if ((st = check_tensor(&v, &a->cache, "cache", 3, 3, DTM_FLOAT_ACT, 0))) return st;
+    if ((st = check_tensor(&v, &a->block_table, "block_table", 2, 2, DTM(DT_I32), 0))) return st;
+    if ((st = check_tensor(&v, &a->token_seq, "token_seq", 1, 1, DTM(DT_I32), 0))) return st;
+    if ((st = check_tensor(&v, &a->kv_len, "kv_len", 1, 1, DTM(DT_I32), 0))) return st;
+    if ((st = check_tensor(&v, &a->out, "out", 3, 3, DTM_FLOAT_ACT, 0))) return st;
+    int64_t T = a->q.shape[0], H = a->q.shape[1], Dc = a->wkv_b.shape[1], Dr = a->cache.shape[2] - Dc;
+    int64_t Dn = a->q.shape[2] - Dr, Dv = a->out.shape[2];
+    if (Dr < 0)
+        return di_fail(ctx, DI_INVALID_ARGUMENT, "mla_decode: cache.shape[2]=%lld < Dc=%lld (wkv_b.shape[1])",
+                       (long long)a->cache.shape[2], (long long)Dc);
+    if (Dn < 0)
+        return di_fail(ctx, DI_INVALID_ARGUMENT, "mla_decode: q.shape[2]=%lld < Dr=%lld", (long long)a->q.shape[2],
+                       (long long)Dr);
+    if ((st = check_dim(&v, &a->wkv_b, "wkv_b", 0, H * (Dn + Dv)))) return st;
+    if ((st = check_dim(&v, &a->token_seq, "token_seq", 0, T))) return st;
+    if ((st = check_dim(&v, &a->kv_len, "kv_len", 0, T))) return st;
+    if ((st = check_dim(&v, &a->out, "out", 0, T)) || (st = check_dim(&v, &a->out, "out", 1, H))) return st;
+    if (query) return DI_OK;
+    int64_t NB = a->cache.shape[0], BS = a->cache.shape[1], S = a->block_table.shape[0],
+            MB = a->block_table.shape[1];
+    const int32_t* ts = (const int32_t*)t_base(&a->token_seq);
+    const int32_t* kl = (const int32_t*)t_base(&a->kv_len);
+    for (int64_t t = 0; t < T; t++) {
+        int64_t s = ts[t * a->token_seq.strides[0]], L = kl[t * a->kv_len.strides[0]];
+        if (s < 0 || s >= S)
+            return di_fail(ctx, DI_INVALID_ARGUMENT, "mla_decode: token_seq[%lld]=%lld outside [0, S=%lld)",
+                           (long long)t, (long long)s, (long long)S);
+        if (L < 0 || L > MB * BS)
+            return di_fail(ctx, DI_INVALID_ARGUMENT, "mla_decode: kv_len[%lld]=%lld outside [0, MB*BS=%lld]",
+                           (long long)t, (long long)L, (long long)(MB * BS));
+        const int32_t* bt = (const int32_t*)t_row(&a->block_table, DT_I32, s);
+        for (int64_t b = 0; b < (L + BS - 1) / (BS ? BS : 1); b++)
+            if (bt[b] < 0 || bt[b] >= NB)
+                return di_fail(ctx, DI_INVALID_ARGUMENT, "mla_decode: block_table[%lld, %lld]=%d outside [0, NB=%lld)",
+                               (long long)s, (long long)b, bt[b], (long long)NB);
+    }
+    if (T == 0 || H == 0) return DI_OK;
+    DecodeJob j;
+    memset(&j, 0, sizeof j);
+    j.a = a; j.T = T; j.H = H; j.Dn = Dn; j.Dr = Dr; j.Dv = Dv; j.Dc = Dc; j.BS = BS; j.scale = a->scale;
+    j.qd = dt_id(a->q.dtype); j.wd = dt_id(a->wkv_b.dtype); j.cd = dt_id(a->cache.dtype); j.od = dt_id(a->out.dtype);
+    j.k = kernels();
+    int nw = pool_size(ctx->pool);
+    int64_t hb = (H + 2 * nw - 1) / (2 * nw);
+    if (T >= 2 * nw) hb = 16;
+    j.hb = hb < 1 ? 1 : hb > 16 ? 16 : hb;
+    j.nhb = (H + j.hb - 1) / j.hb;
+    pool_run(ctx->pool, T * j.nhb, decode_task, &j);
+    if (j.oom) return DI_OOM(ctx, "mla_decode");
+    return DI_OK;
+}

@@ -1,0 +1,200 @@
+/*
+ * Internal header of the deepinfer CPU backend. Nothing here is part of the ABI: the library
+ * exports deepinfer_plugin_info() only (see plugin.c for the layout of the folder).
+ */
+#ifndef DI_CPU_H
+#define DI_CPU_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "deepinfer_abi.h"
+
+#define DI_HIDDEN __attribute__((visibility("hidden")))
+#define DI_CPU_VERSION "1.0.0"
+#define DI_ERR_LEN 512
+
+/* ------------------------------------------------------------------ dtypes */
+/* Dense internal ids of the ABI dtypes, so tables can be indexed by them. */
+enum {
+    DT_INVALID = 0,
+    DT_F32, DT_F16, DT_BF16, DT_E4M3, DT_E5M2, DT_E8M0, DT_E2M1,
+    DT_I4, DT_U4, DT_I8, DT_U8, DT_I32, DT_I64, DT_U64,
+    DT_COUNT
+};
+#define DTM(d) (1u << (d))
+#define DTM_FLOAT_ACT (DTM(DT_F32) | DTM(DT_BF16) | DTM(DT_F16))
+#define DTM_SCALES (DTM(DT_F32) | DTM(DT_BF16) | DTM(DT_F16) | DTM(DT_E8M0) | DTM(DT_E4M3))
+#define DTM_ANY_NUM (((1u << DT_COUNT) - 1u) & ~1u)
+
+DI_HIDDEN int dt_id(DI_DataType t);
+DI_HIDDEN const char* dt_name(int dt);
+DI_HIDDEN int dt_bits(int dt);
+
+/* ------------------------------------------------------------------ scalar conversions */
+DI_HIDDEN float f16_to_f32(uint16_t h);
+DI_HIDDEN uint16_t f32_to_f16(float f);
+DI_HIDDEN float bf16_to_f32(uint16_t h);
+DI_HIDDEN uint16_t f32_to_bf16(float f);
+DI_HIDDEN uint8_t f32_to_e4m3(float f);  /* RNE, saturating to +-448, NaN -> 0x7F */
+DI_HIDDEN uint8_t f32_to_e2m1(float f);  /* RNE, saturating to +-6, 4-bit code */
+DI_HIDDEN uint8_t f32_to_e8m0(float f);  /* ml_dtypes rounding (ties up), 0/neg/NaN -> 0xFF */
+extern DI_HIDDEN float di_lut_e4m3[256];
+extern DI_HIDDEN float di_lut_e5m2[256];
+extern DI_HIDDEN float di_lut_e8m0[256];
+extern DI_HIDDEN float di_lut_e2m1[16];
+DI_HIDDEN void di_init_luts(void);
+
+/* element e (in elements from base) of a row/buffer of dtype dt, as f32 (any dtype) */
+DI_HIDDEN float ld_elem(const void* base, int dt, int64_t e);
+/* elements [c0, c0+n) of a contiguous row as f32 */
+DI_HIDDEN void load_row(int dt, const void* row, int64_t c0, int64_t n, float* out);
+/* n f32 values rounded to dt (f32, bf16, f16) into a contiguous row */
+DI_HIDDEN void store_row(int dt, void* row, const float* in, int64_t n);
+
+/* ------------------------------------------------------------------ contexts and errors */
+typedef struct DI_Pool DI_Pool;
+struct DI_Context {
+    uint32_t magic;
+    int      num_threads;
+    DI_Pool* pool;
+    char     err[DI_ERR_LEN];
+};
+
+/* Records a message for ctx (or the global fallback when ctx is NULL) and returns status. */
+DI_HIDDEN DI_Status di_fail(DI_Context* ctx, DI_Status status, const char* fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+DI_HIDDEN void di_clear(DI_Context* ctx);
+
+/* ------------------------------------------------------------------ thread pool */
+typedef void (*di_task_fn)(void* arg, int64_t task, int worker);
+DI_HIDDEN DI_Pool* pool_create(int nthreads);
+DI_HIDDEN void pool_destroy(DI_Pool* p);
+/* Runs fn(arg, i, worker) for i in [0, ntasks); the caller is worker 0. Blocks until done. */
+DI_HIDDEN void pool_run(DI_Pool* p, int64_t ntasks, di_task_fn fn, void* arg);
+DI_HIDDEN int pool_size(const DI_Pool* p);
+
+/* ------------------------------------------------------------------ validation */
+/* One op call being checked: query mode accepts NULL data pointers on required tensors. */
+typedef struct {
+    DI_Context* ctx;
+    const char* op;
+    int         query;
+} VC;
+
+DI_HIDDEN DI_Status check_header(VC* v, const void* args, uint32_t lib_size, const char* struct_name);
+DI_HIDDEN int tensor_present(const VC* v, const DI_Tensor* t);
+/*
+ * Checks device, ndim in [nlo, nhi], dtype in mask, strides (last 1, others >= 0, even for
+ * 4-bit), shape >= 0, and (unless query mode) a data pointer. quant_ok = 0 rejects a quant
+ * descriptor; 1 validates it (block, scales and zeros shapes).
+ */
+DI_HIDDEN DI_Status check_tensor(VC* v, const DI_Tensor* t, const char* name, int nlo, int nhi,
+                                 uint32_t dtmask, int quant_ok);
+DI_HIDDEN DI_Status check_same_shape(VC* v, const DI_Tensor* a, const char* an, const DI_Tensor* b,
+                                     const char* bn);
+DI_HIDDEN DI_Status check_dim(VC* v, const DI_Tensor* t, const char* name, int d, int64_t want);
+
+/* address of element with flat element offset e (4-bit: e must be even) */
+static inline char* t_base(const DI_Tensor* t) { return (char*)t->data + t->byte_offset; }
+static inline char* t_at(const DI_Tensor* t, int dt, int64_t e) {
+    int b = dt_bits(dt);
+    return t_base(t) + (b == 4 ? e / 2 : e * (b / 8));
+}
+static inline char* t_row(const DI_Tensor* t, int dt, int64_t r) { return t_at(t, dt, r * t->strides[0]); }
+static inline char* t_row2(const DI_Tensor* t, int dt, int64_t i, int64_t j) {
+    return t_at(t, dt, i * t->strides[0] + j * t->strides[1]);
+}
+
+/* ------------------------------------------------------------------ quantized matrices */
+/* A resolved view of the last two dims [R, C] of a (possibly quantized) matrix slice. */
+typedef struct {
+    int         dt;          /* element storage dtype */
+    int64_t     R, C;
+    const char* base;        /* element (0, 0) */
+    int64_t     rs;          /* row stride in elements */
+    int         quant;       /* 0: plain values */
+    int64_t     br, bc;      /* block sizes (>= 1, whole dims resolved) */
+    int64_t     nrb, ncb;    /* number of row/col blocks */
+    int         sdt, zdt;    /* scales / zeros dtype (zdt DT_INVALID when absent) */
+    const char* sbase;       /* scales [nrb, ncb] of this slice */
+    int64_t     srs, scs;    /* scale row stride / col stride in elements */
+    const char* zbase;
+    int64_t     zrs, zcs;
+} QMat;
+
+/* lead = flat index over the leading dims (row-major over shape[0..ndim-3]) */
+DI_HIDDEN void qmat_init(QMat* m, const DI_Tensor* t, int64_t lead);
+DI_HIDDEN int64_t lead_count(const DI_Tensor* t);
+/* element offset of leading index `lead` (dims 0..ndim-3) */
+DI_HIDDEN int64_t lead_offset(const DI_Tensor* t, int64_t lead);
+DI_HIDDEN void store_elem(int dt, void* base, int64_t e, float v);
+/* scales (and zeros, 0 when absent) of row block rb as f32, ncb values each */
+DI_HIDDEN void qmat_scale_row(const QMat* m, int64_t rb, float* s, float* z);
+/* bit-exact dequantized row r of m (C values): (q - z) * s in f32 */
+DI_HIDDEN void qmat_dequant_row(const QMat* m, int64_t r, float* out);
+
+/* ------------------------------------------------------------------ kernels (per ISA) */
+/* y[i] = dot(x[i], w) over K for i < mr (mr <= 4); x rows contiguous f32, w a plain row. */
+typedef struct {
+    const float* x[4];
+    int          mr;
+    const void*  w;        /* row of the weight in its storage dtype */
+    int64_t      K;
+    int64_t      bc;       /* column block size (>= K: one block) */
+    const float* s;        /* per-block scales (NULL: 1) */
+} RowDot;
+typedef void (*rowdot_fn)(const RowDot* a, float* y);
+
+typedef struct {
+    /* C[i * ldc + j] = dot(A[i], B[j]) over K (overwrites); A: M rows (lda), B: N rows (ldb) */
+    void (*gemm_dot)(const float* A, int64_t lda, int M, const float* B, int64_t ldb, int N, int64_t K,
+                     float* C, int64_t ldc);
+    rowdot_fn rowdot[DT_COUNT];  /* fused float-x kernels by weight dtype, NULL = none */
+    int32_t (*dot_i8)(const int8_t* a, const int8_t* b, int64_t n);
+    /* sum over segments s of scale[s] * (exact int32 dot of a, b over [seg[s], seg[s+1])) */
+    float (*dot_i8_seg)(const int8_t* a, const int8_t* b, const int64_t* seg, int64_t nseg, const float* scale);
+    void (*unpack_i4)(const uint8_t* src, int64_t n, int8_t* dst, int sign);  /* n even */
+    void (*axpy)(float a, const float* x, float* y, int64_t n);               /* y += a * x */
+    const char* name;
+} Kernels;
+
+DI_HIDDEN const Kernels* kernels(void);
+DI_HIDDEN void kernels_scalar(Kernels* k);
+DI_HIDDEN int kernels_avx2(Kernels* k);    /* 0 when not compiled in */
+DI_HIDDEN int kernels_avx512(Kernels* k);
+DI_HIDDEN const char* cpu_features(void);
+
+/* ------------------------------------------------------------------ linear engine */
+/* Y[M, N] (ldy) = X[M, K] (ldx, f32) @ dequant(W)^T; W validated 2-d [N, K]. */
+DI_HIDDEN DI_Status lin_f32(DI_Context* ctx, const char* op, const float* X, int64_t ldx, int64_t M,
+                            const DI_Tensor* w, float* Y, int64_t ldy);
+DI_HIDDEN DI_Status check_weight(VC* v, const DI_Tensor* w, const char* name, int64_t N, int64_t K);
+
+/* ------------------------------------------------------------------ ops */
+#define DI_OP_DECL(fn, T) DI_HIDDEN DI_Status fn(DI_Context* ctx, const T* args, int query)
+DI_OP_DECL(op_embedding, DI_EmbeddingArgs);
+DI_OP_DECL(op_rmsnorm, DI_RMSNormArgs);
+DI_OP_DECL(op_linear, DI_LinearArgs);
+DI_OP_DECL(op_quantize, DI_QuantizeArgs);
+DI_OP_DECL(op_dequantize, DI_DequantizeArgs);
+DI_OP_DECL(op_rope, DI_RopeArgs);
+DI_OP_DECL(op_mla_cache_write, DI_MLACacheWriteArgs);
+DI_OP_DECL(op_mla_prefill, DI_MLAPrefillArgs);
+DI_OP_DECL(op_mla_decode, DI_MLADecodeArgs);
+DI_OP_DECL(op_moe_router, DI_MoERouterArgs);
+DI_OP_DECL(op_moe_experts, DI_MoEExpertsArgs);
+DI_OP_DECL(op_add, DI_BinaryArgs);
+DI_OP_DECL(op_mul, DI_BinaryArgs);
+DI_OP_DECL(op_silu_mul, DI_SiluMulArgs);
+DI_OP_DECL(op_concat, DI_ConcatArgs);
+DI_OP_DECL(op_sample, DI_SampleArgs);
+
+/* returned by an op in query mode only: supported, but by a fallback (op_query says SLOW) */
+#define DI_QUERY_SLOW 1000
+
+/* malloc that never returns NULL for n == 0; NULL on failure */
+DI_HIDDEN void* di_malloc(size_t n);
+#define DI_OOM(ctx, op) di_fail((ctx), DI_RESOURCE_EXHAUSTED, "%s: out of host memory for scratch", (op))
+
+#endif

@@ -1,0 +1,351 @@
+/* AVX-512 kernels (F, BW, VL; VNNI for the int8 dot when present). Every function carries a GCC
+ * target attribute, so this file builds with plain -O3 and the code only runs after kernels.c has
+ * checked the CPU. Tails use masked loads, so any K and any block size work. */
+#include "di_cpu.h"
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#include <string.h>
+
+#define TGT "avx512f,avx512bw,avx512vl,avx2,fma,f16c"
+#define K512 __attribute__((target(TGT)))
+#define K512I static inline __attribute__((always_inline, target(TGT)))
+
+/* ------------------------------------------------------------------ weight decoders: 16 at element k */
+K512I __m512 dec_f32(const void* w, int64_t k) { return _mm512_loadu_ps((const float*)w + k); }
+K512I __m512 dec_bf16(const void* w, int64_t k) {
+    __m256i v = _mm256_loadu_si256((const __m256i*)((const uint16_t*)w + k));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+K512I __m512 dec_f16(const void* w, int64_t k) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)w + k)));
+}
+K512I __m512 dec_i8(const void* w, int64_t k) {
+    __m128i v = _mm_loadu_si128((const __m128i*)((const int8_t*)w + k));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+}
+/* 16 nibbles (8 bytes at element k, k even) in element order, one per byte */
+K512I __m128i nib16(const void* w, int64_t k) {
+    __m128i b = _mm_loadl_epi64((const __m128i*)((const uint8_t*)w + k / 2));
+    __m128i m = _mm_set1_epi8(15);
+    return _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
+}
+K512I __m512 dec_i4(const void* w, int64_t k) {
+    __m128i e = _mm_set1_epi8(8);
+    __m128i v = _mm_sub_epi8(_mm_xor_si128(nib16(w, k), e), e);  /* sign-extend 4 -> 8 bits */
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+}
+K512I __m512 dec_u4(const void* w, int64_t k) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nib16(w, k))); }
+K512I __m512 dec_e2m1(const void* w, int64_t k) {
+    /* e2m1 codes -> twice their value as int8 (all integers), then halve */
+    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    __m128i v = _mm_shuffle_epi8(lut, nib16(w, k));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)), _mm512_set1_ps(0.5f));
+}
+K512I __m512 dec_e4m3(const void* w, int64_t k) {
+    /* e4m3 bits moved into an f32's exponent/mantissa fields are the value * 2^-120, subnormals
+     * included, so one shift and one multiply decode exactly (the 0x7f NaN code is not expected
+     * in weights) */
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)((const uint8_t*)w + k)));
+    __m512i mag = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7f)), 20);
+    __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+    __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(0x1p120f));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
+}
+
+/* 32 weights at element k as two vectors: 4-bit rows decode both halves from one 16-byte load */
+#define DEF_PAIR(DEC)                                                                                 \
+    K512I void DEC##_2(const void* w, int64_t k, __m512* a, __m512* b) { *a = DEC(w, k); *b = DEC(w, k + 16); }
+DEF_PAIR(dec_f32)
+DEF_PAIR(dec_bf16)
+DEF_PAIR(dec_f16)
+DEF_PAIR(dec_i8)
+DEF_PAIR(dec_e4m3)
+K512I void nib32(const void* w, int64_t k, __m128i* a, __m128i* b) {
+    __m128i x = _mm_loadu_si128((const __m128i*)((const uint8_t*)w + k / 2)), m = _mm_set1_epi8(15);
+    __m128i lo = _mm_and_si128(x, m), hi = _mm_and_si128(_mm_srli_epi16(x, 4), m);
+    *a = _mm_unpacklo_epi8(lo, hi);
+    *b = _mm_unpackhi_epi8(lo, hi);
+}
+K512I void dec_i4_2(const void* w, int64_t k, __m512* a, __m512* b) {
+    __m128i u, v, e = _mm_set1_epi8(8);
+    nib32(w, k, &u, &v);
+    *a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(_mm_xor_si128(u, e), e)));
+    *b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(_mm_xor_si128(v, e), e)));
+}
+K512I void dec_u4_2(const void* w, int64_t k, __m512* a, __m512* b) {
+    __m128i u, v;
+    nib32(w, k, &u, &v);
+    *a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(u));
+    *b = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+}
+K512I void dec_e2m1_2(const void* w, int64_t k, __m512* a, __m512* b) {
+    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m512 half = _mm512_set1_ps(0.5f);
+    __m128i u, v;
+    nib32(w, k, &u, &v);
+    *a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(lut, u))), half);
+    *b = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(lut, v))), half);
+}
+#define dec2_f32(w, k, a, b) dec_f32_2(w, k, &a, &b)
+#define dec2_bf16(w, k, a, b) dec_bf16_2(w, k, &a, &b)
+#define dec2_f16(w, k, a, b) dec_f16_2(w, k, &a, &b)
+#define dec2_i8(w, k, a, b) dec_i8_2(w, k, &a, &b)
+#define dec2_e4m3(w, k, a, b) dec_e4m3_2(w, k, &a, &b)
+#define dec2_i4(w, k, a, b) dec_i4_2(w, k, &a, &b)
+#define dec2_u4(w, k, a, b) dec_u4_2(w, k, &a, &b)
+#define dec2_e2m1(w, k, a, b) dec_e2m1_2(w, k, &a, &b)
+
+/*
+ * One weight row against up to 4 activation rows. Per column block: accumulate in registers,
+ * then fold into the running total with one FMA by the block's scale. A block's last < 16
+ * elements are done in scalar (4-bit rows cannot be masked-loaded by element).
+ */
+#define DEF_ROWDOT(NAME, DEC, DEC2, DT, BITS)                                                                      \
+    K512I void NAME##_mr(const RowDot* a, float* y, const int MR) {                                  \
+        const float *x0 = a->x[0], *x1 = a->x[MR > 1 ? 1 : 0], *x2 = a->x[MR > 2 ? 2 : 0],            \
+                    *x3 = a->x[MR > 3 ? 3 : 0];                                                       \
+        __m512 t0 = _mm512_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;                                   \
+        float r0 = 0, r1 = 0, r2 = 0, r3 = 0;                                                         \
+        int64_t bi = 0;                                                                               \
+        for (int64_t b0 = 0; b0 < a->K; b0 += a->bc, bi++) {                                          \
+            int64_t b1 = b0 + a->bc < a->K ? b0 + a->bc : a->K, k = b0;                               \
+            __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;                               \
+            float s0 = 0, s1 = 0, s2 = 0, s3 = 0;                                                     \
+            /* two accumulator sets: one FMA chain per row would wait on FMA latency */       \
+            __m512 d0 = c0, d1 = c0, d2 = c0, d3 = c0;                                            \
+            for (; k + 32 <= b1; k += 32) {                                                   \
+                _mm_prefetch((const char*)a->w + ((k * BITS) >> 3) + 4096, _MM_HINT_T0);      \
+                __m512 wv, wu;                                                                \
+                DEC2(a->w, k, wv, wu);                                                        \
+                c0 = _mm512_fmadd_ps(_mm512_loadu_ps(x0 + k), wv, c0);                                                  \
+                d0 = _mm512_fmadd_ps(_mm512_loadu_ps(x0 + k + 16), wu, d0);                                             \
+                if (MR > 1) { c1 = _mm512_fmadd_ps(_mm512_loadu_ps(x1 + k), wv, c1); d1 = _mm512_fmadd_ps(_mm512_loadu_ps(x1 + k + 16), wu, d1); } \
+                if (MR > 2) { c2 = _mm512_fmadd_ps(_mm512_loadu_ps(x2 + k), wv, c2); d2 = _mm512_fmadd_ps(_mm512_loadu_ps(x2 + k + 16), wu, d2); } \
+                if (MR > 3) { c3 = _mm512_fmadd_ps(_mm512_loadu_ps(x3 + k), wv, c3); d3 = _mm512_fmadd_ps(_mm512_loadu_ps(x3 + k + 16), wu, d3); } \
+            }                                                                                 \
+            c0 = _mm512_add_ps(c0, d0); c1 = _mm512_add_ps(c1, d1); c2 = _mm512_add_ps(c2, d2); c3 = _mm512_add_ps(c3, d3);               \
+            for (; k + 16 <= b1; k += 16) {                                                           \
+                /* without huge pages the hardware prefetcher stops at every 4 KiB page; a     \
+                 * software prefetch 4 KiB ahead keeps DRAM streaming (2x on GEMV) */         \
+                _mm_prefetch((const char*)a->w + ((k * BITS) >> 3) + 4096, _MM_HINT_T0);      \
+                __m512 wv = DEC(a->w, k);                                                             \
+                c0 = _mm512_fmadd_ps(_mm512_loadu_ps(x0 + k), wv, c0);                                \
+                if (MR > 1) c1 = _mm512_fmadd_ps(_mm512_loadu_ps(x1 + k), wv, c1);                    \
+                if (MR > 2) c2 = _mm512_fmadd_ps(_mm512_loadu_ps(x2 + k), wv, c2);                    \
+                if (MR > 3) c3 = _mm512_fmadd_ps(_mm512_loadu_ps(x3 + k), wv, c3);                    \
+            }                                                                                         \
+            for (; k < b1; k++) {                                                                     \
+                float wv = ld_elem(a->w, DT, k);                                                      \
+                s0 += x0[k] * wv;                                                                     \
+                if (MR > 1) s1 += x1[k] * wv;                                                         \
+                if (MR > 2) s2 += x2[k] * wv;                                                         \
+                if (MR > 3) s3 += x3[k] * wv;                                                         \
+            }                                                                                         \
+            float s = a->s ? a->s[bi] : 1.0f;                                                         \
+            __m512 sv = _mm512_set1_ps(s);                                                            \
+            t0 = _mm512_fmadd_ps(c0, sv, t0); r0 += s0 * s;                                           \
+            if (MR > 1) { t1 = _mm512_fmadd_ps(c1, sv, t1); r1 += s1 * s; }                           \
+            if (MR > 2) { t2 = _mm512_fmadd_ps(c2, sv, t2); r2 += s2 * s; }                           \
+            if (MR > 3) { t3 = _mm512_fmadd_ps(c3, sv, t3); r3 += s3 * s; }                           \
+        }                                                                                             \
+        y[0] = _mm512_reduce_add_ps(t0) + r0;                                                         \
+        if (MR > 1) y[1] = _mm512_reduce_add_ps(t1) + r1;                                             \
+        if (MR > 2) y[2] = _mm512_reduce_add_ps(t2) + r2;                                             \
+        if (MR > 3) y[3] = _mm512_reduce_add_ps(t3) + r3;                                             \
+    }                                                                                                 \
+    static K512 void NAME(const RowDot* a, float* y) {                                                \
+        switch (a->mr) {                                                                              \
+        case 1: NAME##_mr(a, y, 1); break;                                                            \
+        case 2: NAME##_mr(a, y, 2); break;                                                            \
+        case 3: NAME##_mr(a, y, 3); break;                                                            \
+        default: NAME##_mr(a, y, 4); break;                                                           \
+        }                                                                                             \
+    }
+
+DEF_ROWDOT(rowdot_f32, dec_f32, dec2_f32, DT_F32, 32)
+DEF_ROWDOT(rowdot_bf16, dec_bf16, dec2_bf16, DT_BF16, 16)
+DEF_ROWDOT(rowdot_f16, dec_f16, dec2_f16, DT_F16, 16)
+DEF_ROWDOT(rowdot_i8, dec_i8, dec2_i8, DT_I8, 8)
+DEF_ROWDOT(rowdot_i4, dec_i4, dec2_i4, DT_I4, 4)
+DEF_ROWDOT(rowdot_u4, dec_u4, dec2_u4, DT_U4, 4)
+DEF_ROWDOT(rowdot_e2m1, dec_e2m1, dec2_e2m1, DT_E2M1, 4)
+DEF_ROWDOT(rowdot_e4m3, dec_e4m3, dec2_e4m3, DT_E4M3, 8)
+
+/* ------------------------------------------------------------------ f32 dot-product GEMM */
+/* C[i, j] = A[i] . B[j] for MR x NR rows, K with a masked tail */
+K512I void dot_block(const float* A, int64_t lda, const float* B, int64_t ldb, int64_t K, float* C, int64_t ldc,
+                     const int MR, const int NR) {
+    __m512 acc[4][4];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 b[4];
+        for (int j = 0; j < NR; j++) b[j] = _mm512_loadu_ps(B + j * ldb + k);
+        for (int i = 0; i < MR; i++) {
+            __m512 av = _mm512_loadu_ps(A + i * lda + k);
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm512_fmadd_ps(av, b[j], acc[i][j]);
+        }
+    }
+    if (k < K) {
+        __mmask16 m = (__mmask16)((1u << (K - k)) - 1u);
+        __m512 b[4];
+        for (int j = 0; j < NR; j++) b[j] = _mm512_maskz_loadu_ps(m, B + j * ldb + k);
+        for (int i = 0; i < MR; i++) {
+            __m512 av = _mm512_maskz_loadu_ps(m, A + i * lda + k);
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm512_fmadd_ps(av, b[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) C[i * ldc + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+static K512 void gemm_dot_512(const float* A, int64_t lda, int M, const float* B, int64_t ldb, int N, int64_t K,
+                              float* C, int64_t ldc) {
+    int i = 0;
+    for (; i + 4 <= M; i += 4) {
+        int j = 0;
+        for (; j + 4 <= N; j += 4) dot_block(A + i * lda, lda, B + j * ldb, ldb, K, C + i * ldc + j, ldc, 4, 4);
+        for (; j < N; j++) dot_block(A + i * lda, lda, B + j * ldb, ldb, K, C + i * ldc + j, ldc, 4, 1);
+    }
+    for (; i < M; i++) {
+        int j = 0;
+        for (; j + 4 <= N; j += 4) dot_block(A + i * lda, lda, B + j * ldb, ldb, K, C + i * ldc + j, ldc, 1, 4);
+        for (; j < N; j++) dot_block(A + i * lda, lda, B + j * ldb, ldb, K, C + i * ldc + j, ldc, 1, 1);
+    }
+}
+
+/* ------------------------------------------------------------------ int8 dot and int4 unpack */
+static K512 int32_t dot_i8_512(const int8_t* a, const int8_t* b, int64_t n) {
+    __m512i acc = _mm512_setzero_si512();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(a + i)));
+        __m512i y = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(b + i)));
+        acc = _mm512_add_epi32(acc, _mm512_madd_epi16(x, y));
+    }
+    int32_t s = _mm512_reduce_add_epi32(acc);
+    for (; i < n; i++) s += (int32_t)a[i] * (int32_t)b[i];
+    return s;
+}
+
+/* VNNI: vpdpwssd fuses the pairwise multiply-add and the accumulate; int16 operands keep it
+ * exact for every int8 value (the u8 x s8 form would need a bias correction and cannot take -128) */
+static __attribute__((target(TGT ",avx512vnni"))) int32_t dot_i8_vnni(const int8_t* a, const int8_t* b, int64_t n) {
+    __m512i acc0 = _mm512_setzero_si512(), acc1 = acc0;
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        __m512i x0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(a + i)));
+        __m512i y0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(b + i)));
+        __m512i x1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(a + i + 32)));
+        __m512i y1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(b + i + 32)));
+        acc0 = _mm512_dpwssd_epi32(acc0, x0, y0);
+        acc1 = _mm512_dpwssd_epi32(acc1, x1, y1);
+    }
+    for (; i + 32 <= n; i += 32) {
+        __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(a + i)));
+        __m512i y = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(b + i)));
+        acc0 = _mm512_dpwssd_epi32(acc0, x, y);
+    }
+    int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(acc0, acc1));
+    for (; i < n; i++) s += (int32_t)a[i] * (int32_t)b[i];
+    return s;
+}
+
+/* per segment: exact int32 lanes, converted and scaled once; one horizontal sum per row */
+#define DEF_DOT_SEG(NAME, ATTR, MAC)                                                                   \
+    static ATTR float NAME(const int8_t* a, const int8_t* b, const int64_t* seg, int64_t nseg,         \
+                           const float* scale) {                                                       \
+        __m512 tot = _mm512_setzero_ps();                                                              \
+        float tail = 0.0f;                                                                             \
+        for (int64_t s = 0; s < nseg; s++) {                                                           \
+            int64_t k = seg[s], k1 = seg[s + 1];                                                       \
+            __m512i acc = _mm512_setzero_si512();                                                      \
+            for (; k + 32 <= k1; k += 32) {                                                            \
+                __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(a + k)));         \
+                __m512i y = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(b + k)));         \
+                acc = MAC(acc, x, y);                                                                  \
+            }                                                                                          \
+            int32_t t = 0;                                                                             \
+            for (; k < k1; k++) t += (int32_t)a[k] * (int32_t)b[k];                                    \
+            tot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(scale[s]), tot);             \
+            tail += (float)t * scale[s];                                                               \
+        }                                                                                              \
+        return _mm512_reduce_add_ps(tot) + tail;                                                       \
+    }
+#define MAC_MADD(acc, x, y) _mm512_add_epi32(acc, _mm512_madd_epi16(x, y))
+#define MAC_VNNI(acc, x, y) _mm512_dpwssd_epi32(acc, x, y)
+DEF_DOT_SEG(dot_i8_seg_512, K512, MAC_MADD)
+DEF_DOT_SEG(dot_i8_seg_vnni, __attribute__((target(TGT ",avx512vnni"))), MAC_VNNI)
+
+static K512 void unpack_i4_512(const uint8_t* src, int64_t n, int8_t* dst, int sign) {
+    const __m128i m = _mm_set1_epi8(15), e = _mm_set1_epi8(8);
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m128i b = _mm_loadu_si128((const __m128i*)(src + i / 2));
+        __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+        __m128i v0 = _mm_unpacklo_epi8(lo, hi), v1 = _mm_unpackhi_epi8(lo, hi);
+        if (sign) {
+            v0 = _mm_sub_epi8(_mm_xor_si128(v0, e), e);
+            v1 = _mm_sub_epi8(_mm_xor_si128(v1, e), e);
+        }
+        _mm_storeu_si128((__m128i*)(dst + i), v0);
+        _mm_storeu_si128((__m128i*)(dst + i + 16), v1);
+    }
+    for (; i + 1 < n; i += 2) {
+        int lo = src[i / 2] & 15, hi = src[i / 2] >> 4;
+        if (sign) { lo = lo >= 8 ? lo - 16 : lo; hi = hi >= 8 ? hi - 16 : hi; }
+        dst[i] = (int8_t)lo;
+        dst[i + 1] = (int8_t)hi;
+    }
+}
+
+static K512 void axpy_512(float a, const float* x, float* y, int64_t n) {
+    __m512 av = _mm512_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+    if (i < n) {
+        __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
+        _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i)));
+    }
+}
+
+int kernels_avx512(Kernels* k) {
+    k->axpy = axpy_512;
+    k->gemm_dot = gemm_dot_512;
+    k->rowdot[DT_F32] = rowdot_f32;
+    k->rowdot[DT_BF16] = rowdot_bf16;
+    k->rowdot[DT_F16] = rowdot_f16;
+    k->rowdot[DT_I8] = rowdot_i8;
+    k->rowdot[DT_I4] = rowdot_i4;
+    k->rowdot[DT_U4] = rowdot_u4;
+    k->rowdot[DT_E2M1] = rowdot_e2m1;
+    k->rowdot[DT_E4M3] = rowdot_e4m3;
+    k->dot_i8 = dot_i8_512;
+    k->dot_i8_seg = dot_i8_seg_512;
+    if (__builtin_cpu_supports("avx512vnni")) {
+        k->dot_i8 = dot_i8_vnni;
+        k->dot_i8_seg = dot_i8_seg_vnni;
+    }
+    k->unpack_i4 = unpack_i4_512;
+    k->name = __builtin_cpu_supports("avx512vnni") ? "avx512+vnni" : "avx512";
+    return 1;
+}
+
+#else
+static K512 void axpy_512(float a, const float* x, float* y, int64_t n) {
+    __m512 av = _mm512_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+    if (i < n) {
+        __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
+        _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i)));
+    }
+}
+
+int kernels_avx512(Kernels* k) {
+    k->axpy = axpy_512; (void)k; return 0; }
+#endif

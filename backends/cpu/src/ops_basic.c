@@ -1,0 +1,561 @@
+/* The small ops: embedding, rmsnorm, rope, add, mul, silu_mul, concat, mla_cache_write,
+ * moe_router and sample. All math in f32 (double where a long sum would drift), one rounding to
+ * the output dtype at the end. Inputs are read into f32 row buffers before any output of that
+ * row is written, which is what makes the allowed aliasing (out == x, residual_out == residual)
+ * safe. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "di_cpu.h"
+
+/* element offset of row r of t, rows being every dim but the last */
+static int64_t row_off(const DI_Tensor* t, int64_t r) {
+    int64_t off = 0;
+    for (int i = t->ndim - 2; i >= 0; i--) {
+        int64_t n = t->shape[i];
+        off += (r % n) * t->strides[i];
+        r /= n;
+    }
+    return off;
+}
+static int64_t n_rows(const DI_Tensor* t) {
+    int64_t n = 1;
+    for (int i = 0; i < t->ndim - 1; i++) n *= t->shape[i];
+    return n;
+}
+static int64_t n_cols(const DI_Tensor* t) { return t->ndim ? t->shape[t->ndim - 1] : 1; }
+static char* row_ptr(const DI_Tensor* t, int dt, int64_t r) { return t_at(t, dt, row_off(t, r)); }
+
+/* scratch: nw buffers of n floats each */
+typedef struct { float* mem; size_t per; } Scratch;
+static int scratch_init(Scratch* s, DI_Context* ctx, int64_t n) {
+    s->per = (size_t)(n > 0 ? n : 1);
+    s->mem = di_malloc((size_t)pool_size(ctx->pool) * s->per * sizeof(float));
+    return s->mem != NULL;
+}
+static float* scratch_get(const Scratch* s, int worker, int i) { return s->mem + (size_t)worker * s->per + (size_t)i; }
+
+/* tasks of `per` rows out of `rows` */
+static int64_t chunks(int64_t rows, int64_t cols, int64_t* per) {
+    int64_t p = cols >= 8192 ? 1 : 8192 / (cols ? cols : 1);
+    if (p < 1) p = 1;
+    *per = p;
+    return (rows + p - 1) / p;
+}
+
+/* ------------------------------------------------------------------ embedding */
+DI_Status op_embedding(DI_Context* ctx, const DI_EmbeddingArgs* a, int query) {
+    VC v = {ctx, "embedding", query};
+    DI_Status st;
+    if ((st = check_tensor(&v, &a->ids, "ids", 1, 1, DTM(DT_I32), 0))) return st;
+    if ((st = check_tensor(&v, &a->table, "table", 2, 2, DTM_FLOAT_ACT, 0))) return st;
+    if ((st = check_tensor(&v, &a->out, "out", 2, 2, DTM_FLOAT_ACT, 0))) return st;
+    int64_t T = a->ids.shape[0], V = a->table.shape[0], H = a->table.shape[1];
+    if ((st = check_dim(&v, &a->out, "out", 0, T))) return st;
+    if ((st = check_dim(&v, &a->out, "out", 1, H))) return st;
+    if (query) return DI_OK;
+    int td = dt_id(a->table.dtype), od = dt_id(a->out.dtype);
+    const int32_t* ids = (const int32_t*)t_base(&a->ids);
+    float* buf = td == od ? NULL : di_malloc((size_t)(H ? H : 1) * sizeof(float));
+    if (td != od && !buf) return DI_OOM(ctx, "embedding");
+    size_t rb = (size_t)H * (size_t)(dt_bits(od) / 8);
+    for (int64_t t = 0; t < T; t++) {
+        int32_t id = ids[t * a->ids.strides[0]];
+        char* o = t_row(&a->out, od, t);
+        if (id < 0 || id >= V) { memset(o, 0, rb); continue; }
+        const char* src = t_row(&a->table, td, id);
+        if (td == od) memcpy(o, src, rb);
+        else { load_row(td, src, 0, H, buf); store_row(od, o, buf, H); }
+    }
+    free(buf);
+    return DI_OK;
+}
+
+/* ------------------------------------------------------------------ rmsnorm */
+typedef struct {
+    const DI_RMSNormArgs* a;
+    int xd, wd, rd, od, rod, has_res, has_ro;
+    int64_t H, per, T;
+    const float* w;
+    Scratch s;
+} NormJob;
+
+static void rmsnorm_task(void* arg, int64_t task, int worker) {
+    const NormJob* j = (const NormJob*)arg;
+    const DI_RMSNormArgs* a = j->a;
+    float* sbuf = scratch_get(&j->s, worker, 0);
+    float* rbuf = sbuf + j->H;
+    int64_t t1 = (task + 1) * j->per < j->T ? (task + 1) * j->per : j->T;
+    for (int64_t t = task * j->per; t < t1; t++) {
+        load_row(j->xd, t_row(&a->x, j->xd, t), 0, j->H, sbuf);
+        if (j->has_res) {
+            load_row(j->rd, t_row(&a->residual, j->rd, t), 0, j->H, rbuf);
+            for (int64_t h = 0; h < j->H; h++) sbuf[h] += rbuf[h];
+        }
+        double ss = 0.0;
+        for (int64_t h = 0; h < j->H; h++) ss += (double)sbuf[h] * sbuf[h];
+        float r = 1.0f / sqrtf((float)(ss / (double)(j->H ? j->H : 1)) + a->eps);
+        if (j->has_ro) store_row(j->rod, t_row(&a->residual_out, j->rod, t), sbuf, j->H);
+        for (int64_t h = 0; h < j->H; h++) rbuf[h] = sbuf[h] * r * j->w[h];
+        store_row(j->od, t_row(&a->out, j->od, t), rbuf, j->H);
+    }
+}
+
+DI_Status op_rmsnorm(DI_Context* ctx, const DI_RMSNormArgs* a, int query) {
+    VC v = {ctx, "rmsnorm", query};
+    DI_Status st;
+    if ((st = check_tensor(&v, &a->x, "x", 2, 2, DTM_FLOAT_ACT, 0))) return st;
+    if ((st = check_tensor(&v, &a->weight, "weight", 1, 1, DTM_FLOAT_ACT, 0))) return st;
+    if ((st = check_dim(&v, &a->weight, "weight", 0, a->x.shape[1]))) return st;
+    int has_res = tensor_present(&v, &a->residual), has_ro = tensor_present(&v, &a->residual_out);
+    if (has_res) {
+        if ((st = check_tensor(&v, &a->residual, "residual", 2, 2, DTM_FLOAT_ACT, 0))) return st;
+        if ((st = check_same_shape(&v, &a->x, "x", &a->residual, "residual"))) return st;
+    }
+    if (has_ro) {
+        if ((st = check_tensor(&v, &a->residual_out, "residual_out", 2, 2, DTM_FLOAT_ACT, 0))) return st;
+        if ((st = check_same_shape(&v, &a->x, "x", &a->residual_out, "residual_out"))) return st;
+    }
+    if ((st = check_tensor(&v, &a->out, "out", 2, 2, DTM_FLOAT_ACT, 0))) return st;
+    if ((st = check_same_shape(&v, &a->x, "x", &a->out, "out"))) return st;
+    if (!isfinite(a->eps) || a->eps < 0.0f)
+        return di_fail(ctx, DI_INVALID_ARGUMENT, "rmsnorm: eps=%g must be finite and >= 0", (double)a->eps);
+    if (query) return DI_OK;
+    NormJob j;
+    memset(&j, 0, sizeof j);
+    j.a = a;
+    j.xd = dt_id(a->x.dtype); j.wd = dt_id(a->weight.dtype); j.od = dt_id(a->out.dtype);
+    j.rd = has_res ? dt_id(a->residual.dtype) : 0;
+    j.rod = has_ro ? dt_id(a->residual_out.dtype) : 0;
+    j.has_res = has_res; j.has_ro = has_ro;
+    j.T = a->x.shape[0]; j.H = a->x.shape[1];
+    float* w = di_malloc((size_t)(j.H ? j.H : 1) * sizeof(float));
+    if (!w || !scratch_init(&j.s, ctx, 2 * j.H)) { free(w); return DI_OOM(ctx, "rmsnorm"); }
+    load_row(j.wd, t_base(&a->weight), 0, j.H, w);
+    j.w = w;
+    int64_t nt = chunks(j.T, j.H, &j.per);
+    pool_run(ctx->pool, nt, rmsnorm_task, &j);
+    free(w);
+    free(j.s.mem);
+    return DI_OK;
+}
+
+/* ------------------------------------------------------------------ elementwise (add, mul, silu_mul) */
+enum { EW_ADD, EW_MUL, EW_SILU_MUL };
+typedef struct {
+    const DI_Tensor *a, *b, *out;
+    int ad, bd, od, kind;
+    int64_t C, rows, per;
+    Scratch s;
+} EwJob;
+
+static void ew_task(void* arg, int64_t task, int worker) {
+    const EwJob* j = (const EwJob*)arg;
+    float* x = scratch_get(&j->s, worker, 0);
+    float* y = x + j->C;
+    int64_t r1 = (task + 1) * j->per < j->rows ? (task + 1) * j->per : j->rows;
+    for (int64_t r = task * j->per; r < r1; r++) {
+        load_row(j->ad, row_ptr(j->a, j->ad, r), 0, j->C, x);
+        load_row(j->bd, row_ptr(j->b, j->bd, r), 0, j->C, y);
+        switch (j->kind) {
+        case EW_ADD: for (int64_t c = 0; c < j->C; c++) x[c] += y[c]; break;
+        case EW_MUL: for (int64_t c = 0; c < j->C; c++) x[c] *= y[c]; break;
+        default:
+            for (int64_t c = 0; c < j->C; c++) x[c] = x[c] / (1.0f + expf(-x[c])) * y[c];
+        }
+        store_row(j->od, row_ptr(j->out, j->od, r), x, j->C);
+    }
+}
+
+static DI_Status ew_run(DI_Context* ctx, VC* v, const DI_Tensor* a, const char* an, const DI_Tensor* b,
+                        const char* bn, const DI_Tensor* out, int kind, int nlo, int nhi) {
+    DI_Status st;
+    if ((st = check_tensor(v, a, an, nlo, nhi, DTM_FLOAT_ACT, 0))) return st;
+    if ((st = check_tensor(v, b, bn, nlo, nhi, DTM_FLOAT_ACT, 0))) return st;
+    if ((st = check_same_shape(v, a, an, b, bn))) return st;
+    if ((st = check_tensor(v, out, "out", nlo, nhi, DTM_FLOAT_ACT, 0))) return st;
+    if ((st = check_same_shape(v, a, an, out, "out"))) return st;
+    if (v->query) return DI_OK;
+    EwJob j;
+    memset(&j, 0, sizeof j);
+    j.a = a; j.b = b; j.out = out; j.kind = kind;
+    j.ad = dt_id(a->dtype); j.bd = dt_id(b->dtype); j.od = dt_id(out->dtype);
+    j.C = n_cols(a);
+    j.rows = n_rows(a);
+    if (!j.rows || !j.C) return DI_OK;
+    if (!scratch_init(&j.s, ctx, 2 * j.C)) return DI_OOM(ctx, v->op);
+    pool_run(ctx->pool, chunks(j.rows, j.C, &j.per), ew_task, &j);
+    free(j.s.mem);
+    return DI_OK;
+}
+
+DI_Status op_add(DI_Context* ctx, const DI_BinaryArgs* a, int query) {
+    VC v = {ctx, "add", query};
+    return ew_run(ctx, &v, &a->a, "a", &a->b, "b", &a->out, EW_ADD, 0, DI_MAX_DIMS);
+}
+DI_Status op_mul(DI_Context* ctx, const DI_BinaryArgs* a, int query) {
+    VC v = {ctx, "mul", query};
+    return ew_run(ctx, &v, &a->a, "a", &a->b, "b", &a->out, EW_MUL, 0, DI_MAX_DIMS);
+}
+DI_Status op_silu_mul(DI_Context* ctx, const DI_SiluMulArgs* a, int query) {
+    VC v = {ctx, "silu_mul", query};
+    return ew_run(ctx, &v, &a->gate, "gate", &a->up, "up", &a->out, EW_SILU_MUL, 2, 2);
+}
+
+/* ------------------------------------------------------------------ concat */
+DI_Status op_concat(DI_Context* ctx, const DI_ConcatArgs* a, int query) {
+    VC v = {ctx, "concat", query};
+    DI_Status st;
+    if ((st = check_tensor(&v, &a->a, "a", 2, 2, DTM_FLOAT_ACT, 0))) return st;
+    if ((st = check_tensor(&v, &a->b, "b", 2, 2, DTM_FLOAT_ACT, 0))) return st;
+    if ((st = check_tensor(&v, &a->out, "out", 2, 2, DTM_FLOAT_ACT, 0))) return st;
+    int64_t T = a->a.shape[0], A = a->a.shape[1], B = a->b.shape[1];
+    if ((st = check_dim(&v, &a->b, "b", 0, T))) return st;
+    if ((st = check_dim(&v, &a->out, "out", 0, T))) return st;
+    if ((st = check_dim(&v, &a->out, "out", 1, A + B))) return st;
+    if (query) return DI_OK;
+    int ad = dt_id(a->a.dtype), bd = dt_id(a->b.dtype), od = dt_id(a->out.dtype);
+    float* buf = di_malloc((size_t)(A + B + 1) * sizeof(float));
+    if (!buf) return DI_OOM(ctx, "concat");
+    for (int64_t t = 0; t < T; t++) {
+        load_row(ad, t_row(&a->a, ad, t), 0, A, buf);
+        load_row(bd, t_row(&a->b, bd, t), 0, B, buf + A);
+        store_row(od, t_row(&a->out, od, t), buf, A + B);
+    }
+    free(buf);
+    return DI_OK;
+}
+
+/* ------------------------------------------------------------------ rope */
+typedef struct {
+    const DI_RopeArgs* a;
+    int xd, od, inter;
+    int64_t T, H, D;
+    const double* inv;
+    const int32_t* pos;
+    int64_t pos_stride;
+    Scratch s;
+} RopeJob;
+
+static void rope_task(void* arg, int64_t t, int worker) {
+    const RopeJob* j = (const RopeJob*)arg;
+    const DI_RopeArgs* a = j->a;
+    int64_t half = j->D / 2;
+    float* c = scratch_get(&j->s, worker, 0);
+    float* s = c + half;
+    float* row = s + half;
+    double p = (double)j->pos[t * j->pos_stride];
+    for (int64_t i = 0; i < half; i++) {
+        /* f64 angles: large positions lose whole radians' worth of bits in f32 (the reference
+         * computes the exact value in f64 too) */
+        double ang = p * j->inv[i];
+        c[i] = (float)(cos(ang) * (double)a->attn_factor);
+        s[i] = (float)(sin(ang) * (double)a->attn_factor);
+    }
+    for (int64_t h = 0; h < j->H; h++) {
+        int64_t xo = t * a->x.strides[0] + (a->x.ndim == 3 ? h * a->x.strides[1] : 0);
+        int64_t oo = t * a->out.strides[0] + (a->out.ndim == 3 ? h * a->out.strides[1] : 0);
+        load_row(j->xd, t_at(&a->x, j->xd, xo), 0, j->D, row);
+        for (int64_t i = 0; i < half; i++) {
+            int64_t iu = j->inter ? 2 * i : i, iv = j->inter ? 2 * i + 1 : i + half;
+            float u = row[iu], vv = row[iv];
+            row[iu] = u * c[i] - vv * s[i];
+            row[iv] = vv * c[i] + u * s[i];
+        }
+        store_row(j->od, t_at(&a->out, j->od, oo), row, j->D);
+    }
+}
+
+DI_Status op_rope(DI_Context* ctx, const DI_RopeArgs* a, int query) {
+    VC v = {ctx, "rope", query};
+    DI_Status st;
+    if ((st = check_tensor(&v, &a->x, "x", 2, 3, DTM_FLOAT_ACT, 0))) return st;
+    if ((st = check_tensor(&v, &a->positions, "positions", 1, 1, DTM(DT_I32), 0))) return st;
+    if ((st = check_dim(&v, &a->positions, "positions", 0, a->x.shape[0]))) return st;
+    if ((st = check_tensor(&v, &a->out, "out", 2, 3, DTM_FLOAT_ACT, 0))) return st;
+    if ((st = check_same_shape(&v, &a->x, "x", &a->out, "out"))) return st;
+    int64_t D = a->x.shape[a->x.ndim - 1];
+    if (D % 2) return di_fail(ctx, DI_INVALID_ARGUMENT, "rope: the rotated dim D=%lld must be even", (long long)D);
+    if (a->interleaved != 0 && a->interleaved != 1)
+        return di_fail(ctx, DI_INVALID_ARGUMENT, "rope: interleaved=%d, expected 0 or 1", a->interleaved);
+    if (a->scaling != DI_ROPE_NONE && a->scaling != DI_ROPE_YARN)
+        return di_fail(ctx, DI_UNIMPLEMENTED, "rope: scaling=%d is not implemented (0 none, 1 yarn)", a->scaling);
+    if (!(a->theta > 0.0f) || !isfinite(a->theta))
+        return di_fail(ctx, DI_INVALID_ARGUMENT, "rope: theta=%g must be positive", (double)a->theta);
+    if (a->scaling == DI_ROPE_YARN && (!(a->factor > 0.0f) || a->original_max_position <= 0 ||
+                                       !(a->beta_fast > 0.0f) || !(a->beta_slow > 0.0f)))
+        return di_fail(ctx, DI_INVALID_ARGUMENT, "rope: yarn needs factor > 0, original_max_position > 0 and "
+                       "beta_fast, beta_slow > 0 (got %g, %d, %g, %g)", (double)a->factor,
+                       a->original_max_position, (double)a->beta_fast, (double)a->beta_slow);
+    if (query) return DI_OK;
+    RopeJob j;
+    memset(&j, 0, sizeof j);
+    j.a = a;
+    j.xd = dt_id(a->x.dtype); j.od = dt_id(a->out.dtype);
+    j.inter = a->interleaved;
+    j.T = a->x.shape[0]; j.H = a->x.ndim == 3 ? a->x.shape[1] : 1; j.D = D;
+    j.pos = (const int32_t*)t_base(&a->positions);
+    j.pos_stride = a->positions.strides[0];
+    if (!j.T || !D) return DI_OK;
+    int64_t half = D / 2;
+    double* inv = di_malloc((size_t)half * sizeof(double));
+    if (!inv || !scratch_init(&j.s, ctx, 2 * half + D)) { free(inv); return DI_OOM(ctx, "rope"); }
+    double th = a->theta, low = 0, high = 0;
+    if (a->scaling == DI_ROPE_YARN) {
+        double omp = a->original_max_position;
+        double dl = D * log(omp / (2 * M_PI * a->beta_fast)) / (2 * log(th));
+        double dh = D * log(omp / (2 * M_PI * a->beta_slow)) / (2 * log(th));
+        low = floor(dl); high = ceil(dh);
+        if (low < 0) low = 0;
+        if (low > D - 1) low = (double)(D - 1);
+        if (high < 0) high = 0;
+        if (high > D - 1) high = (double)(D - 1);
+        if (low == high) high += 0.001;
+    }
+    for (int64_t i = 0; i < half; i++) {
+        double f = pow(th, -2.0 * (double)i / (double)D);
+        if (a->scaling == DI_ROPE_YARN) {
+            double r = ((double)i - low) / (high - low);
+            r = r < 0 ? 0 : r > 1 ? 1 : r;
+            f = f / a->factor * r + f * (1 - r);
+        }
+        inv[i] = f;
+    }
+    j.inv = inv;
+    pool_run(ctx->pool, j.T, rope_task, &j);
+    free(inv);
+    free(j.s.mem);
+    return DI_OK;
+}
+
+/* ------------------------------------------------------------------ mla_cache_write */
+DI_Status op_mla_cache_write(DI_Context* ctx, const DI_MLACacheWriteArgs* a, int query) {
+    VC v = {ctx, "mla_cache_write", query};
+    DI_Status st;
+    if ((st = check_tensor(&v, &a->latent, "latent", 2, 2, DTM_FLOAT_ACT, 0))) return st;
+    if ((st = check_tensor(&v, &a->k_pe, "k_pe", 2, 2, DTM_FLOAT_ACT, 0))) return st;
+    if ((st = check_tensor(&v, &a->slots, "slots", 1, 1, DTM(DT_I32), 0))) return st;
+    if ((st = check_tensor(&v, &a->cache, "cache", 3, 3, DTM_FLOAT_ACT, 0))) return st;
+    int64_t T = a->latent.shape[0], Dc = a->latent.shape[1], Dr = a->k_pe.shape[1];
+    if ((st = check_dim(&v, &a->k_pe, "k_pe", 0, T))) return st;
+    if ((st = check_dim(&v, &a->slots, "slots", 0, T))) return st;
+    if ((st = check_dim(&v, &a->cache, "cache", 2, Dc + Dr))) return st;
+    if (query) return DI_OK;
+    int64_t NB = a->cache.shape[0], BS = a->cache.shape[1];
+    const int32_t* slots = (const int32_t*)t_base(&a->slots);
+    for (int64_t t = 0; t < T; t++) {
+        int64_t s = slots[t * a->slots.strides[0]];
+        if (s >= NB * BS)
+            return di_fail(ctx, DI_INVALID_ARGUMENT, "mla_cache_write: slots[%lld]=%lld >= NB*BS=%lld", (long long)t,
+                           (long long)s, (long long)(NB * BS));
+    }
+    int ld = dt_id(a->latent.dtype), kd = dt_id(a->k_pe.dtype), cd = dt_id(a->cache.dtype);
+    float* buf = di_malloc((size_t)(Dc + Dr + 1) * sizeof(float));
+    if (!buf) return DI_OOM(ctx, "mla_cache_write");
+    for (int64_t t = 0; t < T; t++) {
+        int64_t s = slots[t * a->slots.strides[0]];
+        if (s < 0) continue;
+        load_row(ld, t_row(&a->latent, ld, t), 0, Dc, buf);
+        load_row(kd, t_row(&a->k_pe, kd, t), 0, Dr, buf + Dc);
+        store_row(cd, t_row2(&a->cache, cd, s / BS, s % BS), buf, Dc + Dr);
+    }
+    free(buf);
+    return DI_OK;
+}
+
+/* ------------------------------------------------------------------ moe_router */
+DI_Status op_moe_router(DI_Context* ctx, const DI_MoERouterArgs* a, int query) {
+    VC v = {ctx, "moe_router", query};
+    DI_Status st;
+    if ((st = check_tensor(&v, &a->logits, "logits", 2, 2, DTM(DT_F32), 0))) return st;
+    int64_t T = a->logits.shape[0], E = a->logits.shape[1];
+    int has_bias = tensor_present(&v, &a->bias);
+    if (has_bias) {
+        if ((st = check_tensor(&v, &a->bias, "bias", 1, 1, DTM(DT_F32), 0))) return st;
+        if ((st = check_dim(&v, &a->bias, "bias", 0, E))) return st;
+    }
+    if ((st = check_tensor(&v, &a->topk_ids, "topk_ids", 2, 2, DTM(DT_I32), 0))) return st;
+    if ((st = check_tensor(&v, &a->topk_weights, "topk_weights", 2, 2, DTM(DT_F32), 0))) return st;
+    if ((st = check_dim(&v, &a->topk_ids, "topk_ids", 0, T))) return st;
+    if ((st = check_same_shape(&v, &a->topk_ids, "topk_ids", &a->topk_weights, "topk_weights"))) return st;
+    int64_t K = a->topk_ids.shape[1];
+    if (K > E)
+        return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_router: top-k K=%lld > E=%lld experts", (long long)K,
+                       (long long)E);
+    if (a->scoring != DI_SCORING_SOFTMAX && a->scoring != DI_SCORING_SIGMOID)
+        return di_fail(ctx, DI_UNIMPLEMENTED, "moe_router: scoring=%d is not implemented (0 softmax, 1 sigmoid)",
+                       a->scoring);
+    if (a->group_score != DI_GROUP_SCORE_MAX && a->group_score != DI_GROUP_SCORE_SUM_TOP2)
+        return di_fail(ctx, DI_UNIMPLEMENTED, "moe_router: group_score=%d is not implemented", a->group_score);
+    if (a->n_group < 1)
+        return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_router: n_group=%d, expected >= 1", a->n_group);
+    if (a->n_group > 1) {
+        if (E % a->n_group)
+            return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_router: E=%lld experts do not split into n_group=%d "
+                           "equal groups", (long long)E, a->n_group);
+        if (a->topk_group < 1 || a->topk_group > a->n_group)
+            return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_router: topk_group=%d, expected 1..n_group=%d",
+                           a->topk_group, a->n_group);
+    }
+    if (a->norm_topk_prob != 0 && a->norm_topk_prob != 1)
+        return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_router: norm_topk_prob=%d, expected 0 or 1",
+                       a->norm_topk_prob);
+    if (query) return DI_OK;
+    float* sc = di_malloc((size_t)(2 * E + a->n_group + 1) * sizeof(float));
+    if (!sc) return DI_OOM(ctx, "moe_router");
+    float* sel = sc + E;
+    float* gs = sel + E;
+    const float* bias = has_bias ? (const float*)t_base(&a->bias) : NULL;
+    int64_t bst = has_bias ? a->bias.strides[0] : 0;
+    int G = a->n_group;
+    int64_t gsz = G > 1 ? E / G : E;
+    for (int64_t t = 0; t < T; t++) {
+        const float* lg = (const float*)t_row(&a->logits, DT_F32, t);
+        if (a->scoring == DI_SCORING_SOFTMAX) {
+            float mx = -INFINITY;
+            for (int64_t e = 0; e < E; e++) mx = fmaxf(mx, lg[e]);
+            float sum = 0.0f;
+            for (int64_t e = 0; e < E; e++) { sc[e] = expf(lg[e] - mx); sum += sc[e]; }
+            for (int64_t e = 0; e < E; e++) sc[e] /= sum;
+        } else {
+            for (int64_t e = 0; e < E; e++) sc[e] = 1.0f / (1.0f + expf(-lg[e]));
+        }
+        for (int64_t e = 0; e < E; e++) sel[e] = bias ? sc[e] + bias[e * bst] : sc[e];
+        if (G > 1) {
+            for (int g = 0; g < G; g++) {
+                const float* s = sel + g * gsz;
+                float m1 = -INFINITY, m2 = -INFINITY;
+                for (int64_t i = 0; i < gsz; i++) {
+                    if (s[i] > m1) { m2 = m1; m1 = s[i]; }
+                    else if (s[i] > m2) m2 = s[i];
+                }
+                gs[g] = a->group_score == DI_GROUP_SCORE_MAX ? m1 : (gsz >= 2 ? m1 + m2 : m1);
+            }
+            /* keep the topk_group best groups (ties to the lower group), mask the rest to -inf */
+            unsigned char keep[1024];
+            unsigned char* kp = G <= 1024 ? keep : malloc((size_t)G);
+            if (!kp) { free(sc); return DI_OOM(ctx, "moe_router"); }
+            memset(kp, 0, (size_t)G);
+            for (int r = 0; r < a->topk_group; r++) {
+                int best = -1;
+                for (int g = 0; g < G; g++)
+                    if (!kp[g] && (best < 0 || gs[g] > gs[best])) best = g;
+                kp[best] = 1;
+            }
+            for (int g = 0; g < G; g++)
+                if (!kp[g])
+                    for (int64_t i = 0; i < gsz; i++) sel[g * gsz + i] = -INFINITY;
+            if (kp != keep) free(kp);
+        }
+        int32_t* oid = (int32_t*)t_row(&a->topk_ids, DT_I32, t);
+        float* ow = (float*)t_row(&a->topk_weights, DT_F32, t);
+        /* K picks of the largest sel, ties to the lower index; picked experts are marked NaN-free
+         * by tracking them in oid (K is small) */
+        for (int64_t k = 0; k < K; k++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t q = 0; q < k; q++) if (oid[q] == e) { taken = 1; break; }
+                if (taken) continue;
+                if (best < 0 || sel[e] > sel[best]) best = e;
+            }
+            oid[k] = (int32_t)best;
+            ow[k] = sc[best];
+        }
+        if (a->norm_topk_prob) {
+            float sum = 0.0f;
+            for (int64_t k = 0; k < K; k++) sum += ow[k];
+            for (int64_t k = 0; k < K; k++) ow[k] /= (sum + 1e-20f);
+        }
+        for (int64_t k = 0; k < K; k++) ow[k] *= a->routed_scaling_factor;
+    }
+    free(sc);
+    return DI_OK;
+}
+
+/* ------------------------------------------------------------------ sample */
+static uint64_t splitmix64(uint64_t x) {
+    uint64_t z = x + 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+typedef struct { float p; int32_t i; } PI;
+static int cmp_pi(const void* x, const void* y) {
+    const PI *a = (const PI*)x, *b = (const PI*)y;
+    if (a->p > b->p) return -1;
+    if (a->p < b->p) return 1;
+    return (a->i > b->i) - (a->i < b->i);
+}
+
+DI_Status op_sample(DI_Context* ctx, const DI_SampleArgs* a, int query) {
+    VC v = {ctx, "sample", query};
+    DI_Status st;
+    if ((st = check_tensor(&v, &a->logits, "logits", 2, 2, DTM(DT_F32), 0))) return st;
+    int64_t B = a->logits.shape[0], V = a->logits.shape[1];
+    if ((st = check_tensor(&v, &a->temperature, "temperature", 1, 1, DTM(DT_F32), 0))) return st;
+    if ((st = check_tensor(&v, &a->top_k, "top_k", 1, 1, DTM(DT_I32), 0))) return st;
+    if ((st = check_tensor(&v, &a->top_p, "top_p", 1, 1, DTM(DT_F32), 0))) return st;
+    if ((st = check_tensor(&v, &a->seeds, "seeds", 1, 1, DTM(DT_U64) | DTM(DT_I64), 0))) return st;
+    if ((st = check_tensor(&v, &a->out, "out", 1, 1, DTM(DT_I32), 0))) return st;
+    if ((st = check_dim(&v, &a->temperature, "temperature", 0, B))) return st;
+    if ((st = check_dim(&v, &a->top_k, "top_k", 0, B))) return st;
+    if ((st = check_dim(&v, &a->top_p, "top_p", 0, B))) return st;
+    if ((st = check_dim(&v, &a->seeds, "seeds", 0, B))) return st;
+    if ((st = check_dim(&v, &a->out, "out", 0, B))) return st;
+    if (B > 0 && V == 0) return di_fail(ctx, DI_INVALID_ARGUMENT, "sample: logits has V=0 columns");
+    if (query) return DI_OK;
+    const float* temp = (const float*)t_base(&a->temperature);
+    const int32_t* tk = (const int32_t*)t_base(&a->top_k);
+    const float* tp = (const float*)t_base(&a->top_p);
+    const uint64_t* seeds = (const uint64_t*)t_base(&a->seeds);
+    int32_t* out = (int32_t*)t_base(&a->out);
+    PI* pi = NULL;
+    for (int64_t b = 0; b < B; b++) {
+        const float* lg = (const float*)t_row(&a->logits, DT_F32, b);
+        float T = temp[b * a->temperature.strides[0]];
+        int32_t tok = 0;
+        if (!(T > 0.0f)) {
+            for (int64_t i = 1; i < V; i++) if (lg[i] > lg[tok]) tok = (int32_t)i;
+            out[b * a->out.strides[0]] = tok;
+            continue;
+        }
+        if (!pi && !(pi = di_malloc((size_t)V * sizeof(PI)))) return DI_OOM(ctx, "sample");
+        float mx = -INFINITY;
+        for (int64_t i = 0; i < V; i++) mx = fmaxf(mx, lg[i] / T);
+        double sum = 0.0;
+        for (int64_t i = 0; i < V; i++) {
+            pi[i].p = expf(lg[i] / T - mx);
+            pi[i].i = (int32_t)i;
+            sum += pi[i].p;
+        }
+        for (int64_t i = 0; i < V; i++) pi[i].p = (float)(pi[i].p / sum);
+        qsort(pi, (size_t)V, sizeof(PI), cmp_pi);
+        int64_t keep = V;
+        int32_t k = tk[b * a->top_k.strides[0]];
+        if (k > 0 && k < keep) keep = k;
+        float p_top = tp[b * a->top_p.strides[0]];
+        double run = 0.0;
+        int64_t n = 0;
+        while (n < keep) {
+            run += pi[n].p;
+            n++;
+            if (run >= (double)p_top) break;
+        }
+        keep = n;  /* shortest prefix reaching top_p, at least one */
+        double ksum = 0.0;
+        for (int64_t i = 0; i < keep; i++) ksum += pi[i].p;
+        double u = (double)(splitmix64(seeds[b * a->seeds.strides[0]]) >> 11) * 0x1p-53;
+        double target = u * ksum, acc = 0.0;
+        tok = pi[keep - 1].i;
+        for (int64_t i = 0; i < keep; i++) {
+            acc += pi[i].p;
+            if (acc > target) { tok = pi[i].i; break; }
+        }
+        out[b * a->out.strides[0]] = tok;
+    }
+    free(pi);
+    return DI_OK;
+}
