@@ -28,7 +28,7 @@ def load(model=None, config=None, **overrides):
 def run(model=None, prompt: str = "", config=None, **options) -> str:
     """Generate text for one prompt and return it; `options` are sampling options
     (max_new_tokens, temperature, top_k, top_p, seed, stop)."""
-    if prompt == "" and isinstance(model, str) and config is None and not _looks_like_model(model):
+    if prompt == "" and isinstance(model, str) and not _looks_like_model(model):
         model, prompt = None, model
     return load(model, config=config).generate(prompt, **options)
 

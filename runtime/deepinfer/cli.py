@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--precision", default="bf16")
     e.add_argument("--backend")
     e.add_argument("--config")
-    e.add_argument("--max-tokens", type=int, default=4096)
+    e.add_argument("--max-tokens", type=int, default=1 << 30, help="score at most this many tokens")
+    e.add_argument("--window", type=int, default=512, help="tokens per window (the training run used 512)")
     e.add_argument("--text", help="evaluate this file instead of the model's heldout.txt")
     e.set_defaults(fn=_cmd_eval_ppl)
 

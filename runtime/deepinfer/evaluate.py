@@ -1,7 +1,7 @@
 """Held-out perplexity and top-1 agreement: `deepinfer eval-ppl MODEL [--precision P]`.
 
-The text is cut into windows of at most `window` tokens; each window is one fresh sequence whose
-every position is scored (the first token of a window only conditions). Perplexity is
+The text is cut into windows of `window` tokens; each window is one fresh sequence whose every
+position is scored (the first token of a window only conditions). Perplexity is
 exp(mean negative log-likelihood) over all scored tokens. Top-1 agreement compares the argmax of
 every position with the same positions under the bf16 path. Metrics are computed here on the host:
 this is measurement, not model code.
@@ -45,14 +45,17 @@ def _log_softmax_rows(logits: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
-def perplexity(engine, text: str, max_tokens: int = 4096, window: int = 256) -> PplResult:
-    ids = engine.tokenizer.encode(text, add_bos=False)[:max_tokens]
+def perplexity(engine, text: str, max_tokens: int = 4096, window: int = 512) -> PplResult:
+    """Non-overlapping windows of `window` tokens (the tokenizer's BOS first, as in training); every
+    token but a window's first is a target. The same protocol as tools/mtp_acceptance.evaluate, so
+    the training run's recorded perplexity is directly comparable."""
+    ids = engine.tokenizer.encode(text)[:max_tokens]
     if len(ids) < 2:
         raise ValueError("held-out text is shorter than two tokens")
     window = min(window, engine.config.max_seq_len)
     total_nll, count, top1 = 0.0, 0, []
-    for start in range(0, len(ids) - 1, window):
-        chunk = ids[start:start + window + 1]
+    for start in range(0, len(ids), window):
+        chunk = ids[start:start + window]
         if len(chunk) < 2:
             break
         logits = engine.model.score(chunk[:-1])  # [len-1, V] f32 host array: logits of every position
@@ -74,11 +77,11 @@ def main(args) -> int:
     if args.backend:
         overrides["backend"] = args.backend
     eng = Engine.from_pretrained(model_dir, config=args.config, **overrides)
-    res = perplexity(eng, text, args.max_tokens)
+    res = perplexity(eng, text, args.max_tokens, args.window)
     out = res.as_dict()
     if args.precision not in ("bf16", "f32"):
         ref = perplexity(Engine.from_pretrained(model_dir, config=args.config,
-                                                **{**overrides, "precision": "bf16"}), text, args.max_tokens)
+                                                **{**overrides, "precision": "bf16"}), text, args.max_tokens, args.window)
         out["bf16_ppl"] = ref.ppl
         out["ppl_change_pct"] = 100.0 * (res.ppl / ref.ppl - 1.0)
         out["top1_agreement_vs_bf16"] = float((res.top1 == ref.top1).mean())
