@@ -187,7 +187,7 @@ def _device_of(name: str) -> str:
     return "cpu"
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -207,7 +207,7 @@ def probe(path: Path, source: str = "explicit") -> Candidate:
         if info.score != ffi.NULL:
             score = int(info.score())
         c.score = score
-        c.sha256 = _sha256(path)
+        c.sha256 = file_sha256(path)
         if score < 0:  # checked before the self-test: such a library may not even create a context
             c.reason = "library says it cannot run on this machine (score < 0)"
             return c

@@ -11,7 +11,6 @@ in a child Python process; a crash is then a failed level that names the check i
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
 import json
 import os
 import platform
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from .. import __version__, abi
+from ..loader import file_sha256
 from . import cases as C
 from . import tolerances as TOL
 from .harness import Outcome, Recorder, ReferenceCache, check_case
@@ -207,14 +207,6 @@ def _run_isolated(levels, lib_path, profile, seed, only_ops, progress: Progress,
 # ====================================================================== the certificate
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _library_facts(lib_path: str) -> dict:
     if lib_path == REFERENCE:
         from ..reference import ReferenceBackend
@@ -226,7 +218,7 @@ def _library_facts(lib_path: str) -> dict:
     from ..loader import probe
 
     c = probe(Path(lib_path))
-    facts = {"path": str(Path(lib_path).resolve()), "sha256": _sha256(lib_path) if Path(lib_path).is_file() else None,
+    facts = {"path": str(Path(lib_path).resolve()), "sha256": file_sha256(lib_path) if Path(lib_path).is_file() else None,
              "name": c.name, "version": c.version, "abi_version": c.abi_version, "device": c.device,
              "attributes": c.attributes, "ops_claimed": c.ops, "loadable": c.ok}
     if not c.ok:

@@ -19,8 +19,10 @@ def load_model(model_dir, backend, engine_config=None) -> DeepseekModel:
     from .. import quant_formats as QF
 
     bs = int(getattr(ec, "kv_block_size", 16) or 16)
-    kw = dict(max_batch=int(ec.max_batch), max_seq_len=int(ec.max_seq_len), block_size=bs,
-              group_size=int(getattr(ec, "group_size", 64) or 64))
+    scheme = ckpt.config.quant_scheme
+    # an int4 checkpoint keeps its own groups; the config's group_size is for quantizing at load
+    group = scheme.group_size if scheme is not None and scheme.format == "int4" else ec.group_size
+    kw = dict(max_batch=int(ec.max_batch), max_seq_len=int(ec.max_seq_len), block_size=bs, group_size=int(group))
     tokens = getattr(ec, "kv_cache_tokens", None)
     if tokens:
         kw["num_cache_blocks"] = -(-int(tokens) // bs)
@@ -28,7 +30,6 @@ def load_model(model_dir, backend, engine_config=None) -> DeepseekModel:
     kw["dtype"] = P.default_activation_dtype(backend) if act in (None, "auto") else act
     spec = getattr(ec, "speculative", None) or {}
     kw["load_mtp"] = bool(spec.get("mtp", True))
-    scheme = ckpt.config.quant_scheme
     entries = {n: f.entries[n][:2] for n, f in ckpt.where.items()}
     shapes = QF.logical_shapes(entries, ckpt.array)
     precision, reason = P.resolve(backend, ec, shapes, scheme.to_config() if scheme is not None else None)

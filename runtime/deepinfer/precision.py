@@ -1,0 +1,297 @@
+"""The automatic precision choice of `run` / `load` (EngineConfig.precision == "auto").
+
+Inputs: what the backend can run (its answer to op_query for `linear` with tiny concrete
+descriptors of each weight format), how much memory the weights may take, and how many bytes the
+model's weights need in each precision. Output: the fastest precision that fits, with a reason
+string the engine logs. A precision forced in the config is checked the same way, and one the
+backend cannot run is an error naming the op and the format.
+
+Speed order per device (fastest first; measured by benchmarks/bench_cpu_formats.py on the CPU):
+  cpu:  w4a8 (only with VNNI, int8 dot products) > int4 > w8a8 (VNNI) > int8 > fp8 > bf16 > f32
+  cuda / rocm: fp8 > int4 > int8 > bf16 > f32
+fp8 on the CPU and int8 on a GPU are never picked for a float checkpoint (a faster format of the
+same size comes first); they are there so an fp8 / int8 checkpoint runs as stored instead of being
+dequantized to twice or four times the bytes.
+Decode is bound by weight reads, so fewer bytes per weight is faster wherever a kernel exists.
+A format the backend reports as SLOW (a correct fallback) is tried only after every fast one.
+
+Everything here is a pure function of its arguments except `backend_capabilities` (which asks the
+backend) and `memory_budget` (which reads /proc/meminfo or the backend's attributes).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import numpy as np
+
+from . import abi
+from . import quant_formats as QF
+from .errors import ConfigError
+from .tensor import Quant, Tensor
+
+SPEED_ORDER = {
+    "cpu": ("w4a8", "int4", "w8a8", "int8", "fp8", "bf16", "f32"),
+    "cuda": ("fp8", "int4", "int8", "bf16", "f32"),
+    "rocm": ("fp8", "int4", "int8", "bf16", "f32"),
+}
+GENERIC_ORDER = ("fp8", "int4", "int8", "bf16", "f32")
+VNNI_ONLY = ("w4a8", "w8a8")       # without int8 dot-product instructions these lose to int4 / int8
+ALL_PRECISIONS = ("f32", "bf16", "fp8", "int8", "int4", "w8a8", "w4a8")
+PROBE_M, PROBE_N, PROBE_K = 2, 256, 256   # tiny, but two fp8 blocks and several int4 groups per row
+
+
+@dataclass(frozen=True)
+class Probe:
+    """The linear call a precision makes: activation format and weight format."""
+
+    x: str            # "f32", "bf16" or "int8" (per-token int8 activations)
+    w: str            # "f32", "bf16", "int8", "int4", "uint4", "fp8"
+
+    def describe(self, group: int) -> str:
+        w = {"int8": "int8 per channel (block 1,0)", "int4": f"int4 sym group {group} (block 1,{group})",
+             "uint4": f"uint4 asym group {group}", "fp8": "fp8 e4m3 block 128x128"}.get(self.w, self.w)
+        x = "int8 per-token activations" if self.x == "int8" else f"{self.x} activations"
+        return f"weights {w}, {x}"
+
+
+def probe_for(precision: str, activation_dtype: str = "f32", symmetric: bool = True) -> Probe:
+    if precision not in ALL_PRECISIONS:
+        raise ConfigError(f"precision {precision!r} is not one of {ALL_PRECISIONS}")
+    if precision == "w8a8":
+        return Probe("int8", "int8")
+    if precision == "w4a8":
+        return Probe("int8", "int4")
+    if precision == "int4" and not symmetric:
+        return Probe(activation_dtype, "uint4")
+    return Probe(activation_dtype, precision)
+
+
+def _probe_tensors(p: Probe, group: int, scale_dtype: str = "f32") -> dict:
+    """Host tensors of the probe call (tiny: a few tens of KB)."""
+    m, n, k = PROBE_M, PROBE_N, PROBE_K
+    if p.x == "int8":
+        x = Tensor.from_numpy(np.zeros((m, k), np.int8), "int8",
+                              quant=Quant(Tensor.from_numpy(np.ones((m, 1), np.float32)), (1, 0)))
+    else:
+        x = Tensor.empty((m, k), p.x, fill=0)
+    if p.w in ("f32", "bf16"):
+        w = Tensor.empty((n, k), p.w, fill=0)
+    elif p.w == "int8":
+        w = Tensor.from_numpy(np.zeros((n, k), np.int8), "int8",
+                              quant=Quant(Tensor.from_numpy(np.ones((n, 1), np.float32)), (1, 0)))
+    elif p.w in ("int4", "uint4"):
+        g = math.ceil(k / group)
+        scales = Tensor.empty((n, g), scale_dtype, fill=1)
+        zeros = Tensor.from_numpy(np.full((n, g), 8, np.uint8)) if p.w == "uint4" else None
+        w = Tensor(np.zeros((n, k // 2), np.uint8), (n, k), p.w, quant=Quant(scales, (1, group), zeros))
+    elif p.w == "fp8":
+        w = Tensor.empty((n, k), "e4m3", fill=0)
+        w.quant = Quant(Tensor.from_numpy(np.ones((n // 128, k // 128), np.float32)), (128, 128))
+    else:
+        raise ValueError(f"no probe for weight format {p.w!r}")
+    out_dtype = "bf16" if p.x == "bf16" else "f32"
+    return dict(x=x, w=w, out=Tensor.empty((m, n), out_dtype, fill=0))
+
+
+def backend_capabilities(backend, group_size: int = 64, activation_dtype: Optional[str] = None,
+                         symmetric: bool = True, precisions=ALL_PRECISIONS, scale_dtype: str = "f32") -> dict[str, int]:
+    """{precision: abi.SUPPORT_NO / YES / SLOW} from the backend's op_query of `linear`.
+
+    Paths with int8 activations also need the `quantize` op (activations are quantized per token
+    at run time). A backend that raises on a query (it should answer NO) counts as NO.
+    """
+    act = activation_dtype or default_activation_dtype(backend)
+    caps = {}
+    for prec in precisions:
+        p = probe_for(prec, act, symmetric)
+        if not backend.has_op("linear") or (p.x == "int8" and not backend.has_op("quantize")):
+            caps[prec] = abi.SUPPORT_NO
+            continue
+        try:
+            args = {k: backend.upload(v) for k, v in _probe_tensors(p, group_size, scale_dtype).items()}
+            support, _ = backend.query("linear", **args)
+        except Exception:  # a query must not fail for an unsupported request; treat a failure as NO
+            support = abi.SUPPORT_NO
+        caps[prec] = int(support)
+    return caps
+
+
+def default_activation_dtype(backend) -> str:
+    return "f32" if getattr(backend, "device", "cpu") == "cpu" else "bf16"
+
+
+def has_vnni(backend=None, cpuinfo_path: str = "/proc/cpuinfo") -> bool:
+    """Int8 dot products (AVX512-VNNI or AVX-VNNI), from the backend's `cpu.features` attribute or
+    the kernel's CPU flags."""
+    attrs = getattr(getattr(backend, "info", None), "attributes", None) or {}
+    feats = attrs.get("cpu.features")
+    if feats is not None:
+        return any(f in feats.replace("_", "").split() for f in ("avx512vnni", "avxvnni"))
+    try:
+        with open(cpuinfo_path) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = line.split(":", 1)[1].split()
+                    return "avx512_vnni" in flags or "avx_vnni" in flags
+    except OSError:
+        pass
+    return False
+
+
+# ---------------------------------------------------------------------------- memory
+
+
+def memory_budget(backend=None, configured: Optional[int] = None, meminfo_path: str = "/proc/meminfo") -> tuple[int, str]:
+    """(bytes the weights may use, where the number comes from)."""
+    if configured is not None:
+        if not isinstance(configured, int) or configured <= 0:
+            raise ConfigError(f"memory_budget_bytes must be a positive integer, not {configured!r}")
+        return configured, "memory_budget_bytes from the config"
+    device = getattr(backend, "device", "cpu")
+    if device == "cpu":
+        avail = _meminfo_available(meminfo_path)
+        if avail is not None:
+            return avail, "MemAvailable in /proc/meminfo"
+    attrs = getattr(getattr(backend, "info", None), "attributes", None) or {}
+    for key in ("device.memory_free_bytes", "device.memory_bytes"):
+        v = attrs.get(key)
+        if v is not None:
+            try:
+                # total memory: leave a tenth for the KV cache, activations and the runtime
+                return int(int(v) * (1.0 if key.endswith("free_bytes") else 0.9)), f"{key} of the backend"
+            except ValueError:
+                pass
+    raise ConfigError(f"cannot tell how much memory backend {getattr(backend, 'name', '?')!r} has; "
+                      f"set memory_budget_bytes in the engine config")
+
+
+def _meminfo_available(path: str) -> Optional[int]:
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def weight_bytes(shapes: Mapping[str, tuple], precision: str, group_size: int = 64, symmetric: bool = True,
+                 kept_bytes_per_element: int = 2) -> int:
+    """Bytes of every tensor of a model ({name: shape}) when loaded at `precision`: quantizable
+    linears in the precision's weight format, everything else (embeddings, norms, router, lm_head)
+    at `kept_bytes_per_element` (4 for f32 precision)."""
+    total = 0
+    kept = 4 if precision == "f32" else kept_bytes_per_element
+    for name, shape in shapes.items():
+        if QF.is_quantizable(name, shape):
+            total += QF.weight_nbytes(shape, precision, group_size, symmetric)
+        else:
+            total += math.prod(shape) * kept
+    return total
+
+
+# ---------------------------------------------------------------------------- the choice
+
+
+def speed_order(device: str, vnni: bool) -> tuple[str, ...]:
+    order = SPEED_ORDER.get(device, GENERIC_ORDER)
+    if device == "cpu" and not vnni:
+        # without VNNI the a8 paths are emulated with wider multiplies: try them after their a32 twins
+        order = tuple(p for p in order if p not in VNNI_ONLY) + tuple(p for p in order if p in VNNI_ONLY)
+    return order
+
+
+def choose_precision(caps: Mapping[str, int], sizes: Mapping[str, int], budget: int, device: str = "cpu",
+                     vnni: bool = False, forced: Optional[str] = None, allowed=None, group_size: int = 64,
+                     activation_dtype: str = "f32", backend_name: str = "backend",
+                     budget_source: str = "budget") -> tuple[str, str]:
+    """(precision, reason). Pure: caps from backend_capabilities, sizes {precision: weight bytes},
+    budget in bytes. `allowed` limits the candidates (what the checkpoint can be turned into)."""
+    gb = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    order = [p for p in speed_order(device, vnni) if allowed is None or p in allowed]
+    if forced is not None and forced != "auto":
+        if forced not in ALL_PRECISIONS:
+            raise ConfigError(f"precision {forced!r} is not one of {ALL_PRECISIONS + ('auto',)}")
+        if allowed is not None and forced not in allowed:
+            raise ConfigError(f"precision {forced!r} cannot be made from this checkpoint (it can give: "
+                              f"{', '.join(allowed)})")
+        support = caps.get(forced, abi.SUPPORT_NO)
+        if support == abi.SUPPORT_NO:
+            probe = probe_for(forced, activation_dtype)
+            runnable = [p for p in order if caps.get(p, abi.SUPPORT_NO) != abi.SUPPORT_NO]
+            raise ConfigError(f"precision {forced!r}: backend {backend_name!r} cannot run op linear with "
+                              f"{probe.describe(group_size)} (op_query says NO); it can run: "
+                              f"{', '.join(runnable) or 'none'}")
+        need = sizes.get(forced)
+        note = "" if need is None or need <= budget else (
+            f"; warning: its weights ({gb(need)}) exceed the {budget_source} ({gb(budget)})")
+        slow = " (the backend marks this path SLOW)" if support == abi.SUPPORT_SLOW else ""
+        return forced, f"precision {forced} forced by the config{slow}{note}"
+
+    runnable = [p for p in order if caps.get(p, abi.SUPPORT_NO) != abi.SUPPORT_NO]
+    if not runnable:
+        raise ConfigError(f"backend {backend_name!r} cannot run op linear in any precision of "
+                          f"{', '.join(order) or '(none allowed)'}")
+    fast = [p for p in runnable if caps[p] == abi.SUPPORT_YES]
+    slow = [p for p in runnable if caps[p] == abi.SUPPORT_SLOW]
+    ranked = fast + slow
+    skipped = []
+    for p in ranked:
+        need = sizes.get(p)
+        if need is None:
+            continue
+        if need <= budget:
+            why = f"precision {p}: the fastest {device} path backend {backend_name!r} runs whose weights fit " \
+                  f"({gb(need)} of {gb(budget)}, {budget_source})"
+            if skipped:
+                why += "; skipped " + ", ".join(skipped)
+            if caps[p] == abi.SUPPORT_SLOW:
+                why += " (a path the backend marks SLOW)"
+            return p, why
+        skipped.append(f"{p} ({gb(need)} does not fit)")
+    smallest = min((p for p in ranked if p in sizes), key=lambda p: sizes[p], default=None)
+    if smallest is None:
+        raise ConfigError("no weight sizes were given for any runnable precision")
+    return smallest, (f"precision {smallest}: nothing fits the {budget_source} ({gb(budget)}); using the "
+                      f"smallest runnable format ({gb(sizes[smallest])}), expect paging")
+
+
+def producible(scheme: Optional[QF.QuantScheme]) -> tuple[str, ...]:
+    """The precisions a checkpoint can be loaded at without inventing precision it does not have:
+    a float checkpoint gives anything (weights are quantized at load); a quantized one gives its own
+    format (and its a8 twin) or, dequantized, bf16 / f32."""
+    if scheme is None:
+        return ALL_PRECISIONS
+    own = {"int4": ("int4", "w4a8"), "int8": ("int8", "w8a8"), "fp8": ("fp8",)}[scheme.format]
+    if scheme.format == "int4" and not scheme.symmetric:
+        own = ("int4",)   # integer dot products have no zero point: w4a8 would re-round the weights
+    return own + ("bf16", "f32")
+
+
+def resolve(backend, config, shapes: Mapping[str, tuple], checkpoint_scheme=None) -> tuple[str, str]:
+    """The engine's entry: EngineConfig (precision, group_size, memory_budget_bytes,
+    activation_dtype) + the model's {tensor name: logical shape} (quant_formats.logical_shapes of
+    the checkpoint) + its quantization_config -> (precision, reason)."""
+    scheme = QF.parse_quantization_config(checkpoint_scheme)
+    group = scheme.group_size if scheme is not None and scheme.format == "int4" else config.group_size
+    symmetric = scheme.symmetric if scheme is not None and scheme.format == "int4" else True
+    scale_dtype = scheme.scale_dtype if scheme is not None and scheme.format == "int4" else "f32"
+    act = config.activation_dtype if config.activation_dtype != "auto" else default_activation_dtype(backend)
+    allowed = producible(scheme)
+    caps = backend_capabilities(backend, group, act, symmetric, precisions=allowed, scale_dtype=scale_dtype)
+    forced = config.precision if config.precision != "auto" else None
+    # weights that stay plain (embeddings, norms, router, lm_head) are held in the activation dtype
+    kept = 4 if act == "f32" else 2
+    if forced is not None:
+        sizes = {forced: weight_bytes(shapes, forced, group, symmetric, kept)}
+        budget, source = (config.memory_budget_bytes, "memory_budget_bytes") if config.memory_budget_bytes \
+            else (2**62, "unknown budget")
+    else:
+        sizes = {p: weight_bytes(shapes, p, group, symmetric, kept) for p in allowed}
+        budget, source = memory_budget(backend, config.memory_budget_bytes)
+    return choose_precision(caps, sizes, budget, device=backend.device, vnni=has_vnni(backend), forced=forced,
+                            allowed=allowed, group_size=group, activation_dtype=act, backend_name=backend.name,
+                            budget_source=source)

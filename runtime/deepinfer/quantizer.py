@@ -1,0 +1,685 @@
+"""`deepinfer quantize SRC DST --format int4|int8|fp8 [--group N] [--asym] [--calibration FILE]`.
+
+Writes a new hub-style directory: config.json with `quantization_config` (see quant_formats),
+the tokenizer and every other non-weight file copied byte for byte, and safetensors shards with
+`model.safetensors.index.json`. The linear weights of attention, MLP / experts and the MTP
+projection are quantized; embeddings, norms, the router, its correction bias and lm_head keep
+their dtype. SRC is only read. DST is built in a hidden sibling directory and renamed into place
+as the very last step, so an interrupted run leaves nothing at DST that a loader would accept;
+an existing DST is never overwritten.
+
+Rounding is not the only choice: for int8 and int4 each scale group's clipping range is searched
+over a grid of shrink factors (AWQ's clip search), keeping the factor with the least squared
+reconstruction error. The grid contains 1.0, computed exactly as plain absmax quantization, so the
+search can never do worse than absmax. With --calibration, the error is weighted per input channel
+by an activation importance (mean |x|)^(2*alpha), alpha searched per layer on real activations:
+see quantize_weight_calibrated for why weighting was chosen over folding scales into norms.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional
+
+import ml_dtypes
+import numpy as np
+
+from . import dtypes as D
+from . import quant_formats as QF
+from .errors import CheckpointError, ConfigError
+from .tensor import Quant, Tensor, pack_4bit
+
+
+INT4_CLIP_GRID = tuple(np.round(np.linspace(1.0, 0.5, 11), 4))    # 1.0, 0.95, ..., 0.5
+INT8_CLIP_GRID = tuple(np.round(np.linspace(1.0, 0.8, 11), 4))    # int8 has 16x the levels: clip less
+AWQ_ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
+MIN_CALIB_TOKENS = 16             # fewer tokens than this (a rarely routed expert): too few to fit alpha on
+ROW_CHUNK = 512                    # rows quantized at a time: bounds the search's temporaries
+DEFAULT_SHARD_BYTES = 2 * 1024**3
+
+# ============================================================================ the math
+
+
+def _as_f32(w) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(w, dtype=np.float32))
+
+
+def _store(scale: np.ndarray, scale_dtype: str) -> np.ndarray:
+    """Scales rounded to their stored dtype and read back as f32 (q is computed with these)."""
+    return scale.astype(D.get(scale_dtype).np).astype(np.float32)
+
+
+def _grouped(w: np.ndarray, g: int) -> np.ndarray:
+    """[N, K] -> [N, G, g], zero-padded; a padded zero quantizes exactly to 0 in both schemes
+    (symmetric: q = 0; asymmetric: the range always includes 0 and 0 maps to the zero point), so
+    the padding adds no error and never changes a group's range."""
+    n, k = w.shape
+    groups = -(-k // g)
+    if groups * g != k:
+        w = np.concatenate([w, np.zeros((n, groups * g - k), np.float32)], axis=1)
+    return w.reshape(n, groups, g)
+
+
+def _sym_candidate(x, amax, ratio, qmax, scale_dtype):
+    """x [n, G, g]; the same f32 operations as the reference's quantize at ratio 1.0."""
+    a = amax if ratio == 1.0 else (amax * np.float32(ratio)).astype(np.float32)
+    scale = (a / np.float32(qmax)).astype(np.float32)
+    scale = np.where(a == 0, np.float32(1), scale).astype(np.float32)
+    s = _store(scale, scale_dtype)
+    s = np.where(s == 0, np.float32(1), s)          # a scale that underflowed its dtype
+    q = np.clip(np.rint((x / s[..., None]).astype(np.float32)), -qmax, qmax)
+    return q, s, None
+
+
+def _asym_candidate(x, hi, lo, ratio, levels, scale_dtype):
+    h = hi if ratio == 1.0 else (hi * np.float32(ratio)).astype(np.float32)
+    l = lo if ratio == 1.0 else (lo * np.float32(ratio)).astype(np.float32)
+    scale = ((h - l) / np.float32(levels)).astype(np.float32)
+    scale = np.where(h == l, np.float32(1), scale).astype(np.float32)
+    s = _store(scale, scale_dtype)
+    s = np.where(s == 0, np.float32(1), s)
+    zero = np.clip(np.rint(-l / s), 0, levels).astype(np.float32)
+    q = np.clip(np.rint((x / s[..., None]).astype(np.float32)) + zero[..., None], 0, levels)
+    return q, s, zero
+
+
+def _recon(q, s, zero):
+    if zero is not None:
+        q = q - zero[..., None]
+    return (q * s[..., None]).astype(np.float32)
+
+
+def quantize_groups(w, group: int, symmetric: bool, bits: int, scale_dtype: str = "f32",
+                    ratios: Iterable[float] = (1.0,), importance: Optional[np.ndarray] = None):
+    """Group-wise integer quantization of w [N, K] with a per-group clip search.
+
+    For each group (1 x `group` elements of a row) every ratio r in `ratios` scales the range
+    (absmax * r, or [min, max] * r for asymmetric) and the r with the least
+    sum_k importance[k] * (w - dequant(q))^2 wins (ties keep the earlier ratio, so list 1.0 first).
+    Returns (q [N, K] integer values, scales [N, G] as stored, zeros [N, G] or None).
+    """
+    w = _as_f32(w)
+    if w.ndim != 2:
+        raise ValueError(f"quantize_groups: expected a 2-d weight, got shape {list(w.shape)}")
+    if not np.all(np.isfinite(w)):
+        raise ValueError("quantize_groups: the weight holds NaN or infinity")
+    n, k = w.shape
+    ratios = [float(r) for r in ratios] or [1.0]
+    if any(not 0 < r <= 1 for r in ratios):
+        raise ValueError(f"clip ratios must lie in (0, 1], got {ratios}")
+    qmax = float(2 ** (bits - 1) - 1)       # 7 / 127
+    levels = float(2 ** bits - 1)           # 15 / 255
+    imp = None
+    if importance is not None:
+        imp = np.asarray(importance, np.float32).reshape(-1)
+        if imp.shape[0] != k or np.any(imp < 0) or not np.all(np.isfinite(imp)):
+            raise ValueError(f"importance must be {k} finite non-negative values, got shape {list(imp.shape)}")
+        imp = _grouped(imp[None, :], group)[0]                    # [G, g]
+    groups = -(-k // group)
+    q_out = np.empty((n, groups * group), np.float32)
+    s_out = np.empty((n, groups), np.float32)
+    z_out = None if symmetric else np.empty((n, groups), np.float32)
+
+    def chunk(r0: int) -> None:
+        x = _grouped(w[r0:r0 + ROW_CHUNK], group)                 # [n, G, g]
+        if symmetric:
+            amax = np.max(np.abs(x), axis=-1)
+        else:
+            hi = np.maximum(np.max(x, axis=-1), np.float32(0))
+            lo = np.minimum(np.min(x, axis=-1), np.float32(0))
+        best_err = best_q = best_s = best_z = None
+        for r in ratios:
+            if symmetric:
+                q, s, z = _sym_candidate(x, amax, r, qmax, scale_dtype)
+            else:
+                q, s, z = _asym_candidate(x, hi, lo, r, levels, scale_dtype)
+            d = _recon(q, s, z) - x
+            d = d * d
+            err = np.sum(d * imp if imp is not None else d, axis=-1, dtype=np.float64)   # [n, G]
+            if best_err is None:
+                best_err, best_q, best_s, best_z = err, q, s, z
+                continue
+            better = err < best_err
+            best_err = np.where(better, err, best_err)
+            best_q = np.where(better[..., None], q, best_q)
+            best_s = np.where(better, s, best_s)
+            if z is not None:
+                best_z = np.where(better, z, best_z)
+        q_out[r0:r0 + x.shape[0]] = best_q.reshape(x.shape[0], -1)
+        s_out[r0:r0 + x.shape[0]] = best_s
+        if z_out is not None:
+            z_out[r0:r0 + x.shape[0]] = best_z
+
+    starts = range(0, n, ROW_CHUNK)
+    workers = min(len(starts), os.cpu_count() or 1)
+    if workers > 1 and n * k * len(ratios) > 1 << 22:
+        # NumPy drops the GIL inside its loops: row chunks are independent, so threads scale
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(chunk, starts))
+    else:
+        for r0 in starts:
+            chunk(r0)
+    return q_out[:, :k], s_out, z_out
+
+
+def quantize_weight(w, scheme: QF.QuantScheme, clip_search: bool = True,
+                    importance: Optional[np.ndarray] = None) -> Tensor:
+    """A weight [N, K] (any float array) as a quantized host Tensor in `scheme`'s format."""
+    w = _as_f32(w)
+    if w.ndim != 2:
+        raise ValueError(f"quantize_weight: expected a 2-d weight, got shape {list(w.shape)}")
+    if not np.all(np.isfinite(w)):
+        raise ValueError("quantize_weight: the weight holds NaN or infinity")
+    if scheme.format == "fp8":
+        return _quantize_fp8(w, scheme.block)
+    if scheme.format == "int8":
+        ratios = INT8_CLIP_GRID if clip_search else (1.0,)
+        q, s, _ = quantize_groups(w, max(w.shape[1], 1), True, 8, "f32", ratios, importance)
+        return Tensor.from_numpy(q.astype(np.int8), "int8", quant=Quant(Tensor.from_numpy(s.reshape(-1, 1)), (1, 0)))
+    if scheme.format == "int4":
+        ratios = INT4_CLIP_GRID if clip_search else (1.0,)
+        g = scheme.group_size
+        q, s, z = quantize_groups(w, g, scheme.symmetric, 4, scheme.scale_dtype, ratios, importance)
+        scales = Tensor.from_numpy(s.astype(D.get(scheme.scale_dtype).np))
+        n, k = w.shape
+        if scheme.symmetric:
+            packed = pack_4bit(q.astype(np.int64))                  # two's complement nibbles
+            return Tensor(packed, (n, k), "int4", quant=Quant(scales, (1, g)))
+        packed = pack_4bit(q.astype(np.int64))
+        zeros = Tensor.from_numpy(z.astype(np.uint8))
+        return Tensor(packed, (n, k), "uint4", quant=Quant(scales, (1, g), zeros))
+    raise ValueError(f"quantize_weight: unknown format {scheme.format!r}")
+
+
+def _quantize_fp8(w: np.ndarray, block) -> Tensor:
+    """DeepSeek's recipe: scale = amax / 448 per block, e4m3 round-to-nearest-even, saturating."""
+    n, k = w.shape
+    br, bc = block
+    nr, nc = -(-n // br), -(-k // bc)
+    pad = np.zeros((nr * br, nc * bc), np.float32)
+    pad[:n, :k] = w
+    blocks = pad.reshape(nr, br, nc, bc)
+    amax = np.max(np.abs(blocks), axis=(1, 3))
+    scale = np.where(amax == 0, np.float32(1), (amax / np.float32(448.0)).astype(np.float32)).astype(np.float32)
+    v = blocks / scale[:, None, :, None]
+    q = np.clip(v, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn).reshape(nr * br, nc * bc)[:n, :k]
+    return Tensor.from_numpy(np.ascontiguousarray(q), "e4m3", quant=Quant(Tensor.from_numpy(scale), (br, bc)))
+
+
+def dequantize(t: Tensor) -> np.ndarray:
+    """f32 values of a plain or quantized host weight: (q - zero) * scale, in f32."""
+    if t.quant is None:
+        return np.asarray(t.numpy(), dtype=np.float32)
+    try:  # the reference is the definition; use it when it is importable
+        from deepinfer.reference.quant import dequantize_array
+    except ImportError:  # pragma: no cover - the reference ships with the package
+        dequantize_array = None
+    if dequantize_array is not None:
+        return dequantize_array(t)
+    n, k = t.shape
+    br, bc = t.quant.block
+    br, bc = br or n, bc or k
+    q = np.asarray(t.numpy(), np.float32)
+    s = np.asarray(t.quant.scales.numpy(), np.float32)
+    full = lambda a: np.repeat(np.repeat(a, br, 0), bc, 1)[:n, :k]  # noqa: E731
+    if t.quant.zeros is not None:
+        q = q - full(np.asarray(t.quant.zeros.numpy(), np.float32))
+    return q * full(s)
+
+
+def weighted_error(w, t: Tensor, importance: Optional[np.ndarray] = None) -> float:
+    """sum (w - dequant(t))^2, each column weighted by importance (None: 1)."""
+    d = dequantize(t).astype(np.float64) - np.asarray(w, np.float64)
+    d = d * d
+    if importance is not None:
+        d = d * np.asarray(importance, np.float64)[None, :]
+    return float(d.sum())
+
+
+WEIGHT_FORMAT_OF = {"f32": "f32", "bf16": "bf16", "fp8": "fp8", "int8": "int8", "w8a8": "int8",
+                    "int4": "int4", "w4a8": "int4"}
+
+
+def weight_format(t: Tensor) -> str:
+    """The precision family a loaded weight is in: f32, bf16, f16, fp8, int8, int4 (int4 and uint4)."""
+    if t.quant is None:
+        return t.dtype.name
+    return {"e4m3": "fp8", "int8": "int8", "int4": "int4", "uint4": "int4"}.get(t.dtype.name, t.dtype.name)
+
+
+def convert_weight(t: Tensor, precision: str, group_size: int = 64, clip_search: bool = False) -> Tensor:
+    """A loaded linear weight (plain or quantized, host) in the weight format of an engine
+    precision (EngineConfig.PRECISIONS): what the model loader calls after precision.resolve().
+
+    A weight already in that format is returned as is (a pre-quantized checkpoint is never
+    re-rounded); otherwise it is dequantized to f32 and quantized again. w4a8 needs symmetric
+    int4 weights (integer dot products have no zero point), so an asymmetric int4 weight is
+    re-quantized symmetric for it. Load-time quantization skips the clip search by default
+    (it costs ~10 passes over every weight; `deepinfer quantize` does it once, offline).
+    """
+    fmt = WEIGHT_FORMAT_OF.get(precision)
+    if fmt is None:
+        raise ConfigError(f"precision {precision!r} is not one of {sorted(WEIGHT_FORMAT_OF)}")
+    have = weight_format(t)
+    if have == fmt and not (precision == "w4a8" and t.dtype.name == "uint4"):
+        return t
+    w = dequantize(t)
+    if fmt in ("f32", "bf16"):
+        return Tensor.from_numpy(w.astype(np.float32) if fmt == "f32" else w.astype(ml_dtypes.bfloat16))
+    return quantize_weight(w, QF.make_scheme(fmt, group_size if fmt == "int4" else 64), clip_search=clip_search)
+
+
+@dataclass
+class ActivationStats:
+    """What the calibration pass records about the input x of one linear layer."""
+
+    mean_abs: np.ndarray                 # [K] mean |x_k| over calibration tokens
+    sample: Optional[np.ndarray] = None  # [S, K] a subsample of input rows, for the output error
+    tokens: int = 0
+
+
+def quantize_weight_calibrated(w, scheme: QF.QuantScheme, stats: ActivationStats,
+                               alphas=AWQ_ALPHAS) -> tuple[Tensor, float]:
+    """Activation-aware quantization (AWQ's per-input-channel scale s = mean|x|^alpha).
+
+    AWQ multiplies W's columns by s and the input by 1/s, folding 1/s into the previous op. That
+    changes weights outside the quantized set (the RMSNorm before q_a/kv_a/gate/up/experts, which
+    the router `mlp.gate` also reads, so it would need rescaling too) and makes them round again in
+    their bf16 storage; o_proj and down_proj have no foldable predecessor at all. Instead we keep
+    every non-quantized tensor bit-identical and the graph unchanged, and use s where it matters:
+    a quantization error on column k reaches the output multiplied by x_k, so the expected output
+    error of a row is ~ sum_k (dW_k)^2 E[x_k^2]. Each group's clip range is therefore chosen to
+    minimize sum_k s_k^2 (dW_k)^2, and alpha (0 = plain weight error) is picked per layer by the
+    real output error ||(W - W_q) X^T||^2 on the sampled calibration rows X. Returns
+    (tensor, alpha chosen).
+    """
+    w = _as_f32(w)
+    mean_abs = np.asarray(stats.mean_abs, np.float64).reshape(-1)
+    if mean_abs.shape[0] != w.shape[1]:
+        raise ValueError(f"activation stats have {mean_abs.shape[0]} channels, the weight has K={w.shape[1]}")
+    if scheme.format == "fp8":
+        return quantize_weight(w, scheme), 0.0   # fp8 has no clip range to search
+    m = np.maximum(mean_abs, 1e-8)
+    x = stats.sample
+    best = None
+    for a in alphas:
+        s = m ** a
+        imp = (s * s / np.mean(s * s)).astype(np.float32)   # normalized: only ratios between channels matter
+        t = quantize_weight(w, scheme, clip_search=True, importance=None if a == 0 else imp)
+        if x is None or len(x) == 0:
+            err = weighted_error(w, t, m * m)
+        else:
+            d = (dequantize(t) - w).astype(np.float64) @ np.asarray(x, np.float64).T
+            err = float(np.sum(d * d))
+        if best is None or err < best[0]:
+            best = (err, t, float(a))
+    return best[1], best[2]
+
+
+# ============================================================================ checkpoints
+
+_ST_NAME = {
+    np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(ml_dtypes.bfloat16): "BF16",
+    np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3", np.dtype(ml_dtypes.float8_e5m2): "F8_E5M2",
+    np.dtype(np.float64): "F64", np.dtype(np.int64): "I64", np.dtype(np.int32): "I32", np.dtype(np.int16): "I16",
+    np.dtype(np.int8): "I8", np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL",
+}
+
+
+def write_safetensors(path: Path, tensors: dict, metadata: Optional[dict] = None) -> int:
+    """Writes a safetensors file (8-byte header length, JSON header padded to 8 bytes, data).
+    Returns the bytes of tensor data written."""
+    header, off, order = {}, 0, []
+    for name, a in tensors.items():
+        a = np.asarray(a)
+        if a.dtype not in _ST_NAME:
+            raise ValueError(f"{name}: dtype {a.dtype} has no safetensors name")
+        nb = a.size * a.dtype.itemsize
+        header[name] = {"dtype": _ST_NAME[a.dtype], "shape": list(a.shape), "data_offsets": [off, off + nb]}
+        order.append((name, a))
+        off += nb
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for _, a in order:
+            f.write(np.ascontiguousarray(a).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    return off
+
+
+class SourceCheckpoint:
+    """Read-only view of SRC's tensors: model.safetensors or the shards of an index."""
+
+    def __init__(self, src: Path):
+        from .model.checkpoint import SafetensorsFile
+
+        self.dir = src
+        self.where: dict[str, object] = {}
+        index = src / "model.safetensors.index.json"
+        single = src / "model.safetensors"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: malformed index ({e})") from None
+            files = {}
+            for name, fname in weight_map.items():
+                if fname not in files:
+                    if not (src / fname).is_file():
+                        raise CheckpointError(f"{index}: shard {fname} (holding {name}) is missing")
+                    files[fname] = SafetensorsFile(src / fname)
+                if name not in files[fname].entries:
+                    raise CheckpointError(f"{files[fname].path}: tensor {name!r} listed in the index is not in the file")
+                self.where[name] = files[fname]
+            self.weight_files = {index.name, *files}
+        elif single.is_file():
+            f = SafetensorsFile(single)
+            self.where = {name: f for name in f.keys()}
+            self.weight_files = {single.name}
+        else:
+            raise CheckpointError(f"{src}: no model.safetensors or model.safetensors.index.json")
+
+    def names(self) -> list[str]:
+        return list(self.where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str) -> np.ndarray:
+        f = self.where.get(name)
+        if f is None:
+            raise KeyError(name)
+        return f.array(name)
+
+    def shape(self, name: str) -> tuple:
+        return self.where[name].entries[name][1]
+
+
+class _ShardWriter:
+    """Collects tensors into shards of at most `shard_bytes` and writes the index at the end."""
+
+    def __init__(self, out_dir: Path, shard_bytes: int):
+        self.dir, self.limit = out_dir, shard_bytes
+        self.pending: dict[str, np.ndarray] = {}
+        self.pending_bytes = 0
+        self.shards: list[list[str]] = []
+        self.total = 0
+
+    def add(self, name: str, a: np.ndarray) -> None:
+        nb = a.size * a.dtype.itemsize
+        if self.pending and self.pending_bytes + nb > self.limit:
+            self._flush()
+        self.pending[name] = a
+        self.pending_bytes += nb
+
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        i = len(self.shards)
+        write_safetensors(self.dir / f"shard-{i:05d}.tmp", self.pending, {"format": "pt"})
+        self.shards.append(list(self.pending))
+        self.total += self.pending_bytes
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> dict:
+        self._flush()
+        n = max(len(self.shards), 1)
+        weight_map = {}
+        for i, names in enumerate(self.shards):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(self.dir / f"shard-{i:05d}.tmp", self.dir / final)
+            weight_map.update({name: final for name in names})
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return index
+
+
+def _source_weight(src: SourceCheckpoint, name: str, src_scheme) -> np.ndarray:
+    """A weight's real values in f32 (an fp8 / deepinfer-quantized source is dequantized first)."""
+    a = src.get(name)
+    if a.dtype in (np.float32, np.float16, ml_dtypes.bfloat16):
+        return _as_f32(a)
+    t = QF.weight_from_checkpoint(src.get, name, src_scheme, has_tensor=src.__contains__)
+    return dequantize(t)
+
+
+_QUANT_SIDE_SUFFIXES = ("_scale_inv", "_scale", "_zero", "_shape")
+
+
+def quantize_model(src, dst, format: str, group: int = 64, symmetric: bool = True, calibration=None,
+                   scale_dtype: str = "f32", clip_search: bool = True, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                   activation_stats: Optional[dict] = None, progress: bool = False) -> dict:
+    """Writes a quantized copy of the model directory `src` to the new directory `dst`.
+
+    calibration: a text file; its tokens are run through the source model to get each linear's
+    input statistics (see collect_activation_stats). activation_stats: the same statistics given
+    directly ({weight name: ActivationStats}); used as is when given. Returns a summary dict.
+    """
+    src, dst = Path(src).expanduser(), Path(dst).expanduser()
+    if format not in QF.FORMATS:
+        raise ConfigError(f"--format must be one of {QF.FORMATS}, not {format!r}")
+    if format == "int4" and group not in QF.GROUP_SIZES:
+        raise ConfigError(f"--group must be one of {QF.GROUP_SIZES}, not {group}")
+    if not symmetric and format != "int4":
+        raise ConfigError("--asym applies to int4 only (int8 and fp8 are symmetric)")
+    if not src.is_dir():
+        raise CheckpointError(f"source model directory {src} does not exist")
+    if dst.exists() or dst.is_symlink():
+        raise ConfigError(f"destination {dst} already exists; deepinfer quantize never overwrites (remove it or "
+                          f"choose another path)")
+    if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
+        raise ConfigError(f"destination {dst} must not be inside the source directory {src}")
+    cfg_path = src / "config.json"
+    try:
+        config = json.loads(cfg_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{cfg_path}: no config.json in the source directory") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from None
+    src_scheme = QF.parse_quantization_config(config.get("quantization_config"), f"{cfg_path}: quantization_config")
+    scheme = QF.make_scheme(format, group if format == "int4" else 64, symmetric, scale_dtype)
+    ckpt = SourceCheckpoint(src)
+
+    stats = dict(activation_stats or {})
+    if calibration is not None and not activation_stats:
+        stats = collect_activation_stats(src, Path(calibration))
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    t0 = time.time()
+    summary = {"format": scheme.describe(), "quantized": 0, "kept": 0, "alphas": {}, "source_bytes": 0,
+               "dest_bytes": 0}
+    try:
+        # every file that is not a weight shard is copied as is (tokenizer, generation config, code, ...)
+        for p in sorted(src.rglob("*")):
+            rel = p.relative_to(src)
+            if p.is_dir() or rel.as_posix() in ckpt.weight_files or rel.as_posix() == "config.json":
+                continue
+            if len(rel.parts) == 1 and (p.suffix == ".safetensors" or p.name.startswith("pytorch_model")
+                                        or p.name.startswith("consolidated.")):
+                continue  # other copies of the weights (stray shards, .bin, .pth) would be stale and large
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(p, tmp / rel)
+        writer = _ShardWriter(tmp, shard_bytes)
+        names = ckpt.names()
+        side = {n + s for n in names for s in _QUANT_SIDE_SUFFIXES if n.endswith(".weight")}
+        todo = [n for n in names if n not in side]
+        for i, name in enumerate(todo):
+            shape = ckpt.shape(name)
+            summary["source_bytes"] += sum(ckpt.get(n).nbytes for n in (name, *(name + x for x in _QUANT_SIDE_SUFFIXES))
+                                           if n in ckpt)
+            if QF.is_quantizable(name, shape) and QF.is_converted(name, scheme):
+                w = _source_weight(ckpt, name, src_scheme)
+                st = stats.get(name)
+                try:
+                    if st is not None and st.tokens >= MIN_CALIB_TOKENS:
+                        t, alpha = quantize_weight_calibrated(w, scheme, st)
+                        summary["alphas"][name] = alpha
+                    else:
+                        t = quantize_weight(w, scheme, clip_search=clip_search)
+                except ValueError as e:
+                    raise CheckpointError(f"{src}: cannot quantize {name!r} {list(w.shape)}: {e}") from None
+                for k, a in QF.weight_to_checkpoint(name, t).items():
+                    writer.add(k, a)
+                    summary["dest_bytes"] += a.nbytes
+                summary["quantized"] += 1
+            else:
+                a = ckpt.get(name)
+                if a.dtype in (ml_dtypes.float8_e4m3fn, np.int8, np.uint8) and name.endswith(".weight") and (
+                        name + "_scale_inv" in ckpt or name + "_scale" in ckpt):
+                    # a quantized source weight we do not re-quantize (not a linear we convert): dequantize to bf16
+                    a = _source_weight(ckpt, name, src_scheme).astype(ml_dtypes.bfloat16)
+                writer.add(name, np.asarray(a))
+                summary["kept"] += 1
+                summary["dest_bytes"] += a.nbytes
+            if progress and (i % 50 == 0 or i == len(todo) - 1):
+                print(f"deepinfer quantize: {i + 1}/{len(todo)} tensors ({time.time() - t0:.0f} s)", file=sys.stderr,
+                      flush=True)
+        writer.finish()
+        new_cfg = dict(config)
+        new_cfg["quantization_config"] = scheme.to_config()
+        if stats:
+            new_cfg["quantization_config"]["calibration"] = {
+                "file": Path(calibration).name if calibration else None, "layers": len(summary["alphas"])}
+        (tmp / "config.json").write_text(json.dumps(new_cfg, indent=2) + "\n")
+        _fsync_dir(tmp)
+        # the one step that makes DST exist: atomic on one filesystem, and it fails if DST appeared meanwhile
+        try:
+            os.rename(tmp, dst)
+        except OSError:
+            raise ConfigError(f"destination {dst} appeared while quantizing; the result was discarded") from None
+        _fsync_dir(dst.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    summary["seconds"] = round(time.time() - t0, 2)
+    return summary
+
+
+def _fsync_dir(p: Path) -> None:
+    try:
+        fd = os.open(p, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ============================================================================ calibration
+
+
+def collect_activation_stats(src: Path, text_file: Path, max_tokens: int = 512, sample_rows: int = 128,
+                             seq_len: int = 256) -> dict:
+    """Runs `text_file` through the source model and records, for each linear we quantize, the
+    mean |x| of its input channels and a subsample of input rows ({weight name: ActivationStats}).
+
+    The forward pass is transformers' implementation of the same checkpoint (an independent
+    implementation that loads DeepSeek V2/V3 hub directories on the CPU). Routed experts, which
+    transformers 5 stores fused, are measured on the tokens actually routed to each expert.
+    """
+    if not text_file.is_file():
+        raise ConfigError(f"calibration file {text_file} not found")
+    text = text_file.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise ConfigError(f"calibration file {text_file} is empty")
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+        from tokenizers import Tokenizer
+    except ImportError as e:
+        raise ConfigError(f"--calibration needs torch and transformers to run the source model ({e})") from None
+    tok_path = src / "tokenizer.json"
+    if not tok_path.is_file():
+        raise CheckpointError(f"{src}: calibration needs tokenizer.json")
+    ids = Tokenizer.from_file(str(tok_path)).encode(text, add_special_tokens=False).ids[:max_tokens]
+    if not ids:
+        raise ConfigError(f"calibration file {text_file} gives no tokens")
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()   # its load report lists our MTP layer as "unexpected": it is, for it
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    except Exception as e:  # transformers raises many types for checkpoints it cannot read
+        raise CheckpointError(f"calibration: transformers cannot load {src} ({type(e).__name__}: {e})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    model.eval()
+    acc: dict[str, list] = {}
+    rng = np.random.default_rng(0)
+
+    def record(name: str, x) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).float().numpy()
+        if x.shape[0] == 0:
+            return
+        e = acc.setdefault(name, [np.zeros(x.shape[1]), 0, []])
+        e[0] += np.abs(x).sum(0)
+        e[1] += x.shape[0]
+        e[2].append(x[rng.permutation(x.shape[0])[:sample_rows]])
+
+    hooks = []
+    for mod_name, mod in model.named_modules():
+        leaf = mod_name.rsplit(".", 1)[-1]
+        if isinstance(mod, torch.nn.Linear) and leaf in QF.QUANTIZED_LINEARS:
+            hooks.append(mod.register_forward_pre_hook(
+                lambda m, args, n=mod_name + ".weight": record(n, args[0])))
+        elif hasattr(mod, "gate_up_proj") and hasattr(mod, "down_proj") and not isinstance(mod, torch.nn.Linear):
+            def experts_hook(m, args, prefix=mod_name):
+                hidden, top_idx = args[0], args[1]
+                for e in range(m.gate_up_proj.shape[0]):
+                    rows = (top_idx == e).any(-1).nonzero().flatten()
+                    if rows.numel() == 0:
+                        continue
+                    x = hidden[rows]
+                    record(f"{prefix}.{e}.gate_proj.weight", x)
+                    record(f"{prefix}.{e}.up_proj.weight", x)
+                    gate, up = torch.nn.functional.linear(x, m.gate_up_proj[e]).chunk(2, dim=-1)
+                    record(f"{prefix}.{e}.down_proj.weight", m.act_fn(gate) * up)
+            hooks.append(mod.register_forward_pre_hook(experts_hook))
+    try:
+        with torch.no_grad():
+            for s in range(0, len(ids), seq_len):
+                model(torch.tensor([ids[s:s + seq_len]]))
+    finally:
+        for h in hooks:
+            h.remove()
+    out = {}
+    for name, (sum_abs, count, samples) in acc.items():
+        sample = np.concatenate(samples)
+        sample = sample[rng.permutation(sample.shape[0])[:sample_rows]]
+        out[name] = ActivationStats((sum_abs / count).astype(np.float32), sample.astype(np.float32), count)
+    return out
+
+
+# ============================================================================ CLI
+
+
+def main(args) -> int:
+    """Entry of `deepinfer quantize` (args: src, dst, format, group, asym, calibration)."""
+    summary = quantize_model(args.src, args.dst, args.format, group=args.group, symmetric=not args.asym,
+                             calibration=args.calibration, progress=True)
+    gb = lambda b: b / 1e9  # noqa: E731
+    print(f"deepinfer quantize: wrote {args.dst} ({summary['format']}): {summary['quantized']} weights "
+          f"quantized, {summary['kept']} tensors kept; {gb(summary['source_bytes']):.3f} GB -> "
+          f"{gb(summary['dest_bytes']):.3f} GB in {summary['seconds']} s")
+    if summary["alphas"]:
+        vals, counts = np.unique(list(summary["alphas"].values()), return_counts=True)
+        print("  activation-aware alpha per layer: " + ", ".join(f"{v:g} x{c}" for v, c in zip(vals, counts)))
+    return 0
