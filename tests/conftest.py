@@ -7,27 +7,34 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tiny_checkpoints
 _ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(_ROOT / "runtime"))
 
-# where a CMake build of the CPU backend usually lands
-CPU_LIB_CANDIDATES = [os.environ.get("DEEPINFER_CPU_LIB", ""), "/tmp/build/backends/cpu/libdeepinfer_cpu.so",
-                      str(_ROOT / "build/backends/cpu/libdeepinfer_cpu.so")]
+# DEEPINFER_CPU_LIB picks a library explicitly; otherwise the installed one (pip install -e .), and
+# failing that a plain CMake build in the checkout
+CPU_LIB_ENV = os.environ.get("DEEPINFER_CPU_LIB", "")
+CPU_LIB_BUILD_DIRS = [str(_ROOT / "build/backends/cpu/libdeepinfer_cpu.so")]
 
 
 def _cpu_backend():
     import deepinfer
     from deepinfer.errors import BackendLoadError
 
-    for p in CPU_LIB_CANDIDATES:
-        if p and Path(p).is_file():
-            return deepinfer.loader.load_library(p)
+    if CPU_LIB_ENV:
+        return deepinfer.loader.load_library(CPU_LIB_ENV)
     try:
         return deepinfer.get_backend("cpu")
     except (BackendLoadError, ValueError, LookupError) as e:
-        pytest.skip(f"CPU backend library not built ({e}); build with cmake -S . -B /tmp/build && "
-                    "cmake --build /tmp/build, or set DEEPINFER_CPU_LIB")
+        for p in CPU_LIB_BUILD_DIRS:
+            if Path(p).is_file():
+                return deepinfer.loader.load_library(p)
+        pytest.skip(f"CPU backend library not built ({e}); pip install -e . builds it, or set DEEPINFER_CPU_LIB")
+
+
+@pytest.fixture(scope="session")
+def cpu_backend():
+    """The C CPU backend (skips with the reason when it is not built)."""
+    return _cpu_backend()
 
 
 _BACKENDS: dict = {}

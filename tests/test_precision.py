@@ -214,11 +214,9 @@ def test_quantized_checkpoint_runs_as_stored():
     assert P.choose_precision({**ALL_YES, "int4": NO, "w4a8": NO, "w8a8": NO}, SIZES, 64 * GiB, device="cpu")[0] == "int8"
 
 
-def test_cpu_library_answers_every_probe():
+def test_cpu_library_answers_every_probe(cpu_backend):
     """The probe descriptors are well-formed for a real ABI library (a malformed one would read as NO)."""
-    from conftest import _cpu_backend
-
-    cpu = _cpu_backend()
+    cpu = cpu_backend
     for g in (32, 64, 128):
         caps = P.backend_capabilities(cpu, group_size=g)
         assert caps["f32"] == YES and caps["int8"] == YES and caps["int4"] == YES, caps
