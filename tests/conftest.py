@@ -55,14 +55,25 @@ def torch_one_thread():
     torch.set_num_threads(n)
 
 
-@pytest.fixture(scope="session", params=["reference", "cpu"])
+# DEEPINFER_TEST_BACKENDS=cuda DEEPINFER_CUDA_LIB=... runs the model tests on a device library
+# (backends/cuda/device_certify.sh does this on the GPU machine)
+MODEL_BACKENDS = os.environ.get("DEEPINFER_TEST_BACKENDS", "reference,cpu").split(",")
+
+
+@pytest.fixture(scope="session", params=MODEL_BACKENDS)
 def model_backend(request):
     """Each model test runs on the reference backend and on the CPU library (skipped if not built)."""
     name = request.param
     if name not in _BACKENDS:
         import deepinfer
 
-        _BACKENDS[name] = deepinfer.get_backend("reference") if name == "reference" else _cpu_backend()
+        if name == "reference":
+            _BACKENDS[name] = deepinfer.get_backend("reference")
+        elif name == "cpu":
+            _BACKENDS[name] = _cpu_backend()
+        else:
+            lib = os.environ.get(f"DEEPINFER_{name.upper()}_LIB")
+            _BACKENDS[name] = deepinfer.loader.load_library(lib) if lib else deepinfer.get_backend(name)
     return _BACKENDS[name]
 
 

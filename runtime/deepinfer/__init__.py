@@ -7,6 +7,17 @@
 """
 __version__ = "0.1.0"
 
+import os as _os
+
+# The reference backend's source lives in backends/reference; an install maps it to
+# deepinfer/reference (pyproject.toml). Running from a source tree (PYTHONPATH=runtime, as on the
+# device machine) finds it through the package path instead.
+_src_backends = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))),
+                              "backends")
+if not _os.path.isdir(_os.path.join(__path__[0], "reference")) and _os.path.isfile(
+        _os.path.join(_src_backends, "reference", "__init__.py")):
+    __path__.append(_src_backends)
+
 from .errors import (  # noqa: E402
     BackendCallError,
     BackendLoadError,
