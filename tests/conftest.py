@@ -37,6 +37,18 @@ def cpu_backend():
     return _cpu_backend()
 
 
+@pytest.fixture(scope="session")
+def cc() -> str:
+    """A C compiler for the test plugins of the loader and conformance tests (skips without one)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "conformance"))
+    from plugin_build import c_compiler
+
+    path = c_compiler()
+    if path is None:
+        pytest.skip("no C compiler (cc, gcc or clang) on PATH: cannot build test plugins")
+    return path
+
+
 _BACKENDS: dict = {}
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "conformance"))
-from plugin_build import ABI_DIR, PLUGINS, c_compiler, compile_shared  # noqa: E402  (tests/conformance/)
+from plugin_build import ABI_DIR, PLUGINS, compile_shared  # noqa: E402  (tests/conformance/)
 
 from deepinfer import abi, loader  # noqa: E402
 from deepinfer.backend import FallbackBackend, NativeBackend  # noqa: E402
@@ -27,14 +27,6 @@ from deepinfer.tensor import Tensor  # noqa: E402
 
 LAYOUT_JSON = Path(__file__).resolve().parent / "conformance" / "abi_layout_v1.json"
 ffi = abi.ffi
-
-
-@pytest.fixture(scope="module")
-def cc():
-    path = c_compiler()
-    if path is None:
-        pytest.skip("no C compiler: the loader tests compile small plugins")
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -17,14 +17,6 @@ from plugin_build import PLUGINS, ROOT, c_compiler, compile_shared, find_cpu_lib
 
 
 @pytest.fixture(scope="session")
-def cc() -> str:
-    path = c_compiler()
-    if path is None:
-        pytest.skip("no C compiler (cc, gcc or clang) on PATH: cannot build test plugins")
-    return path
-
-
-@pytest.fixture(scope="session")
 def plugin_factory(cc, tmp_path_factory):
     """plugin_factory(filename, **defines) -> path of a compiled variant of plugins/tiny_plugin.c."""
     base = tmp_path_factory.mktemp("plugins")
