@@ -6,7 +6,7 @@
 // op_query calls the same function with launch unset, so the two can never disagree.
 #pragma once
 
-#include <cuda_runtime.h>
+#include "gpu_runtime.cuh"  // CUDA or HIP runtime, never a vendor header directly
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>

@@ -3,8 +3,7 @@
 // basics so a HIP build can share it through a compat header.
 #pragma once
 
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
+#include "gpu_runtime.cuh"
 #include <math.h>
 #include <stdint.h>
 

@@ -2,7 +2,8 @@
 // its own translation unit (gemv_<fmt>.cu) so the heavy unrolled bodies compile in parallel.
 #pragma once
 
-#include <cuda_fp8.h>
+#define DI_GPU_NEED_FP8  // decode(WF_FP8) uses the cuda_fp8.h conversion intrinsics
+#include "gpu_runtime.cuh"
 
 #include "device.cuh"
 #include "gemv_api.cuh"

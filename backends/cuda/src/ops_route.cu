@@ -1,5 +1,6 @@
 // moe_router and sample.
-#include <cub/cub.cuh>
+#define DI_GPU_NEED_CUB  // BlockScan and DeviceSegmentedRadixSort
+#include "gpu_runtime.cuh"
 
 #include "device.cuh"
 
