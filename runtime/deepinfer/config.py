@@ -25,7 +25,9 @@ class EngineConfig:
     device_id: int = 0
     fallback: bool = False               # run ops the backend lacks on the reference (logged)
     activation_dtype: str = "auto"       # "f32", "bf16" or "auto" (f32 on CPU backends)
-    speculative: dict = field(default_factory=dict)  # {"mtp": true, "num_draft": 1}
+    # {"mtp": false} skips loading the MTP draft head (saves its memory). Speculative decoding with it
+    # is not in the engine yet, so no other key is accepted: a knob that did nothing would be a lie.
+    speculative: dict = field(default_factory=dict)
     verbose: bool = False
 
     @classmethod
@@ -67,9 +69,10 @@ class EngineConfig:
                 raise ConfigError(f"{k} must be a positive integer, not {getattr(self, k)!r}")
         if self.activation_dtype not in ("auto", "f32", "bf16"):
             raise ConfigError(f"activation_dtype must be auto, f32 or bf16, not {self.activation_dtype!r}")
-        unknown_spec = set(self.speculative) - {"mtp", "num_draft"}
+        unknown_spec = set(self.speculative) - {"mtp"}
         if unknown_spec:
-            raise ConfigError(f"unknown speculative option(s) {sorted(unknown_spec)}; valid: mtp, num_draft")
+            raise ConfigError(f"unknown speculative option(s) {sorted(unknown_spec)}; valid: mtp (load the MTP "
+                              f"head or not); MTP speculative decoding itself is not implemented yet")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
