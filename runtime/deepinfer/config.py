@@ -28,7 +28,7 @@ class EngineConfig:
     # {"mtp": false} skips loading the MTP draft head (saves its memory). Speculative decoding with it
     # is not in the engine yet, so no other key is accepted: a knob that did nothing would be a lie.
     speculative: dict = field(default_factory=dict)
-    verbose: bool = False
+    verbose: bool = False               # log backend, precision choice and plan sizes to stderr
 
     @classmethod
     def from_any(cls, cfg=None, **overrides) -> "EngineConfig":

@@ -175,6 +175,12 @@ class Engine:
 
         self.model_dir = Path(model_dir)
         self.config = config
+        if config.verbose:  # say which backend, precision and why on stderr
+            log.setLevel(logging.INFO)
+            if not logging.getLogger().handlers and not log.handlers:
+                h = logging.StreamHandler()
+                h.setFormatter(logging.Formatter("deepinfer: %(message)s"))
+                log.addHandler(h)
         self.tokenizer = Tokenizer(self.model_dir)
         self.backend = get_backend(config.backend, fallback=config.fallback, device_id=config.device_id,
                                    num_threads=config.num_threads)
