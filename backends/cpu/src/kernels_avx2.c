@@ -284,14 +284,9 @@ int kernels_avx2(Kernels* k) {
 }
 
 #else
-static K2 void axpy_avx2(float a, const float* x, float* y, int64_t n) {
-    __m256 av = _mm256_set1_ps(a);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; i++) y[i] += a * x[i];
-}
-
+/* not x86 or not GCC/clang: no vector kernels; kernels.c keeps the scalar ones */
 int kernels_avx2(Kernels* k) {
-    k->axpy = axpy_avx2; (void)k; return 0; }
+    (void)k;
+    return 0;
+}
 #endif

@@ -335,17 +335,9 @@ int kernels_avx512(Kernels* k) {
 }
 
 #else
-static K512 void axpy_512(float a, const float* x, float* y, int64_t n) {
-    __m512 av = _mm512_set1_ps(a);
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
-    if (i < n) {
-        __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
-        _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i)));
-    }
-}
-
+/* not x86 or not GCC/clang: no vector kernels; kernels.c keeps the scalar ones */
 int kernels_avx512(Kernels* k) {
-    k->axpy = axpy_512; (void)k; return 0; }
+    (void)k;
+    return 0;
+}
 #endif
