@@ -12,6 +12,7 @@ import pytest
 from deepinfer import quant_formats as QF
 from deepinfer import quantizer as Q
 from deepinfer.errors import CheckpointError, ConfigError
+from deepinfer.model import TensorStore
 from deepinfer.reference.quant import dequantize_array, quantize_array
 from deepinfer.tensor import Tensor
 
@@ -62,9 +63,9 @@ def tree_hashes(d: Path) -> dict:
 
 
 def load_weight(d: Path, name: str):
-    ck = Q.SourceCheckpoint(d)
+    ck = TensorStore(d)
     cfg = json.loads((d / "config.json").read_text())
-    return QF.weight_from_checkpoint(ck.get, name, cfg.get("quantization_config"), has_tensor=ck.__contains__)
+    return QF.weight_from_checkpoint(ck.array, name, cfg.get("quantization_config"), has_tensor=ck.__contains__)
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +239,7 @@ def test_quantize_model_round_trip(src, tmp_path, fmt, group, sym):
     index = json.loads((dst / "model.safetensors.index.json").read_text())
     for f in set(index["weight_map"].values()):
         assert (dst / f).is_file()
-    ck = Q.SourceCheckpoint(dst)
+    ck = TensorStore(dst)
     for name, a in tensors.items():
         t = load_weight(dst, name) if name.endswith(".weight") and a.ndim == 2 else None
         if name in QUANTIZED:
@@ -247,7 +248,7 @@ def test_quantize_model_round_trip(src, tmp_path, fmt, group, sym):
             rel = np.linalg.norm(dequantize_array(t) - w) / np.linalg.norm(w)
             assert rel < {"int4": 0.35, "int8": 0.05, "fp8": 0.1}[fmt], name   # o_proj has an outlier column
         else:
-            kept = ck.get(name)
+            kept = ck.array(name)
             assert kept.dtype == a.dtype and np.array_equal(kept.view(np.uint8), a.view(np.uint8)), name
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.partial")]
 
@@ -267,7 +268,7 @@ def test_fp8_source_is_requantized(tmp_path):
     (sdir / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "quantization_config": official}))
     dst = tmp_path / "int4"
     Q.quantize_model(sdir, dst, "int4", group=32)
-    ck = Q.SourceCheckpoint(dst)
+    ck = TensorStore(dst)
     assert not any(n.endswith("_scale_inv") for n in ck.names())
     for n in QUANTIZED:
         t = load_weight(dst, n)
@@ -309,7 +310,7 @@ def test_interrupted_run_leaves_no_destination(src, tmp_path, monkeypatch):
     assert not dst.exists()
     assert list(tmp_path.iterdir()) == [], "the partial directory was not cleaned up"
     with pytest.raises(CheckpointError):
-        Q.SourceCheckpoint(dst)
+        TensorStore(dst)
     assert tree_hashes(sdir) == before
     monkeypatch.setattr(QF, "weight_to_checkpoint", real)
     Q.quantize_model(sdir, dst, "int4")     # and a rerun succeeds
@@ -392,7 +393,7 @@ def _logits_with(src: Path, dst: Path, ids):
 
     hf_logging.set_verbosity_error()
     m = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
-    ck = Q.SourceCheckpoint(dst)
+    ck = TensorStore(dst)
     scheme = json.loads((dst / "config.json").read_text()).get("quantization_config")
     sd_names = set(m.state_dict())
     flat = {}
@@ -401,9 +402,9 @@ def _logits_with(src: Path, dst: Path, ids):
             continue
         if n.endswith((".weight_scale", ".weight_zero", ".weight_shape", ".weight_scale_inv")):
             continue
-        a = ck.get(n)
+        a = ck.array(n)
         if a.ndim == 2 and n.endswith(".weight"):
-            a = Q.dequantize(QF.weight_from_checkpoint(ck.get, n, scheme, has_tensor=ck.__contains__))
+            a = Q.dequantize(QF.weight_from_checkpoint(ck.array, n, scheme, has_tensor=ck.__contains__))
         if n in sd_names or ".mlp.experts." in n:
             flat[n] = torch.from_numpy(np.array(a, np.float32))
     tiny_checkpoints._load_flat(m, flat)
@@ -429,13 +430,13 @@ def test_tiny_deepseek_v3_end_to_end(tiny_v3, tmp_path, fmt, group, sym):
     dst = tmp_path / "q"
     Q.quantize_model(tiny_v3, dst, fmt, group=group, symmetric=sym)
     assert tree_hashes(tiny_v3) == before
-    ck, src = Q.SourceCheckpoint(dst), Q.SourceCheckpoint(tiny_v3)
+    ck, src = TensorStore(dst), TensorStore(tiny_v3)
     assert set(ck.names()) >= set(src.names())
     for n in src.names():
         if QF.is_quantizable(n, src.shape(n)):
             assert n + "_scale" in ck, n      # every attention / MLP / expert / MTP eh_proj linear
         else:
-            assert ck.get(n).dtype == src.get(n).dtype and np.array_equal(ck.get(n), src.get(n)), n
+            assert ck.array(n).dtype == src.array(n).dtype and np.array_equal(ck.array(n), src.array(n)), n
     assert "model.layers.3.eh_proj.weight_scale" in ck                       # the MTP layer too
     assert "model.layers.1.mlp.gate.weight_scale" not in ck                  # not the router
     assert "model.layers.3.shared_head.head.weight_scale" not in ck          # nor the MTP head
@@ -469,12 +470,12 @@ def test_calibration_with_transformers(tiny_v3, tmp_path, monkeypatch):
     # per layer, on the calibration rows: the activation-aware choice is never worse (alpha 0 is a candidate)
     better = 0
     for name, alpha in summary["alphas"].items():
-        w = Q.SourceCheckpoint(tiny_v3).get(name).astype(np.float32)
+        w = TensorStore(tiny_v3).array(name).astype(np.float32)
         x = stats[name].sample.astype(np.float64)
         err = {}
         for d in (aware, plain):
-            ck = Q.SourceCheckpoint(d)
-            t = QF.weight_from_checkpoint(ck.get, name, cfg_a, has_tensor=ck.__contains__)
+            ck = TensorStore(d)
+            t = QF.weight_from_checkpoint(ck.array, name, cfg_a, has_tensor=ck.__contains__)
             err[d] = float(np.sum(((Q.dequantize(t) - w) @ x.T) ** 2))
         assert err[aware] <= err[plain] * (1 + 1e-9), name
         better += err[aware] < err[plain]
@@ -495,16 +496,16 @@ def test_tiny_fp8_checkpoint_requantized(tmp_path):
 
     src = tmp_path / "fp8"
     tiny_checkpoints.make("v3fp8", src)
-    ck = Q.SourceCheckpoint(src)
+    ck = TensorStore(src)
     official = json.loads((src / "config.json").read_text())["quantization_config"]
     dst = tmp_path / "int8"
     Q.quantize_model(src, dst, "int8")
-    out = Q.SourceCheckpoint(dst)
+    out = TensorStore(dst)
     n_fp8 = 0
     for n in ck.names():
-        if n.endswith(".weight") and ck.get(n).dtype == ml_dtypes.float8_e4m3fn:
+        if n.endswith(".weight") and ck.array(n).dtype == ml_dtypes.float8_e4m3fn:
             n_fp8 += 1
-            ref = dequantize_array(QF.weight_from_checkpoint(ck.get, n, official, has_tensor=ck.__contains__))
+            ref = dequantize_array(QF.weight_from_checkpoint(ck.array, n, official, has_tensor=ck.__contains__))
             t = load_weight(dst, n)
             assert t.dtype.name == "int8"
             assert np.linalg.norm(dequantize_array(t) - ref) / np.linalg.norm(ref) < 0.02, n
@@ -533,9 +534,9 @@ def test_logical_shapes_of_a_quantized_checkpoint(src, tmp_path):
     sdir, tensors = src
     dst = tmp_path / "q"
     Q.quantize_model(sdir, dst, "int4", group=32, symmetric=False)
-    ck = Q.SourceCheckpoint(dst)
-    entries = {n: (ck.get(n).dtype, ck.shape(n)) for n in ck.names()}
-    shapes = QF.logical_shapes(entries, ck.get)
+    ck = TensorStore(dst)
+    entries = {n: (ck.array(n).dtype, ck.shape(n)) for n in ck.names()}
+    shapes = QF.logical_shapes(entries, ck.array)
     assert shapes == {n: a.shape for n, a in tensors.items()}
 
 

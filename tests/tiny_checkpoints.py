@@ -10,6 +10,16 @@ Families:
           128x128 weight_scale_inv blocks, partial edge blocks included); the oracle runs the
           dequantized weights
   v3bf16  the v3 checkpoint stored in bf16; the oracle runs in bf16
+  v3fp8e128  v3fp8 with moe_intermediate_size 128, so a fused gate_up scale tensor splits between
+          gate and up on 128-row blocks (the only fused fp8 layout that has per-expert views)
+
+Layouts of the routed experts (make(..., layout=)):
+  hub     one tensor per expert, `experts.{e}.{gate,up,down}_proj.weight`: what DeepSeek publishes
+          and what transformers 5 `save_pretrained` writes by default
+  fused   `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I], written by transformers
+          itself (`save_pretrained(..., save_original_format=False)`); for fp8 families built by hand
+          with the `_scale_inv` companions shaped as transformers' integrations/finegrained_fp8.py
+          allocates them ([E, max(ceil(2I/128), 2), ceil(H/128)] and [E, ceil(H/128), ceil(I/128)])
 
 Weights are re-drawn with unit-scale statistics (1/sqrt(fan_in)) so logits are well separated and
 greedy continuations do not hinge on near-ties.
@@ -51,9 +61,10 @@ def family_config(family: str):
                                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
                                                  "original_max_position_embeddings": 64, "beta_fast": 32,
                                                  "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
-    if family == "v3fp8":
+    if family in ("v3fp8", "v3fp8e128"):
         d = dict(BASE)
-        d.update(hidden_size=256, intermediate_size=320, moe_intermediate_size=96, num_hidden_layers=2,
+        d.update(hidden_size=256, intermediate_size=320, moe_intermediate_size=96 if family == "v3fp8" else 128,
+                 num_hidden_layers=2,
                  num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=160, qk_rope_head_dim=32,
                  qk_nope_head_dim=64, v_head_dim=64)
         return DeepseekV3Config(**d, q_lora_rank=192, n_shared_experts=1, n_group=4, topk_group=2,
@@ -98,8 +109,9 @@ def _hf_model(family: str, seed: int):
     return m
 
 
-def _mtp_state(model, gen: torch.Generator) -> dict:
-    """Random weights of one MTP layer in DeepSeek's checkpoint layout (layer index L)."""
+def _mtp_state(model, gen: torch.Generator, layout: str = "hub") -> dict:
+    """Random weights of one MTP layer in DeepSeek's checkpoint layout (layer index L), its routed
+    experts per expert (layout "hub") or fused like the main layers (layout "fused")."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
     cfg = model.config
@@ -109,7 +121,9 @@ def _mtp_state(model, gen: torch.Generator) -> dict:
     sd = {}
     # save the block in the per-expert layout transformers writes for the main layers
     for k, v in block.state_dict().items():
-        if k == "mlp.experts.gate_up_proj":
+        if layout == "fused":
+            sd[k] = v
+        elif k == "mlp.experts.gate_up_proj":
             I = cfg.moe_intermediate_size
             for e in range(v.shape[0]):
                 sd[f"mlp.experts.{e}.gate_proj.weight"] = v[e, :I]
@@ -170,10 +184,33 @@ FP8_SUFFIXES = ("q_a_proj.weight", "q_b_proj.weight", "q_proj.weight", "kv_a_pro
                 "kv_b_proj.weight", "o_proj.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight")
 
 
-def make(family: str, out: Path, seed: int = 0):
-    """Write the checkpoint of `family` to `out`; returns (out, transformers oracle model, mtp block)."""
+def _fuse_fp8(st: dict, num_experts: int) -> dict:
+    """The per-expert fp8 tensors of `st` regrouped into transformers' fused layout."""
+    out, done = {}, set()
+    for k in st:
+        if ".mlp.experts.0.gate_proj.weight" not in k or k.endswith("_scale_inv"):
+            continue
+        pre = k[: -len("0.gate_proj.weight")]
+        for sfx in ("", "_scale_inv"):
+            gate_up = [torch.cat([st[f"{pre}{e}.gate_proj.weight{sfx}"], st[f"{pre}{e}.up_proj.weight{sfx}"]])
+                       for e in range(num_experts)]
+            out[f"{pre}gate_up_proj{sfx}"] = torch.stack(gate_up).contiguous()
+            out[f"{pre}down_proj{sfx}"] = torch.stack(
+                [st[f"{pre}{e}.down_proj.weight{sfx}"] for e in range(num_experts)]).contiguous()
+            done.update(f"{pre}{e}.{p}.weight{sfx}" for e in range(num_experts) for p in ("gate_proj", "up_proj",
+                                                                                         "down_proj"))
+    out.update({k: v for k, v in st.items() if k not in done})
+    return out
+
+
+def make(family: str, out: Path, seed: int = 0, layout: str = "hub"):
+    """Write the checkpoint of `family` to `out` with routed experts in `layout` ("hub" or "fused");
+    returns (out, transformers oracle model, mtp block). The same family and seed give the same
+    weights in either layout."""
     from safetensors.torch import save_file
 
+    if layout not in ("hub", "fused"):
+        raise ValueError(layout)
     out = Path(out)
     if out.exists():
         shutil.rmtree(out)
@@ -181,7 +218,7 @@ def make(family: str, out: Path, seed: int = 0):
     m = _hf_model(family, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     mtp_block = None
-    if family == "v3fp8":
+    if family in ("v3fp8", "v3fp8e128"):
         m.save_pretrained(out)   # for config.json; the weights are replaced below
         for p in out.glob("*.safetensors*"):
             p.unlink()
@@ -211,6 +248,8 @@ def make(family: str, out: Path, seed: int = 0):
                 deq_sd[k] = deq
             else:
                 st[k] = v.detach().contiguous()
+        if layout == "fused":
+            st = _fuse_fp8(st, m.config.n_routed_experts)
         save_file(st, str(out / "model.safetensors"), metadata={"format": "pt"})
         cfg = json.loads((out / "config.json").read_text())
         cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -225,9 +264,10 @@ def make(family: str, out: Path, seed: int = 0):
         # .to() rounds rope's frequency buffer too, which loading a bf16 checkpoint does not do
         m.model.rotary_emb.inv_freq = inv
     shard = "150KB" if family == "v3" else "50GB"
-    m.save_pretrained(out, max_shard_size=shard)
+    # save_original_format=False keeps transformers' in-memory (fused) expert tensors
+    m.save_pretrained(out, max_shard_size=shard, save_original_format=layout == "hub")
     if family in ("v3", "v3bf16"):
-        mtp, mtp_block = _mtp_state(m, gen)
+        mtp, mtp_block = _mtp_state(m, gen, layout)
         if family == "v3bf16":
             mtp = {k: v.to(torch.bfloat16) for k, v in mtp.items()}
             mtp_block = mtp_block.to(torch.bfloat16)

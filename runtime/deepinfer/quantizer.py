@@ -360,52 +360,13 @@ def write_safetensors(path: Path, tensors: dict, metadata: Optional[dict] = None
     return off
 
 
-class SourceCheckpoint:
-    """Read-only view of SRC's tensors: model.safetensors or the shards of an index."""
+def source_tensors(src: Path, src_scheme=None):
+    """Read-only view of SRC's tensors by hub-layout name (model.safetensors or an index's shards;
+    routed experts stored per expert or fused, see model.checkpoint.TensorStore)."""
+    from .model.checkpoint import TensorStore
 
-    def __init__(self, src: Path):
-        from .model.checkpoint import SafetensorsFile
-
-        self.dir = src
-        self.where: dict[str, object] = {}
-        index = src / "model.safetensors.index.json"
-        single = src / "model.safetensors"
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index}: malformed index ({e})") from None
-            files = {}
-            for name, fname in weight_map.items():
-                if fname not in files:
-                    if not (src / fname).is_file():
-                        raise CheckpointError(f"{index}: shard {fname} (holding {name}) is missing")
-                    files[fname] = SafetensorsFile(src / fname)
-                if name not in files[fname].entries:
-                    raise CheckpointError(f"{files[fname].path}: tensor {name!r} listed in the index is not in the file")
-                self.where[name] = files[fname]
-            self.weight_files = {index.name, *files}
-        elif single.is_file():
-            f = SafetensorsFile(single)
-            self.where = {name: f for name in f.keys()}
-            self.weight_files = {single.name}
-        else:
-            raise CheckpointError(f"{src}: no model.safetensors or model.safetensors.index.json")
-
-    def names(self) -> list[str]:
-        return list(self.where)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.where
-
-    def get(self, name: str) -> np.ndarray:
-        f = self.where.get(name)
-        if f is None:
-            raise KeyError(name)
-        return f.array(name)
-
-    def shape(self, name: str) -> tuple:
-        return self.where[name].entries[name][1]
+    block = src_scheme.block if src_scheme is not None and src_scheme.format == "fp8" else (128, 128)
+    return TensorStore(Path(src), fp8_block_rows=block[0])
 
 
 class _ShardWriter:
@@ -447,12 +408,12 @@ class _ShardWriter:
         return index
 
 
-def _source_weight(src: SourceCheckpoint, name: str, src_scheme) -> np.ndarray:
+def _source_weight(src, name: str, src_scheme) -> np.ndarray:
     """A weight's real values in f32 (an fp8 / deepinfer-quantized source is dequantized first)."""
-    a = src.get(name)
+    a = src.array(name)
     if a.dtype in (np.float32, np.float16, ml_dtypes.bfloat16):
         return _as_f32(a)
-    t = QF.weight_from_checkpoint(src.get, name, src_scheme, has_tensor=src.__contains__)
+    t = QF.weight_from_checkpoint(src.array, name, src_scheme, has_tensor=src.__contains__)
     return dequantize(t)
 
 
@@ -491,7 +452,7 @@ def quantize_model(src, dst, format: str, group: int = 64, symmetric: bool = Tru
         raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from None
     src_scheme = QF.parse_quantization_config(config.get("quantization_config"), f"{cfg_path}: quantization_config")
     scheme = QF.make_scheme(format, group if format == "int4" else 64, symmetric, scale_dtype)
-    ckpt = SourceCheckpoint(src)
+    ckpt = source_tensors(src, src_scheme)
 
     stats = dict(activation_stats or {})
     if calibration is not None and not activation_stats:
@@ -519,7 +480,7 @@ def quantize_model(src, dst, format: str, group: int = 64, symmetric: bool = Tru
         todo = [n for n in names if n not in side]
         for i, name in enumerate(todo):
             shape = ckpt.shape(name)
-            summary["source_bytes"] += sum(ckpt.get(n).nbytes for n in (name, *(name + x for x in _QUANT_SIDE_SUFFIXES))
+            summary["source_bytes"] += sum(ckpt.array(n).nbytes for n in (name, *(name + x for x in _QUANT_SIDE_SUFFIXES))
                                            if n in ckpt)
             if QF.is_quantizable(name, shape) and QF.is_converted(name, scheme):
                 w = _source_weight(ckpt, name, src_scheme)
@@ -537,7 +498,7 @@ def quantize_model(src, dst, format: str, group: int = 64, symmetric: bool = Tru
                     summary["dest_bytes"] += a.nbytes
                 summary["quantized"] += 1
             else:
-                a = ckpt.get(name)
+                a = ckpt.array(name)
                 if a.dtype in (ml_dtypes.float8_e4m3fn, np.int8, np.uint8) and name.endswith(".weight") and (
                         name + "_scale_inv" in ckpt or name + "_scale" in ckpt):
                     # a quantized source weight we do not re-quantize (not a linear we convert): dequantize to bf16

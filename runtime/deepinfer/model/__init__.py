@@ -1,7 +1,7 @@
 """The DeepSeek V2/V3 model: config, checkpoint loading, the graph, plans and the paged KV cache."""
 from __future__ import annotations
 
-from .checkpoint import Checkpoint, SafetensorsFile
+from .checkpoint import Checkpoint, SafetensorsFile, TensorStore
 from .config import ModelConfig
 from .deepseek import DeepseekModel, SeqInput
 from .kv_cache import CacheFullError, PagedKVCache
@@ -30,8 +30,7 @@ def load_model(model_dir, backend, engine_config=None) -> DeepseekModel:
     kw["dtype"] = P.default_activation_dtype(backend) if act in (None, "auto") else act
     spec = getattr(ec, "speculative", None) or {}
     kw["load_mtp"] = bool(spec.get("mtp", True))
-    entries = {n: f.entries[n][:2] for n, f in ckpt.where.items()}
-    shapes = QF.logical_shapes(entries, ckpt.array)
+    shapes = QF.logical_shapes(ckpt.entries(), ckpt.array)
     precision, reason = P.resolve(backend, ec, shapes, scheme.to_config() if scheme is not None else None)
     if scheme is not None and precision == scheme.format:
         precision = None   # the checkpoint's own format: the weights are used as stored
@@ -40,5 +39,5 @@ def load_model(model_dir, backend, engine_config=None) -> DeepseekModel:
     return model
 
 
-__all__ = ["Checkpoint", "SafetensorsFile", "ModelConfig", "DeepseekModel", "SeqInput", "PagedKVCache",
+__all__ = ["Checkpoint", "SafetensorsFile", "TensorStore", "ModelConfig", "DeepseekModel", "SeqInput", "PagedKVCache",
            "CacheFullError", "load_model"]

@@ -7,12 +7,25 @@ dtype, shape and data offsets, and that the data lies inside the file; so a trun
 reported by name instead of crashing a kernel later. FP8 weights of the official DeepSeek format
 (`weight` in e4m3 plus `weight_scale_inv`, one f32 per 128x128 block) become one quantized Tensor
 with Quant(scales, (128, 128)), which backends consume as is.
+
+Two layouts of routed experts are read, and the rest of the engine sees only the first:
+  hub    one tensor per expert: `mlp.experts.{e}.{gate,up,down}_proj.weight` (+ `weight_scale_inv`
+         for fp8), as DeepSeek publishes and as transformers 5 writes by default;
+  fused  one tensor per layer, as transformers 5 holds them in memory and writes with
+         `save_pretrained(..., save_original_format=False)` (and early 5.x releases by default):
+         `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows, then up rows) and
+         `mlp.experts.down_proj` [E, H, I]; fp8 adds `gate_up_proj_scale_inv` [E, 2I/128, H/128]
+         and `down_proj_scale_inv` [E, H/128, I/128] (transformers' integrations/finegrained_fp8.py).
+A fused tensor is presented under the hub names of its experts, each a view into the memory map
+(`gate_up_proj[e, :I]` is contiguous), so one expert loads alone without reading the others.
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -107,21 +120,40 @@ class SafetensorsFile:
         return self.entries.keys()
 
 
-class Checkpoint:
-    """A model directory: the config and every tensor by name, without reading data up front."""
+_FUSED = re.compile(r"^(?P<prefix>.*\.experts\.)(?P<proj>gate_up_proj|gate_proj|up_proj|down_proj)$")
+_SCALE = "_scale_inv"
 
-    def __init__(self, model_dir):
+
+@dataclass(frozen=True)
+class _ExpertView:
+    """A hub-layout name that is a slice of a fused tensor: stored[expert, rows[0]:rows[1]]."""
+
+    stored: str
+    expert: int
+    rows: tuple[int, int]
+
+
+class TensorStore:
+    """Every tensor of a model directory by its hub-layout name, without reading data up front.
+
+    `names()` are the logical names (fused expert tensors appear as their per-expert names);
+    `array(name)` is a read-only memory-mapped view. `fp8_block_rows` is the row height of fp8
+    scale blocks, needed to split fused gate_up scales between gate and up.
+    """
+
+    def __init__(self, model_dir, fp8_block_rows: int = 128):
         self.dir = Path(model_dir)
         if not self.dir.is_dir():
             raise CheckpointError(f"model directory {self.dir} does not exist")
-        self.config = ModelConfig.from_file(self.dir / "config.json")
         self.files: dict[str, SafetensorsFile] = {}
-        self.where: dict[str, SafetensorsFile] = {}
+        self.where: dict[str, SafetensorsFile] = {}     # stored name -> file
         index = self.dir / "model.safetensors.index.json"
         single = self.dir / "model.safetensors"
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
+                if not isinstance(weight_map, dict):
+                    raise TypeError("weight_map is not an object")
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{index}: malformed index ({e})") from None
             for name, fname in weight_map.items():
@@ -134,33 +166,146 @@ class Checkpoint:
                 if name not in f.entries:
                     raise CheckpointError(f"{f.path}: tensor {name!r} listed in {index.name} is not in the file")
                 self.where[name] = f
+            self.weight_files = {index.name, *self.files}
         elif single.is_file():
             f = SafetensorsFile(single)
             self.files[single.name] = f
             for name in f.keys():
                 self.where[name] = f
+            self.weight_files = {single.name}
         else:
             raise CheckpointError(f"{self.dir}: no model.safetensors or model.safetensors.index.json")
+        self.views: dict[str, _ExpertView] = {}
+        self._fused: set[str] = set()
+        for name in list(self.where):
+            m = _FUSED.match(name)
+            if m is not None:
+                self._add_fused(name, m["prefix"], m["proj"], int(fp8_block_rows))
+        self._names = [n for n in self.where if n not in self._fused] + list(self.views)
 
+    # ------------------------------------------------------------------ fused experts
+    def _stored_shape(self, name: str) -> tuple[int, ...]:
+        return self.where[name].entries[name][1]
+
+    def _add_fused(self, name: str, prefix: str, proj: str, block_rows: int) -> None:
+        shape = self._stored_shape(name)
+        path = self.where[name].path
+        if len(shape) != 3:
+            raise CheckpointError(f"{path}: fused expert tensor {name!r} has shape {list(shape)}; expected "
+                                  f"[experts, rows, cols]")
+        E, R, _ = shape
+        if proj == "gate_up_proj":
+            if R % 2:
+                raise CheckpointError(f"{path}: fused expert tensor {name!r} has {R} rows; gate_up_proj holds "
+                                      f"the gate rows then the up rows, so it needs an even count")
+            I = R // 2
+            parts = {"gate_proj": (0, I), "up_proj": (I, R)}
+        else:
+            parts = {proj: (0, R)}
+        scale = name + _SCALE
+        sshape = self._stored_shape(scale) if scale in self.where else None
+        if sshape is not None:
+            if len(sshape) != 3 or sshape[0] != E:
+                raise CheckpointError(f"{self.where[scale].path}: {scale!r} has shape {list(sshape)}; expected "
+                                      f"[{E}, row blocks, column blocks] for {name!r} {list(shape)}")
+            if proj == "gate_up_proj":
+                if I % block_rows or sshape[1] != R // block_rows:
+                    raise CheckpointError(
+                        f"{path}: fused fp8 expert tensor {name!r} {list(shape)}: its gate and up halves ({I} rows "
+                        f"each) do not fall on separate {block_rows}-row scale blocks ({scale!r} has shape "
+                        f"{list(sshape)}), so an expert's gate and up scales cannot be told apart. Save this model "
+                        f"per expert (transformers: save_pretrained(..., save_original_format=True)).")
+            elif sshape[1] != -(-R // block_rows):
+                raise CheckpointError(f"{self.where[scale].path}: {scale!r} has {sshape[1]} row blocks; {name!r} "
+                                      f"with {R} rows needs {-(-R // block_rows)} of {block_rows} rows")
+            self._fused.add(scale)
+        self._fused.add(name)
+        for part, (lo, hi) in parts.items():
+            for e in range(E):
+                hub = f"{prefix}{e}.{part}.weight"
+                views = {hub: _ExpertView(name, e, (lo, hi))}
+                if sshape is not None:
+                    views[hub + _SCALE] = _ExpertView(scale, e, (lo // block_rows, -(-hi // block_rows)))
+                for v, view in views.items():
+                    if v in self.where:
+                        raise CheckpointError(f"{self.dir}: expert tensor {v!r} is stored both on its own (in "
+                                              f"{self.where[v].path.name}) and inside the fused {view.stored!r}; "
+                                              f"keep one layout")
+                    self.views[v] = view
+
+    # ------------------------------------------------------------------ lookup
     def __contains__(self, name: str) -> bool:
-        return name in self.where
+        return name in self.views or (name in self.where and name not in self._fused)
 
-    def keys(self):
-        return self.where.keys()
+    def names(self) -> list[str]:
+        """Logical (hub-layout) tensor names, fused expert tensors split per expert."""
+        return list(self._names)
 
-    def array(self, name: str, shape=None) -> np.ndarray:
-        """The raw (memory-mapped, read-only) array of a tensor; checks its shape when given."""
-        f = self.where.get(name)
-        if f is None:
-            raise CheckpointError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
-        a = f.array(name)
-        if shape is not None and tuple(a.shape) != tuple(shape):
-            raise CheckpointError(f"{f.path}: tensor {name!r} has shape {list(a.shape)}, the config needs "
-                                  f"{list(shape)}")
-        return a
+    keys = names
+
+    @property
+    def layout(self) -> str:
+        """'hub', 'fused', or 'mixed' (some layers fused): how routed experts are stored."""
+        per_expert = any(".experts." in n and n not in self.views for n in self._names)
+        if not self.views:
+            return "hub"
+        return "mixed" if per_expert else "fused"
+
+    def _resolve(self, name: str):
+        if name in self.views:
+            return self.views[name]
+        if name in self.where and name not in self._fused:
+            return None
+        raise CheckpointError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
 
     def file_of(self, name: str) -> Path:
-        return self.where[name].path
+        v = self._resolve(name)
+        return self.where[v.stored if v is not None else name].path
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        v = self._resolve(name)
+        if v is None:
+            return self._stored_shape(name)
+        return (v.rows[1] - v.rows[0],) + self._stored_shape(v.stored)[2:]
+
+    def entries(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+        """{logical name: (dtype, shape)}, read from the headers only."""
+        out = {}
+        for n in self._names:
+            v = self.views.get(n)
+            out[n] = (self.where[v.stored if v is not None else n].entries[v.stored if v is not None else n][0],
+                      self.shape(n))
+        return out
+
+    def array(self, name: str, shape=None) -> np.ndarray:
+        """The raw (memory-mapped, read-only) array of a tensor; checks its shape when given. An
+        expert of a fused tensor is a view into the fused tensor's mapping, never a copy."""
+        v = self._resolve(name)
+        if v is None:
+            a = self.where[name].array(name)
+        else:
+            a = self.where[v.stored].array(v.stored)[v.expert, v.rows[0]:v.rows[1]]
+        if shape is not None and tuple(a.shape) != tuple(shape):
+            raise CheckpointError(f"{self.file_of(name)}: tensor {name!r}{self._origin(name)} has shape "
+                                  f"{list(a.shape)}, the config needs {list(shape)}")
+        return a
+
+    def _origin(self, name: str) -> str:
+        v = self.views.get(name)
+        return "" if v is None else f" (expert {v.expert} of the fused {v.stored!r} {list(self._stored_shape(v.stored))})"
+
+
+class Checkpoint(TensorStore):
+    """A model directory: the config and every tensor by (hub-layout) name."""
+
+    def __init__(self, model_dir):
+        d = Path(model_dir)
+        if not d.is_dir():
+            raise CheckpointError(f"model directory {d} does not exist")
+        self.config = ModelConfig.from_file(d / "config.json")
+        scheme = self.config.quant_scheme
+        block = scheme.block if scheme is not None and scheme.format == "fp8" else (128, 128)
+        super().__init__(d, fp8_block_rows=block[0])
 
     def tensor(self, name: str, shape, dtype: Optional[str] = None) -> Tensor:
         """A plain float tensor (norms, embeddings, biases), cast to `dtype` when it differs."""
@@ -178,13 +323,13 @@ class Checkpoint:
         quant_formats) with its Quant, consumed by backends as is."""
         from .. import quant_formats as QF
 
-        if name not in self.where:
+        if name not in self:
             raise CheckpointError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
         try:
             t = QF.weight_from_checkpoint(self.array, name, self.config.quant_scheme, shape=shape,
                                           has_tensor=self.__contains__)
         except CheckpointError as e:
-            raise CheckpointError(f"{self.file_of(name)}: {e}") from None
+            raise CheckpointError(f"{self.file_of(name)}: {e}{self._origin(name)}") from None
         if t.quant is None and dtype is not None and t.dtype.name != D.get(dtype).name:
             return self.tensor(name, shape, dtype)
         return t
