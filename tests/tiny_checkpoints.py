@@ -324,3 +324,46 @@ def mtp_reference_logits(model, block, hidden: torch.Tensor, next_ids: torch.Ten
         y = y[0] if isinstance(y, tuple) else y
         y = norm(state["shared_head.norm.weight"], y)
         return torch.nn.functional.linear(y, state["shared_head.head.weight"]).float()
+
+
+# ---------------------------------------------------------------------------- published configs
+
+HUB_CONFIGS = Path(__file__).resolve().parent / "data" / "hub_configs"
+# the dims a published config is shrunk to; every other key (routing, groups, top-k, rope scaling,
+# dense-layer count, q-LoRA on or off, MTP) stays as published
+TINY_DIMS = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+                 qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24, n_routed_experts=16,
+                 bos_token_id=0, eos_token_id=1)
+
+
+def shrink_hub_config(d: dict) -> dict:
+    """A published config.json at tiny dims with the same structure (for a random checkpoint)."""
+    d = dict(d)
+    d.update(TINY_DIMS)
+    if d.get("q_lora_rank") is not None:
+        d["q_lora_rank"] = 48
+    d["first_k_dense_replace"] = min(int(d.get("first_k_dense_replace", 0)), 1)   # keep a dense layer
+    d.pop("quantization_config", None)   # the f32 oracle: fp8 storage is tested by the v3fp8 families
+    d.pop("auto_map", None)              # the remote-code classes: transformers' own are the oracle
+    d["torch_dtype"] = "float32"
+    return d
+
+
+def make_from_hub_config(name: str, out: Path, seed: int = 0):
+    """A random f32 checkpoint of the published config `name` (tests/data/hub_configs/NAME.json)
+    shrunk to tiny dims; returns (out, transformers oracle)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d = shrink_hub_config(json.loads((HUB_CONFIGS / f"{name}.json").read_text()))
+    model_type = d.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, **d)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    _redraw(_weights(m), torch.Generator().manual_seed(seed))
+    out = Path(out)
+    if out.exists():
+        shutil.rmtree(out)
+    m.save_pretrained(out)
+    return out, m

@@ -16,7 +16,20 @@ from typing import Optional
 from ..errors import CheckpointError
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
-_ARCH_TO_TYPE = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
+_ARCH_TO_TYPE = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
+                 "DeepseekV32ForCausalLM": "deepseek_v32", "DeepseekV4ForCausalLM": "deepseek_v4"}
+# Later DeepSeek families and the ops they need that deepinfer does not have yet. Running them with
+# V3's dense attention would load and compute a different model, so they stop at the config.
+_MISSING_FEATURES = {
+    "deepseek_v32": "DeepSeek Sparse Attention (DSA): the lightning indexer (index_n_heads, index_head_dim) and "
+                    "top-k sparse MLA over index_topk selected tokens",
+    "deepseek_v4": "V4's compressed sparse / heavily compressed attention (CSA/HCA, compress_ratios) with the "
+                   "sliding window, hyper-connections (hc_mult), hash routing of the first num_hash_layers, "
+                   "sqrtsoftplus expert scoring, grouped low-rank output (o_lora_rank) and fp4 experts",
+}
+# keys that only those families have: a config that carries them under another model_type is one of them
+_FAMILY_KEYS = {"deepseek_v32": ("index_topk", "index_n_heads"),
+                "deepseek_v4": ("hc_mult", "compress_ratios", "num_hash_layers", "o_lora_rank")}
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -137,6 +150,16 @@ class ModelConfig:
         if mt is None:
             archs = d.get("architectures") or []
             mt = next((_ARCH_TO_TYPE[a] for a in archs if a in _ARCH_TO_TYPE), None)
+        for fam, keys in _FAMILY_KEYS.items():
+            if mt != fam and mt in SUPPORTED_MODEL_TYPES and any(k in d for k in keys):
+                found = [k for k in keys if k in d]
+                raise CheckpointError(f"{source}: model_type={mt!r}, but the config has {', '.join(found)}, which "
+                                      f"only {fam} models have; refusing to run it as {mt}")
+        if mt in _MISSING_FEATURES:
+            raise CheckpointError(
+                f"{source}: model_type={mt!r} is not supported yet: it needs {_MISSING_FEATURES[mt]}, which "
+                f"deepinfer does not implement. deepinfer runs {', '.join(SUPPORTED_MODEL_TYPES)} "
+                f"(DeepSeek V2, V2-Lite, V2.5, V3, V3-0324, R1, V3.1)")
         if mt not in SUPPORTED_MODEL_TYPES:
             shown = mt if mt is not None else d.get("architectures")
             raise CheckpointError(

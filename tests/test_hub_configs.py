@@ -1,0 +1,87 @@
+"""The config.json of every DeepSeek release: V2/V3-family ones parse at full size and, shrunk to
+tiny dims with the same structure, build random checkpoints whose logits match transformers; V3.2
+and V4 stop at the config with the missing feature named."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import tiny_checkpoints
+from deepinfer.errors import CheckpointError
+from deepinfer.model import DeepseekModel, ModelConfig
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+# name: (model_type, layers, routed experts, top-k, topk_method, q-LoRA, MTP layers, fp8 storage)
+RELEASES = {
+    "deepseek-v2": ("deepseek_v2", 60, 160, 6, "group_limited_greedy", 1536, 0, False),
+    "deepseek-v2-lite": ("deepseek_v2", 27, 64, 6, "greedy", None, 0, False),
+    "deepseek-v2.5": ("deepseek_v2", 60, 160, 6, "group_limited_greedy", 1536, 0, False),
+    "deepseek-v3": ("deepseek_v3", 61, 256, 8, "noaux_tc", 1536, 1, True),
+    "deepseek-v3-0324": ("deepseek_v3", 61, 256, 8, "noaux_tc", 1536, 1, True),
+    "deepseek-r1": ("deepseek_v3", 61, 256, 8, "noaux_tc", 1536, 1, True),
+    "deepseek-v3.1": ("deepseek_v3", 61, 256, 8, "noaux_tc", 1536, 1, True),
+}
+PROMPT = [5, 17, 200, 3, 99, 42, 7, 130]
+
+
+def _published(name: str) -> dict:
+    return json.loads((tiny_checkpoints.HUB_CONFIGS / f"{name}.json").read_text())
+
+
+@pytest.mark.parametrize("name", sorted(RELEASES))
+def test_published_config_parses_at_full_size(name):
+    mt, layers, experts, topk, method, q_lora, mtp, fp8 = RELEASES[name]
+    c = ModelConfig.from_dict(_published(name), name)
+    assert (c.model_type, c.num_hidden_layers, c.n_routed_experts, c.num_experts_per_tok) == (mt, layers, experts, topk)
+    assert c.topk_method == method and c.q_lora_rank == q_lora and c.num_nextn_predict_layers == mtp
+    assert c.rope.type == "yarn" and c.rope.factor == 40 and c.rope.original_max_position == 4096
+    assert c.scoring_func == ("sigmoid" if mt == "deepseek_v3" else "softmax")
+    assert (c.quant_scheme is not None) == fp8
+    if fp8:
+        assert c.quant_scheme.format == "fp8" and tuple(c.quant_scheme.block) == (128, 128)
+    assert c.cache_width == 512 + 64 and c.qk_head_dim == 192
+
+
+@pytest.mark.parametrize("name, feature", [("deepseek-v3.2-exp", r"Sparse Attention \(DSA\).*lightning indexer"),
+                                           ("deepseek-v4-flash", r"CSA/HCA.*hyper-connections.*hash routing")])
+def test_later_families_name_the_missing_feature(name, feature, tmp_path):
+    with pytest.raises(CheckpointError, match=f"is not supported yet: it needs .*{feature}"):
+        ModelConfig.from_dict(_published(name), name)
+    # found by architecture alone too, and from a model directory
+    d = _published(name)
+    d.pop("model_type")
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(CheckpointError, match=feature):
+        ModelConfig.from_file(tmp_path / "config.json")
+
+
+def test_v32_keys_under_the_v3_model_type_are_refused():
+    d = dict(_published("deepseek-v3.2-exp"), model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"])
+    with pytest.raises(CheckpointError, match="index_topk.*only deepseek_v32 models have"):
+        ModelConfig.from_dict(d)
+
+
+def test_unknown_architecture_lists_what_runs():
+    with pytest.raises(CheckpointError, match="unsupported architecture.*deepseek_v2, deepseek_v3"):
+        ModelConfig.from_dict({"model_type": "llama", "vocab_size": 8})
+
+
+@pytest.mark.parametrize("name", sorted(RELEASES))
+def test_release_structure_matches_transformers(name, model_backend, tmp_path):
+    seed = sorted(RELEASES).index(name)
+    path, hf = tiny_checkpoints.make_from_hub_config(name, tmp_path / name, seed=seed)
+    ours = ModelConfig.from_file(path / "config.json")
+    pub = ModelConfig.from_dict(_published(name))
+    for key in ("model_type", "topk_method", "scoring_func", "n_group", "topk_group", "num_experts_per_tok",
+                "norm_topk_prob", "routed_scaling_factor", "rope"):
+        assert getattr(ours, key) == getattr(pub, key), key   # the tiny model keeps the release's structure
+    model = DeepseekModel(path, model_backend, max_batch=1, max_seq_len=16, block_size=4)
+    got = model_backend.to_numpy(model.forward([(0, PROMPT, 0)], all_logits=True))
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT])).logits[0].float().numpy()
+    assert np.isfinite(got).all()
+    assert float(np.abs(got - ref).max() / max(1.0, np.abs(ref).max())) < 1e-4
