@@ -1,4 +1,4 @@
-"""The automatic precision choice, against fake capability tables and fake backends."""
+"""The precision choice (auto, fastest, forced), against fake capability tables and fake backends."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -13,57 +13,61 @@ from deepinfer.errors import ConfigError
 YES, NO, SLOW = abi.SUPPORT_YES, abi.SUPPORT_NO, abi.SUPPORT_SLOW
 GiB = 2**30
 ALL_YES = {p: YES for p in P.ALL_PRECISIONS}
+def fastest(*args, **kw):
+    return P.choose_precision(*args, policy="fastest", **kw)
+
+
 SIZES = {"f32": 32 * GiB, "bf16": 16 * GiB, "fp8": 8 * GiB, "int8": 8 * GiB, "w8a8": 8 * GiB,
          "int4": 4.5 * GiB, "w4a8": 4.5 * GiB}
 
 
 def test_cpu_order_with_vnni():
-    p, why = P.choose_precision(ALL_YES, SIZES, 64 * GiB, device="cpu", vnni=True)
+    p, why = fastest(ALL_YES, SIZES, 64 * GiB, device="cpu", vnni=True)
     assert p == "w4a8" and "w4a8" in why
 
 
 def test_cpu_order_without_vnni():
-    p, _ = P.choose_precision(ALL_YES, SIZES, 64 * GiB, device="cpu", vnni=False)
+    p, _ = fastest(ALL_YES, SIZES, 64 * GiB, device="cpu", vnni=False)
     assert p == "int4"
     caps = {**ALL_YES, "int4": NO}
-    assert P.choose_precision(caps, SIZES, 64 * GiB, device="cpu", vnni=False)[0] == "int8"
-    assert P.choose_precision(caps, SIZES, 64 * GiB, device="cpu", vnni=True)[0] == "w4a8"
+    assert fastest(caps, SIZES, 64 * GiB, device="cpu", vnni=False)[0] == "int8"
+    assert fastest(caps, SIZES, 64 * GiB, device="cpu", vnni=True)[0] == "w4a8"
 
 
 def test_cpu_falls_back_down_the_order():
     caps = {"f32": YES, "bf16": YES, "int8": YES}
-    assert P.choose_precision(caps, SIZES, 64 * GiB, device="cpu")[0] == "int8"
-    assert P.choose_precision({"f32": YES, "bf16": YES}, SIZES, 64 * GiB, device="cpu")[0] == "bf16"
-    assert P.choose_precision({"f32": YES}, SIZES, 64 * GiB, device="cpu")[0] == "f32"
+    assert fastest(caps, SIZES, 64 * GiB, device="cpu")[0] == "int8"
+    assert fastest({"f32": YES, "bf16": YES}, SIZES, 64 * GiB, device="cpu")[0] == "bf16"
+    assert fastest({"f32": YES}, SIZES, 64 * GiB, device="cpu")[0] == "f32"
 
 
 def test_cuda_order():
-    assert P.choose_precision(ALL_YES, SIZES, 80 * GiB, device="cuda")[0] == "fp8"
-    assert P.choose_precision({**ALL_YES, "fp8": NO}, SIZES, 80 * GiB, device="cuda")[0] == "int4"
-    assert P.choose_precision({"bf16": YES, "f32": YES}, SIZES, 80 * GiB, device="cuda")[0] == "bf16"
+    assert fastest(ALL_YES, SIZES, 80 * GiB, device="cuda")[0] == "fp8"
+    assert fastest({**ALL_YES, "fp8": NO}, SIZES, 80 * GiB, device="cuda")[0] == "int4"
+    assert fastest({"bf16": YES, "f32": YES}, SIZES, 80 * GiB, device="cuda")[0] == "bf16"
 
 
 def test_memory_decides_when_the_fastest_does_not_fit():
     sizes = {**SIZES, "fp8": 10 * GiB, "int4": 6 * GiB}
-    p, why = P.choose_precision(ALL_YES, sizes, 8 * GiB, device="cuda")
+    p, why = fastest(ALL_YES, sizes, 8 * GiB, device="cuda")
     assert p == "int4" and "fp8" in why and "does not fit" in why
     # nothing fits: the smallest runnable format, with a warning
-    p, why = P.choose_precision({"bf16": YES, "f32": YES}, SIZES, 1 * GiB, device="cpu")
+    p, why = fastest({"bf16": YES, "f32": YES}, SIZES, 1 * GiB, device="cpu")
     assert p == "bf16" and "nothing fits" in why
 
 
 def test_slow_paths_come_after_fast_ones():
     caps = {**ALL_YES, "w4a8": SLOW, "int4": SLOW}
-    p, _ = P.choose_precision(caps, SIZES, 64 * GiB, device="cpu", vnni=True)
+    p, _ = fastest(caps, SIZES, 64 * GiB, device="cpu", vnni=True)
     assert p == "w8a8"
-    p, why = P.choose_precision({"int4": SLOW}, SIZES, 64 * GiB, device="cpu")
+    p, why = fastest({"int4": SLOW}, SIZES, 64 * GiB, device="cpu")
     assert p == "int4" and "SLOW" in why
 
 
 def test_allowed_limits_candidates():
     allowed = P.producible(P.QF.make_scheme("int8"))
     assert set(allowed) == {"int8", "w8a8", "bf16", "f32"}
-    p, _ = P.choose_precision(ALL_YES, SIZES, 64 * GiB, device="cpu", vnni=True, allowed=allowed)
+    p, _ = fastest(ALL_YES, SIZES, 64 * GiB, device="cpu", vnni=True, allowed=allowed)
     assert p == "w8a8"
 
 
@@ -174,13 +178,13 @@ def test_resolve_with_engine_config():
              ("int8", "int4/g64"): YES, ("int8", "int8"): YES}
     shapes = {"model.layers.0.mlp.down_proj.weight": (4096, 4096)}
     vnni = FakeBackend(table, features="avx512vnni")
-    cfg = EngineConfig.from_any({"memory_budget_bytes": 64 * GiB})
+    cfg = EngineConfig.from_any({"memory_budget_bytes": 64 * GiB, "precision": "fastest"})
     assert P.resolve(vnni, cfg, shapes)[0] == "w4a8"
     plain = FakeBackend(table, features="avx2")
     assert P.resolve(plain, cfg, shapes)[0] == "int4"
-    tight = EngineConfig.from_any({"memory_budget_bytes": 4096 * 4096})   # int8 needs a bit more than this
+    tight = EngineConfig.from_any({"memory_budget_bytes": 4096 * 4096, "precision": "fastest"})   # int8 needs a bit more
     assert P.resolve(plain, tight, shapes)[0] == "int4"
-    tiny = EngineConfig.from_any({"memory_budget_bytes": 4096 * 4096 // 2})   # int4 does not fit either
+    tiny = EngineConfig.from_any({"memory_budget_bytes": 4096 * 4096 // 2, "precision": "fastest"})  # nor int4
     assert "nothing fits" in P.resolve(plain, tiny, shapes)[1]
     # an int8 checkpoint: int4 is not on the table
     assert P.resolve(plain, cfg, shapes, checkpoint_scheme={"quant_method": "deepinfer", "format": "int8"})[0] == "int8"
@@ -207,11 +211,15 @@ def test_producible():
 def test_quantized_checkpoint_runs_as_stored():
     fp8 = P.producible(P.QF.parse_quantization_config(
         {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}))
-    assert P.choose_precision(ALL_YES, SIZES, 64 * GiB, device="cpu", vnni=True, allowed=fp8)[0] == "fp8"
+    for policy in ("auto", "fastest"):
+        assert P.choose_precision(ALL_YES, SIZES, 64 * GiB, device="cpu", vnni=True, allowed=fp8, policy=policy,
+                                  stored="fp8")[0] == "fp8"
     int8 = P.producible(P.QF.make_scheme("int8"))
-    assert P.choose_precision(ALL_YES, SIZES, 80 * GiB, device="cuda", allowed=int8)[0] == "int8"
-    # a float checkpoint never lands on fp8 on the CPU: int8 is as small and faster there
-    assert P.choose_precision({**ALL_YES, "int4": NO, "w4a8": NO, "w8a8": NO}, SIZES, 64 * GiB, device="cpu")[0] == "int8"
+    assert fastest(ALL_YES, SIZES, 80 * GiB, device="cuda", allowed=int8)[0] == "int8"
+    p, why = P.choose_precision(ALL_YES, SIZES, 80 * GiB, device="cuda", allowed=int8, stored="int8")
+    assert p == "int8" and "own precision" in why and "lossy" not in why
+    # a float checkpoint never lands on fp8 on the CPU when asked for speed: int8 is as small and faster there
+    assert fastest({**ALL_YES, "int4": NO, "w4a8": NO, "w8a8": NO}, SIZES, 64 * GiB, device="cpu")[0] == "int8"
 
 
 def test_cpu_library_answers_every_probe(cpu_backend):
@@ -221,3 +229,120 @@ def test_cpu_library_answers_every_probe(cpu_backend):
         caps = P.backend_capabilities(cpu, group_size=g)
         assert caps["f32"] == YES and caps["int8"] == YES and caps["int4"] == YES, caps
     assert P.backend_capabilities(cpu, symmetric=False)["int4"] == YES
+
+
+# ---------------------------------------------------------------------------- auto keeps the stored precision
+
+COSTS = {"source": "test table", "paths": [
+    {"precision": "f32", "group": None, "ppl_change_pct": 0.0, "top1_agreement": 1.0},
+    {"precision": "bf16", "group": None, "ppl_change_pct": 0.0, "top1_agreement": 1.0},
+    {"precision": "fp8", "group": None, "ppl_change_pct": 0.3, "top1_agreement": 0.96},
+    {"precision": "int8", "group": None, "ppl_change_pct": 0.06, "top1_agreement": 0.987},
+    {"precision": "w8a8", "group": None, "ppl_change_pct": 0.01, "top1_agreement": 0.975},
+    {"precision": "int4", "group": 32, "ppl_change_pct": 0.8, "top1_agreement": 0.882},
+    {"precision": "int4", "group": 64, "ppl_change_pct": 1.7, "top1_agreement": 0.873},
+    {"precision": "w4a8", "group": 64, "ppl_change_pct": 1.65, "top1_agreement": 0.8727},
+]}
+
+
+def auto(*args, **kw):
+    return P.choose_precision(*args, policy="auto", costs=COSTS, **kw)
+
+
+def test_auto_keeps_the_stored_precision_when_it_fits():
+    for device in ("cpu", "cuda"):
+        p, why = auto(ALL_YES, SIZES, 64 * GiB, device=device, vnni=True, stored="bf16", stored_as="bf16")
+        assert p == "bf16" and "own precision (bf16)" in why and "lossy" not in why
+    p, why = auto(ALL_YES, SIZES, 64 * GiB, stored="f32")
+    assert p == "f32" and "lossy" not in why
+    # the default of the engine config is auto
+    assert EngineConfig().precision == "auto"
+
+
+def test_auto_takes_the_most_accurate_path_that_fits():
+    order = P.accuracy_order(P.ALL_PRECISIONS, 64, COSTS)
+    assert order == ["f32", "bf16", "int8", "w8a8", "fp8", "int4", "w4a8"]
+    # bf16 weights of 16 GiB in 10 GiB: int8 is the most accurate that fits, quoted with its measured cost
+    p, why = auto(ALL_YES, SIZES, 10 * GiB, device="cpu", vnni=True, stored="bf16")
+    assert p == "int8"
+    assert "bf16 (16.00 GiB does not fit)" in why and "f32 (32.00 GiB does not fit)" in why
+    assert "lossy (measured cost: perplexity +0.06%, top-1 agreement 98.7% vs bf16 weights (test table))" in why
+    p, why = auto(ALL_YES, SIZES, 5 * GiB, device="cpu", vnni=True, stored="bf16")
+    assert p == "int4" and "top-1 agreement 87.3%" in why
+    p, why = auto(ALL_YES, SIZES, 5 * GiB, stored="bf16", group_size=128)
+    assert p == "int4" and "measured cost at group 64" in why
+    # a bf16 checkpoint on a backend without a bf16 path: f32 holds it exactly
+    p, why = auto({**ALL_YES, "bf16": NO}, SIZES, 64 * GiB, stored="bf16", stored_as="bf16")
+    assert p == "f32" and "exactly" in why and "cannot run it" in why and "lossy" not in why
+    # nothing fits: the smallest, still labelled lossy
+    p, why = auto(ALL_YES, SIZES, 1 * GiB, stored="bf16")
+    assert p in ("int4", "w4a8") and "nothing fits" in why and "lossy" in why
+
+
+def test_auto_on_a_quantized_checkpoint():
+    fp8 = P.producible(P.QF.parse_quantization_config(
+        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}))
+    p, why = auto(ALL_YES, SIZES, 64 * GiB, device="cuda", allowed=fp8, stored="fp8", stored_as="fp8 e4m3")
+    assert p == "fp8" and "own precision" in why
+    # a backend without fp8: dequantized to f32 (exact) when it fits, else bf16 (near-lossless)
+    p, why = auto({**ALL_YES, "fp8": NO}, SIZES, 64 * GiB, allowed=fp8, stored="fp8")
+    assert p == "f32" and "lossy" not in why
+    p, why = auto({**ALL_YES, "fp8": NO}, SIZES, 20 * GiB, allowed=fp8, stored="fp8")
+    assert p == "bf16" and "near-lossless" in why
+
+
+def test_forced_lossy_precision_quotes_its_cost():
+    _, why = P.choose_precision(ALL_YES, SIZES, 64 * GiB, forced="w4a8", stored="bf16", costs=COSTS)
+    assert "forced" in why and "top-1 agreement 87.3%" in why
+    _, why = P.choose_precision(ALL_YES, SIZES, 64 * GiB, forced="f32", stored="bf16", costs=COSTS)
+    assert "lossy" not in why
+    with pytest.raises(ConfigError, match="policy"):
+        P.choose_precision(ALL_YES, SIZES, 64 * GiB, policy="smallest")
+
+
+def test_stored_precision_reads_the_weight_dtypes():
+    import ml_dtypes
+    import numpy as np
+
+    lin = "model.layers.0.mlp.down_proj.weight"
+    emb = "model.embed_tokens.weight"
+    bf, f32, f16 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32), np.dtype(np.float16)
+    assert P.stored_precision({lin: (bf, (64, 64)), emb: (f32, (256, 64))}) == ("bf16", "bf16")
+    assert P.stored_precision({lin: (f32, (64, 64))}) == ("f32", "f32")
+    assert P.stored_precision({lin: (f16, (64, 64))}) == ("f32", "float16")
+    up = "model.layers.0.mlp.up_proj.weight"
+    assert P.stored_precision({lin: (bf, (64, 64)), up: (f32, (64, 64))}) == ("f32", "bfloat16+float32")
+    assert P.stored_precision({}, P.QF.make_scheme("int4", 32))[0] == "int4"
+
+
+def test_packaged_accuracy_table_matches_the_benchmark_results():
+    """The engine's copy is tools/accuracy_table.py's digest of the committed results."""
+    import json
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "tools"))
+    try:
+        import accuracy_table
+    finally:
+        sys.path.remove(str(root / "tools"))
+    results = json.loads((root / "benchmarks" / "results" / "accuracy_nano.json").read_text())
+    assert P.accuracy_costs() == accuracy_table.cost_table(results), \
+        "runtime/deepinfer/assets/accuracy_costs.json is stale: python tools/accuracy_table.py --package-only"
+    measured = {r["precision"] for r in P.accuracy_costs()["paths"]}
+    assert measured == set(P.ALL_PRECISIONS)
+    assert P.accuracy_order(P.ALL_PRECISIONS)[:2] == ["f32", "bf16"]
+
+
+def test_resolve_auto_keeps_bf16():
+    table = {("f32", "f32"): YES, ("f32", "bf16"): YES, ("f32", "int8"): YES, ("f32", "int4/g64"): YES,
+             ("int8", "int4/g64"): YES, ("int8", "int8"): YES}
+    shapes = {"model.layers.0.mlp.down_proj.weight": (4096, 4096)}
+    be = FakeBackend(table, features="avx512vnni")
+    cfg = EngineConfig.from_any({"memory_budget_bytes": 64 * GiB})
+    p, why = P.resolve(be, cfg, shapes, stored=("bf16", "bf16"))
+    assert p == "bf16" and "own precision" in why
+    tight = EngineConfig.from_any({"memory_budget_bytes": 4096 * 4096 * 2 - 1})   # bf16 needs 2 bytes a weight
+    p, why = P.resolve(be, tight, shapes, stored=("bf16", "bf16"))
+    assert p == "int8" and "lossy" in why

@@ -367,3 +367,17 @@ def make_from_hub_config(name: str, out: Path, seed: int = 0):
         shutil.rmtree(out)
     m.save_pretrained(out)
     return out, m
+
+
+def add_tokenizer(out: Path, vocab_size: int = 256) -> None:
+    """A word-level tokenizer over the tiny vocabulary ("<s>" = 0, "</s>" = 1, then "t2".."tN"), so
+    the engine's text API (deepinfer.run) can drive a tiny checkpoint."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<s>": 0, "</s>": 1, **{f"t{i}": i for i in range(2, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")   # joins words with spaces
+    tok.save(str(Path(out) / "tokenizer.json"))
+    (Path(out) / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False}, indent=2))

@@ -3,6 +3,11 @@ for every precision path, top-1 agreement against the bf16 path, transformers' p
 same windows as the cross-check, and the unigram baseline from the training run.
 
     python tools/accuracy_table.py [--backend cpu] [--max-tokens 16384] [--window 256]
+    python tools/accuracy_table.py --package-only    # only rewrite the packaged copy (below)
+
+It also writes the copy the engine ships, runtime/deepinfer/assets/accuracy_costs.json: the rows of
+the paths `precision` can select, which precision.py uses to rank paths by accuracy and to quote
+the cost of a lossy choice. tests/test_precision.py checks that the two agree.
 
 Paths quantized at load (`precision=...` in the engine config) and paths written by
 `deepinfer quantize` (asymmetric int4, calibrated clip search) are both measured.
@@ -27,6 +32,7 @@ from deepinfer.evaluate import heldout_text, perplexity
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results"
+PACKAGED = ROOT / "runtime" / "deepinfer" / "assets" / "accuracy_costs.json"
 
 # (label, engine precision, group size, quantize-command format or None, extra quantize args)
 ROWS = [
@@ -42,6 +48,28 @@ ROWS = [
     ("int4 g64 asym (deepinfer quantize)", None, 64, "int4", {"symmetric": False}),
     ("int4 g64 sym + clip search (deepinfer quantize)", None, 64, "int4", {}),
 ]
+
+
+def cost_table(results: dict) -> dict:
+    """The packaged accuracy table from accuracy_nano.json: one row per load-time precision path
+    (precision, int4 group or None, perplexity change and top-1 agreement against bf16)."""
+    labels = {label: (precision, group) for label, precision, group, qformat, _ in ROWS if qformat is None}
+    paths = []
+    for row in results["rows"]:
+        if row["path"] not in labels:
+            continue
+        precision, group = labels[row["path"]]
+        paths.append({"precision": precision, "group": group if precision in ("int4", "w4a8") else None,
+                      "ppl_change_pct": round(row["ppl_change_vs_bf16_pct"], 4),
+                      "top1_agreement": round(row["top1_agreement_vs_bf16"], 4)})
+    meta = results["meta"]
+    return {"source": f"benchmarks/results/accuracy_nano.json, embedded model, {meta['tokens']} held-out tokens, "
+                      f"{meta['backend']} backend, {meta['date']} commit {meta['commit']}",
+            "paths": paths}
+
+
+def write_packaged(results: dict) -> None:
+    PACKAGED.write_text(json.dumps(cost_table(results), indent=2) + "\n")
 
 
 def transformers_ppl(model_dir: Path, ids: list[int], window: int, dtype: str) -> float:
@@ -103,7 +131,12 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--package-only", action="store_true", help="rewrite the packaged copy from the committed table")
     args = ap.parse_args()
+    if args.package_only:
+        write_packaged(json.loads((OUT / "accuracy_nano.json").read_text()))
+        print(f"wrote {PACKAGED}")
+        return 0
 
     model_dir = default_model_dir()
     text = heldout_text(model_dir)
@@ -144,7 +177,9 @@ def main() -> int:
             or training.get("unigram_ppl")}
     meta["tiny_logit_rel_error"] = tiny = tiny_logit_errors(args.backend)
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "accuracy_nano.json").write_text(json.dumps({"meta": meta, "rows": [r for r, _ in results]}, indent=2))
+    table = {"meta": meta, "rows": [r for r, _ in results]}
+    (OUT / "accuracy_nano.json").write_text(json.dumps(table, indent=2))
+    write_packaged(table)
     lines = [f"# Held-out perplexity of the embedded model per precision path",
              "",
              f"{meta['date']}, commit {commit}, backend `{args.backend}`, {meta['tokens']} held-out tokens in "

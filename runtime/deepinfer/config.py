@@ -8,13 +8,15 @@ from typing import Optional
 
 from .errors import ConfigError
 
-PRECISIONS = ("auto", "bf16", "f32", "fp8", "int8", "int4", "w8a8", "w4a8")
+PRECISIONS = ("auto", "fastest", "bf16", "f32", "fp8", "int8", "int4", "w8a8", "w4a8")
 
 
 @dataclass
 class EngineConfig:
     backend: Optional[str] = None        # "reference", "cpu", "cuda", a path to a .so, or None = best found
-    precision: str = "auto"              # one of PRECISIONS; "auto" picks from capabilities and memory
+    # one of PRECISIONS. "auto": the checkpoint's own precision when it fits memory, else the most
+    # accurate path that fits; "fastest": the fastest path that fits; or a format, forced
+    precision: str = "auto"
     group_size: int = 64                 # int4 group size when the engine quantizes weights itself
     memory_budget_bytes: Optional[int] = None   # None: the device's free memory
     max_batch: int = 8                   # sequences decoded together

@@ -1,10 +1,19 @@
-"""The automatic precision choice of `run` / `load` (EngineConfig.precision == "auto").
+"""The precision choice of `run` / `load` (EngineConfig.precision).
 
 Inputs: what the backend can run (its answer to op_query for `linear` with tiny concrete
-descriptors of each weight format), how much memory the weights may take, and how many bytes the
-model's weights need in each precision. Output: the fastest precision that fits, with a reason
-string the engine logs. A precision forced in the config is checked the same way, and one the
-backend cannot run is an error naming the op and the format.
+descriptors of each weight format), how much memory the weights may take, how many bytes the
+model's weights need in each precision, and the precision the checkpoint is stored in. Output: a
+precision and a reason string the engine prints.
+
+  "auto"     (the default) keeps the stored precision (bf16 weights stay bf16, an fp8 / int8 / int4
+             checkpoint runs as stored) whenever the backend runs it and the weights fit the memory
+             budget, so the default computes what the checkpoint's authors computed. Only when they
+             do not fit (or the backend cannot run them) does it take the most accurate path that
+             fits, ranked by the measured accuracy cost in ACCURACY_COSTS; the reason of a lossy
+             choice quotes that cost.
+  "fastest"  the fastest path the backend runs whose weights fit, per SPEED_ORDER below.
+  a format   forced: checked the same way; one the backend cannot run is an error naming the op
+             and the format.
 
 Speed order per device (fastest first; measured by benchmarks/bench_cpu_formats.py on the CPU):
   cpu:  w4a8 (only with VNNI, int8 dot products) > int4 > w8a8 (VNNI) > int8 > fp8 > bf16 > f32
@@ -16,12 +25,16 @@ Decode is bound by weight reads, so fewer bytes per weight is faster wherever a 
 A format the backend reports as SLOW (a correct fallback) is tried only after every fast one.
 
 Everything here is a pure function of its arguments except `backend_capabilities` (which asks the
-backend) and `memory_budget` (which reads /proc/meminfo or the backend's attributes).
+backend), `memory_budget` (which reads /proc/meminfo or the backend's attributes) and
+`accuracy_costs` (which reads the packaged table once).
 """
 from __future__ import annotations
 
+import functools
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping, Optional
 
 import numpy as np
@@ -39,6 +52,11 @@ SPEED_ORDER = {
 GENERIC_ORDER = ("fp8", "int4", "int8", "bf16", "f32")
 VNNI_ONLY = ("w4a8", "w8a8")       # without int8 dot-product instructions these lose to int4 / int8
 ALL_PRECISIONS = ("f32", "bf16", "fp8", "int8", "int4", "w8a8", "w4a8")
+POLICIES = ("auto", "fastest")
+# The measured accuracy of each path (tools/accuracy_table.py writes it from
+# benchmarks/results/accuracy_nano.json): held-out perplexity change and top-1 agreement against
+# the bf16 weights of the embedded model.
+ACCURACY_COSTS = Path(__file__).resolve().parent / "assets" / "accuracy_costs.json"
 PROBE_M, PROBE_N, PROBE_K = 2, 256, 256   # tiny, but two fp8 blocks and several int4 groups per row
 
 
@@ -193,6 +211,68 @@ def weight_bytes(shapes: Mapping[str, tuple], precision: str, group_size: int = 
     return total
 
 
+# ---------------------------------------------------------------------------- accuracy
+
+
+@functools.lru_cache(maxsize=4)
+def accuracy_costs(path: Path = ACCURACY_COSTS) -> dict:
+    """The packaged accuracy table: {"source": ..., "paths": [{precision, group, ppl_change_pct,
+    top1_agreement}]}; an empty table when the file is missing (a source tree without assets)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {"source": None, "paths": []}
+
+
+def accuracy_cost(precision: str, group_size: int = 64, table: Optional[dict] = None) -> Optional[dict]:
+    """The measured row of a precision (int4 / w4a8: the row of this group size, else the nearest
+    measured group, flagged by its own `group`); None when it was never measured."""
+    rows = [r for r in (table or accuracy_costs())["paths"] if r["precision"] == precision]
+    if not rows:
+        return None
+    return min(rows, key=lambda r: abs((r.get("group") or group_size) - group_size))
+
+
+def describe_cost(precision: str, group_size: int = 64, table: Optional[dict] = None) -> str:
+    table = table or accuracy_costs()
+    r = accuracy_cost(precision, group_size, table)
+    if r is None:
+        return f"accuracy cost of {precision} not measured"
+    g = f" at group {r['group']}" if r.get("group") and r["group"] != group_size else ""
+    return (f"measured cost{g}: perplexity {r['ppl_change_pct']:+.2f}%, top-1 agreement "
+            f"{100 * r['top1_agreement']:.1f}% vs bf16 weights ({table.get('source') or 'accuracy table'})")
+
+
+def accuracy_order(precisions, group_size: int = 64, table: Optional[dict] = None) -> list[str]:
+    """Most accurate first: by measured top-1 agreement, then perplexity change, then more bytes
+    per weight (f32 before bf16, which the bf16-stored reference model cannot tell apart);
+    unmeasured precisions last, widest first."""
+    width = {"f32": 4, "bf16": 2, "fp8": 1, "int8": 1, "w8a8": 1, "int4": 0.5, "w4a8": 0.5}
+
+    def key(p):
+        r = accuracy_cost(p, group_size, table)
+        if r is None:
+            return (1, 0.0, 0.0, -width.get(p, 0))
+        return (0, -r["top1_agreement"], abs(r["ppl_change_pct"]), -width.get(p, 0))
+
+    return sorted(precisions, key=key)
+
+
+def stored_precision(entries: Mapping[str, tuple], scheme=None) -> tuple[str, str]:
+    """(precision that reproduces the checkpoint as stored, what it is stored as), from the
+    checkpoint's {name: (dtype, shape)}: a quantized checkpoint's own format; for float weights
+    the dtype of its linear weights (f16 and mixed widths map to f32, which holds them exactly)."""
+    scheme = QF.parse_quantization_config(scheme)
+    if scheme is not None:
+        return scheme.format, scheme.describe()
+    dts = {np.dtype(dt).name for name, (dt, shape) in entries.items() if QF.is_quantizable(name, tuple(shape))}
+    if dts == {"bfloat16"}:
+        return "bf16", "bf16"
+    if dts == {"float32"} or not dts:
+        return "f32", "f32"
+    return "f32", "+".join(sorted(dts))
+
+
 # ---------------------------------------------------------------------------- the choice
 
 
@@ -204,17 +284,27 @@ def speed_order(device: str, vnni: bool) -> tuple[str, ...]:
     return order
 
 
+def _gb(b: int) -> str:
+    return f"{b / 2**30:.2f} GiB"
+
+
 def choose_precision(caps: Mapping[str, int], sizes: Mapping[str, int], budget: int, device: str = "cpu",
                      vnni: bool = False, forced: Optional[str] = None, allowed=None, group_size: int = 64,
                      activation_dtype: str = "f32", backend_name: str = "backend",
-                     budget_source: str = "budget") -> tuple[str, str]:
+                     budget_source: str = "budget", policy: str = "auto", stored: Optional[str] = None,
+                     stored_as: Optional[str] = None, costs: Optional[dict] = None) -> tuple[str, str]:
     """(precision, reason). Pure: caps from backend_capabilities, sizes {precision: weight bytes},
-    budget in bytes. `allowed` limits the candidates (what the checkpoint can be turned into)."""
-    gb = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    budget in bytes. `allowed` limits the candidates (what the checkpoint can be turned into);
+    `stored` is the precision that reproduces the checkpoint (stored_precision), which "auto"
+    keeps when it can; `costs` the accuracy table (default: the packaged one)."""
+    if forced in POLICIES:
+        policy, forced = forced, None
+    if policy not in POLICIES:
+        raise ConfigError(f"precision policy {policy!r} is not one of {POLICIES}")
     order = [p for p in speed_order(device, vnni) if allowed is None or p in allowed]
-    if forced is not None and forced != "auto":
+    if forced is not None:
         if forced not in ALL_PRECISIONS:
-            raise ConfigError(f"precision {forced!r} is not one of {ALL_PRECISIONS + ('auto',)}")
+            raise ConfigError(f"precision {forced!r} is not one of {POLICIES + ALL_PRECISIONS}")
         if allowed is not None and forced not in allowed:
             raise ConfigError(f"precision {forced!r} cannot be made from this checkpoint (it can give: "
                               f"{', '.join(allowed)})")
@@ -227,9 +317,9 @@ def choose_precision(caps: Mapping[str, int], sizes: Mapping[str, int], budget: 
                               f"{', '.join(runnable) or 'none'}")
         need = sizes.get(forced)
         note = "" if need is None or need <= budget else (
-            f"; warning: its weights ({gb(need)}) exceed the {budget_source} ({gb(budget)})")
+            f"; warning: its weights ({_gb(need)}) exceed the {budget_source} ({_gb(budget)})")
         slow = " (the backend marks this path SLOW)" if support == abi.SUPPORT_SLOW else ""
-        return forced, f"precision {forced} forced by the config{slow}{note}"
+        return forced, f"precision {forced} forced by the config{slow}{note}{_lossy_note(forced, stored, group_size, costs)}"
 
     runnable = [p for p in order if caps.get(p, abi.SUPPORT_NO) != abi.SUPPORT_NO]
     if not runnable:
@@ -237,26 +327,58 @@ def choose_precision(caps: Mapping[str, int], sizes: Mapping[str, int], budget: 
                           f"{', '.join(order) or '(none allowed)'}")
     fast = [p for p in runnable if caps[p] == abi.SUPPORT_YES]
     slow = [p for p in runnable if caps[p] == abi.SUPPORT_SLOW]
-    ranked = fast + slow
+    if policy == "fastest":
+        ranked, what = fast + slow, f"the fastest {device} path backend {backend_name!r} runs whose weights fit"
+    else:
+        # accuracy first; among equally accurate paths a fast one before a SLOW one
+        ranked = accuracy_order(runnable, group_size, costs)
+        if stored in ranked:
+            ranked = [stored] + [p for p in ranked if p != stored]
+        ranked = [p for p in ranked if caps[p] == abi.SUPPORT_YES or p == stored] + \
+                 [p for p in ranked if caps[p] == abi.SUPPORT_SLOW and p != stored]
+        what = "the most accurate path that fits"
     skipped = []
+    if policy == "auto" and stored is not None and stored not in runnable:
+        skipped.append(f"the stored {stored} ({backend_name!r} cannot run it)")
     for p in ranked:
         need = sizes.get(p)
         if need is None:
             continue
         if need <= budget:
-            why = f"precision {p}: the fastest {device} path backend {backend_name!r} runs whose weights fit " \
-                  f"({gb(need)} of {gb(budget)}, {budget_source})"
+            fits = f"({_gb(need)} of {_gb(budget)}, {budget_source})"
+            if policy == "auto" and p == stored:
+                why = f"precision {p}: the checkpoint's own precision ({stored_as or stored}); its weights fit {fits}"
+            elif policy == "auto" and stored is not None and p == "f32" and stored in ("bf16", "f32"):
+                why = f"precision f32: holds the stored {stored_as or stored} weights exactly; they fit {fits}"
+            else:
+                why = f"precision {p}: {what} {fits}"
             if skipped:
                 why += "; skipped " + ", ".join(skipped)
             if caps[p] == abi.SUPPORT_SLOW:
                 why += " (a path the backend marks SLOW)"
-            return p, why
-        skipped.append(f"{p} ({gb(need)} does not fit)")
+            return p, why + _lossy_note(p, stored, group_size, costs)
+        skipped.append(f"{p} ({_gb(need)} does not fit)")
     smallest = min((p for p in ranked if p in sizes), key=lambda p: sizes[p], default=None)
     if smallest is None:
         raise ConfigError("no weight sizes were given for any runnable precision")
-    return smallest, (f"precision {smallest}: nothing fits the {budget_source} ({gb(budget)}); using the "
-                      f"smallest runnable format ({gb(sizes[smallest])}), expect paging")
+    return smallest, (f"precision {smallest}: nothing fits the {budget_source} ({_gb(budget)}); using the "
+                      f"smallest runnable format ({_gb(sizes[smallest])}), expect paging"
+                      + _lossy_note(smallest, stored, group_size, costs))
+
+
+_LOSSLESS = {None: ("f32",), "f32": ("f32",), "bf16": ("bf16", "f32"), "fp8": ("fp8", "f32"),
+             "int8": ("int8", "f32"), "int4": ("int4", "f32")}
+
+
+def _lossy_note(p: str, stored: Optional[str], group_size: int, costs: Optional[dict]) -> str:
+    """For a path that changes what the stored weights compute: '; lossy (...measured cost...)'."""
+    if p in _LOSSLESS.get(stored, ()):
+        return ""
+    if stored in ("fp8", "int8", "int4") and p == "bf16":
+        return f"; rounds the dequantized {stored} weights to bf16 (near-lossless)"
+    if stored == "f32" and p == "bf16":
+        return "; lossy: rounds f32 weights to bf16 (not measured: the reference model is stored in bf16)"
+    return f"; lossy ({describe_cost(p, group_size, costs)})"
 
 
 def producible(scheme: Optional[QF.QuantScheme]) -> tuple[str, ...]:
@@ -271,10 +393,12 @@ def producible(scheme: Optional[QF.QuantScheme]) -> tuple[str, ...]:
     return own + ("bf16", "f32")
 
 
-def resolve(backend, config, shapes: Mapping[str, tuple], checkpoint_scheme=None) -> tuple[str, str]:
+def resolve(backend, config, shapes: Mapping[str, tuple], checkpoint_scheme=None,
+            stored: Optional[tuple[str, str]] = None) -> tuple[str, str]:
     """The engine's entry: EngineConfig (precision, group_size, memory_budget_bytes,
     activation_dtype) + the model's {tensor name: logical shape} (quant_formats.logical_shapes of
-    the checkpoint) + its quantization_config -> (precision, reason)."""
+    the checkpoint) + its quantization_config + (stored precision, what it is stored as) from
+    stored_precision -> (precision, reason)."""
     scheme = QF.parse_quantization_config(checkpoint_scheme)
     group = scheme.group_size if scheme is not None and scheme.format == "int4" else config.group_size
     symmetric = scheme.symmetric if scheme is not None and scheme.format == "int4" else True
@@ -282,7 +406,10 @@ def resolve(backend, config, shapes: Mapping[str, tuple], checkpoint_scheme=None
     act = config.activation_dtype if config.activation_dtype != "auto" else default_activation_dtype(backend)
     allowed = producible(scheme)
     caps = backend_capabilities(backend, group, act, symmetric, precisions=allowed, scale_dtype=scale_dtype)
-    forced = config.precision if config.precision != "auto" else None
+    forced = config.precision if config.precision not in POLICIES else None
+    policy = config.precision if config.precision in POLICIES else "auto"
+    if stored is None:   # unknown for a float checkpoint: no preference, the most accurate path first
+        stored = (scheme.format, scheme.describe()) if scheme is not None else (None, None)
     # weights that stay plain (embeddings, norms, router, lm_head) are held in the activation dtype
     kept = 4 if act == "f32" else 2
     if forced is not None:
@@ -294,4 +421,4 @@ def resolve(backend, config, shapes: Mapping[str, tuple], checkpoint_scheme=None
         budget, source = memory_budget(backend, config.memory_budget_bytes)
     return choose_precision(caps, sizes, budget, device=backend.device, vnni=has_vnni(backend), forced=forced,
                             allowed=allowed, group_size=group, activation_dtype=act, backend_name=backend.name,
-                            budget_source=source)
+                            budget_source=source, policy=policy, stored=stored[0], stored_as=stored[1])

@@ -9,8 +9,9 @@ from .kv_cache import CacheFullError, PagedKVCache
 
 def load_model(model_dir, backend, engine_config=None) -> DeepseekModel:
     """A DeepseekModel sized and typed from an EngineConfig: max_batch, max_seq_len, kv_cache_tokens,
-    kv_block_size, activation_dtype, precision (auto: precision.resolve picks the fastest format the
-    backend runs that fits the memory budget) and group_size. Sets model.precision_reason."""
+    kv_block_size, activation_dtype, precision (auto: the checkpoint's own precision when it fits the
+    memory budget, else the most accurate path that does; fastest: the fastest that fits; see
+    precision.resolve) and group_size. Sets model.precision_reason."""
     ckpt = Checkpoint(model_dir)
     ec = engine_config
     if ec is None:
@@ -30,8 +31,10 @@ def load_model(model_dir, backend, engine_config=None) -> DeepseekModel:
     kw["dtype"] = P.default_activation_dtype(backend) if act in (None, "auto") else act
     spec = getattr(ec, "speculative", None) or {}
     kw["load_mtp"] = bool(spec.get("mtp", True))
-    shapes = QF.logical_shapes(ckpt.entries(), ckpt.array)
-    precision, reason = P.resolve(backend, ec, shapes, scheme.to_config() if scheme is not None else None)
+    entries = ckpt.entries()
+    shapes = QF.logical_shapes(entries, ckpt.array)
+    precision, reason = P.resolve(backend, ec, shapes, scheme.to_config() if scheme is not None else None,
+                                  stored=P.stored_precision(entries, scheme))
     if scheme is not None and precision == scheme.format:
         precision = None   # the checkpoint's own format: the weights are used as stored
     model = DeepseekModel(ckpt, backend, precision=precision, **kw)
