@@ -2,7 +2,7 @@
 
     import deepinfer
     print(deepinfer.run("def fibonacci(n):"))            # the embedded default model
-    engine = deepinfer.load("path/to/DeepSeek-V2-Lite", config={"backend": "cpu"})
+    engine = deepinfer.load("deepseek-ai/DeepSeek-V2-Lite", config={"backend": "cpu"})   # or a directory
     for piece in engine.stream("hello"): print(piece, end="")
 """
 __version__ = "0.1.0"
@@ -30,7 +30,9 @@ from .loader import candidates, get_backend  # noqa: E402
 
 
 def load(model=None, config=None, **overrides):
-    """An engine for repeated generation (see deepinfer.engine.Engine)."""
+    """An engine for repeated generation (see deepinfer.engine.Engine). `model`: a directory, a
+    Hugging Face hub id (`deepseek-ai/DeepSeek-V2-Lite`; config `revision` picks a branch, tag or
+    commit) or None for the embedded model."""
     from .engine import Engine
 
     return Engine.from_pretrained(model, config=config, **overrides)

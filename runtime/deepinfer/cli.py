@@ -49,6 +49,8 @@ def _engine(args):
         overrides["backend"] = args.backend
     if getattr(args, "precision", None):
         overrides["precision"] = args.precision
+    if getattr(args, "revision", None):
+        overrides["revision"] = args.revision
     return Engine.from_pretrained(args.model, config=args.config, **overrides)
 
 
@@ -60,7 +62,7 @@ def _cmd_run(args) -> int:
         return 2
     eng = _engine(args)
     m = eng.model
-    print(f"deepinfer: {eng.model_dir.name} on {eng.backend.name}: {getattr(m, 'precision_note', '')}"
+    print(f"deepinfer: {eng.model_name} on {eng.backend.name}: {getattr(m, 'precision_note', '')}"
           + (f" ({m.precision_reason})" if getattr(m, "precision_reason", "") else ""), file=sys.stderr)
     opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                 top_p=args.top_p, seed=args.seed, stop=args.stop or None)
@@ -103,11 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=_cmd_conformance)
 
     r = sub.add_parser("run", help="generate text: deepinfer run [MODEL] PROMPT")
-    r.add_argument("model", nargs="?", help="model directory (default: the embedded model)")
+    r.add_argument("model", nargs="?", help="model directory or hub id org/name (default: the embedded model)")
     r.add_argument("prompt", nargs="?")
     r.add_argument("--config", help="engine config JSON file")
     r.add_argument("--backend")
-    r.add_argument("--precision")
+    r.add_argument("--precision", help="auto (default: the checkpoint's own precision when it fits), fastest, "
+                                        "or a format: f32 bf16 fp8 int8 int4 w8a8 w4a8")
+    r.add_argument("--revision", help="branch, tag or commit of a hub id")
     r.add_argument("--max-new-tokens", type=int, default=64)
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--top-k", type=int, default=0)
@@ -118,8 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(fn=_cmd_run)
 
     e = sub.add_parser("eval-ppl", help="held-out perplexity and top-1 agreement against bf16")
-    e.add_argument("model", nargs="?")
+    e.add_argument("model", nargs="?", help="model directory or hub id (default: the embedded model)")
     e.add_argument("--precision", default="bf16")
+    e.add_argument("--revision", help="branch, tag or commit of a hub id")
     e.add_argument("--backend")
     e.add_argument("--config")
     e.add_argument("--max-tokens", type=int, default=1 << 30, help="score at most this many tokens")
@@ -128,8 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(fn=_cmd_eval_ppl)
 
     q = sub.add_parser("quantize", help="write a quantized copy of a model directory")
-    q.add_argument("src")
+    q.add_argument("src", help="model directory or hub id")
     q.add_argument("dst")
+    q.add_argument("--revision", help="branch, tag or commit of a hub id")
     q.add_argument("--format", required=True, choices=["int4", "int8", "fp8"])
     q.add_argument("--group", type=int, default=64)
     q.add_argument("--asym", action="store_true", help="int4 with zero points")

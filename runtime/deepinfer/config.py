@@ -31,6 +31,7 @@ class EngineConfig:
     # is not in the engine yet, so no other key is accepted: a knob that did nothing would be a lie.
     speculative: dict = field(default_factory=dict)
     verbose: bool = False               # log backend, precision choice and plan sizes to stderr
+    revision: Optional[str] = None      # branch, tag or commit when the model is a hub id (org/name)
 
     @classmethod
     def from_any(cls, cfg=None, **overrides) -> "EngineConfig":
@@ -71,6 +72,8 @@ class EngineConfig:
                 raise ConfigError(f"{k} must be a positive integer, not {getattr(self, k)!r}")
         if self.activation_dtype not in ("auto", "f32", "bf16"):
             raise ConfigError(f"activation_dtype must be auto, f32 or bf16, not {self.activation_dtype!r}")
+        if self.revision is not None and (not isinstance(self.revision, str) or not self.revision.strip()):
+            raise ConfigError(f"revision must be a branch, tag or commit name, not {self.revision!r}")
         unknown_spec = set(self.speculative) - {"mtp"}
         if unknown_spec:
             raise ConfigError(f"unknown speculative option(s) {sorted(unknown_spec)}; valid: mtp (load the MTP "

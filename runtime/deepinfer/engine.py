@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
@@ -174,6 +175,7 @@ class Engine:
         from .model import load_model
 
         self.model_dir = Path(model_dir)
+        self.model_name = self.model_dir.name   # what the user called it (a hub id, a path)
         self.config = config
         if config.verbose:  # say which backend, precision and why on stderr
             log.setLevel(logging.INFO)
@@ -191,11 +193,21 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, model=None, config=None, **overrides) -> "Engine":
+        """`model`: a model directory, a hub id (`org/name`, resolved through the Hugging Face
+        cache, see model.hub; `revision` in the config picks a branch, tag or commit), or None for
+        the embedded model."""
+        from .model.hub import resolve_model
+
         cfg = EngineConfig.from_any(config, **overrides)
-        model_dir = Path(model).expanduser() if model else default_model_dir()
-        if not model_dir.is_dir():
-            raise CheckpointError(f"model directory {model_dir} does not exist")
-        return cls(model_dir, cfg)
+        if model:
+            model_dir = resolve_model(model, cfg.revision)
+        else:
+            if cfg.revision:
+                raise CheckpointError("revision applies to a hub id; the embedded model has none")
+            model_dir = default_model_dir()
+        eng = cls(model_dir, cfg)
+        eng.model_name = os.fspath(model) if model else model_dir.name
+        return eng
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompt: str, **options) -> str:

@@ -70,8 +70,10 @@ def perplexity(engine, text: str, max_tokens: int = 4096, window: int = 512) -> 
 
 def main(args) -> int:
     from .engine import Engine, default_model_dir
+    from .model.hub import resolve_model
 
-    model_dir = Path(args.model) if args.model else default_model_dir()
+    revision = getattr(args, "revision", None)
+    model_dir = resolve_model(args.model, revision) if args.model else default_model_dir()
     text = heldout_text(model_dir, args.text)
     overrides = {"precision": args.precision}
     if args.backend:

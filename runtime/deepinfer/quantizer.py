@@ -633,8 +633,12 @@ def collect_activation_stats(src: Path, text_file: Path, max_tokens: int = 512, 
 
 
 def main(args) -> int:
-    """Entry of `deepinfer quantize` (args: src, dst, format, group, asym, calibration)."""
-    summary = quantize_model(args.src, args.dst, args.format, group=args.group, symmetric=not args.asym,
+    """Entry of `deepinfer quantize` (args: src (a directory or hub id), dst, format, group, asym,
+    calibration, revision)."""
+    from .model.hub import resolve_model
+
+    src = resolve_model(args.src, getattr(args, "revision", None))
+    summary = quantize_model(src, args.dst, args.format, group=args.group, symmetric=not args.asym,
                              calibration=args.calibration, progress=True)
     gb = lambda b: b / 1e9  # noqa: E731
     print(f"deepinfer quantize: wrote {args.dst} ({summary['format']}): {summary['quantized']} weights "
