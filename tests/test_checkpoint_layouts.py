@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -241,3 +242,71 @@ def test_eval_ppl_and_quantize_read_the_fused_layout(nano_fused, tmp_path, capsy
             x, y = x.astype(np.float32), y.astype(np.float32)
         assert np.array_equal(x, y), n
     assert any(b.array(n).dtype == np.int8 for n in b.names() if ".experts.5." in n)
+
+
+# ---------------------------------------------------------------------------- what transformers writes for fp8
+
+TF_FP8 = Path(__file__).resolve().parent / "data" / "transformers_fp8_fused"
+
+
+def _dtype_name(a) -> str:
+    return {torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F32", torch.bfloat16: "BF16"}[a.dtype]
+
+
+def test_transformers_written_fused_fp8_directory(tmp_path, model_backend):
+    """tests/data/transformers_fp8_fused: the v3fp8probe checkpoint loaded by transformers 5.17 with
+    its fp8 integration on an H200 and saved with save_original_format=False (made by
+    tools/probe_fp8_fused_layout.py; transformers keeps fp8 quantized only on CUDA). Used as is, it
+    computes what the hub-layout directory of the same weights computes."""
+    from safetensors.torch import load_file, save_file
+
+    tf = Checkpoint(TF_FP8)
+    assert tf.layout == "fused" and tf.config.quant_scheme.format == "fp8"
+    # our hand-built fused fp8 layout is byte for byte what transformers wrote
+    ours = TensorStore(tiny_checkpoints.make("v3fp8probe", tmp_path / "ours", layout="fused")[0])
+    for n in (k for k in tf.where if ".mlp.experts." in k):
+        assert n in ours.where, n
+        a, b = tf.where[n].array(n), ours.where[n].array(n)
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8)), n
+    # the hub twin: the same weights per expert, float tensors in the dtypes transformers saved them in
+    hub, _, _ = tiny_checkpoints.make("v3fp8probe", tmp_path / "hub")
+    t = load_file(str(hub / "model.safetensors"))
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
+    for n, a in t.items():
+        want = torch_dtype[tf.array(n).dtype.name]
+        if a.dtype != want:
+            t[n] = a.to(want)
+    save_file(t, str(hub / "model.safetensors"))
+    twin = Checkpoint(hub)
+    assert twin.layout == "hub" and sorted(twin.names()) == sorted(tf.names())
+    for n in twin.names():
+        assert np.array_equal(twin.array(n).view(np.uint8), tf.array(n).view(np.uint8)), n
+    a, _ = _logits(TF_FP8, model_backend)
+    b, _ = _logits(hub, model_backend)
+    assert np.isfinite(a).all() and np.array_equal(a, b)
+
+
+def test_transformers_default_fp8_save_squeezes_expert_scales(tmp_path, model_backend):
+    """transformers 5's default save of fp8 experts (back to per-expert names) writes each scale grid
+    with its size-1 dims dropped: [2] for gate_proj [128, 256] (grid [1, 2]) and for down_proj
+    [256, 128] (grid [2, 1]), as recorded in layout.json. Such a directory loads to the same logits."""
+    from safetensors.torch import load_file, save_file
+
+    recorded = json.loads((TF_FP8 / "layout.json").read_text())["saved_default"]
+    hub, _, _ = tiny_checkpoints.make("v3fp8probe", tmp_path / "hub")
+    sq = tmp_path / "squeezed"
+    shutil.copytree(hub, sq)
+    t = load_file(str(sq / "model.safetensors"))
+    for n in [n for n in t if ".mlp.experts." in n and n.endswith("_scale_inv")]:
+        t[n] = t[n].reshape([d for d in t[n].shape if d != 1]).contiguous()
+    save_file(t, str(sq / "model.safetensors"))
+    written = {n: [_dtype_name(a), list(a.shape)] for n, a in t.items() if ".layers.1.mlp.experts" in n}
+    assert written == recorded
+    a, _ = _logits(hub, model_backend)
+    b, _ = _logits(sq, model_backend)
+    assert np.array_equal(a, b)
+    # a scale with the wrong number of blocks is still an error
+    t["model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv"] = torch.ones(3)
+    save_file(t, str(sq / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"has shape \[3\], expected \[1, 2\]"):
+        DeepseekModel(sq, model_backend)

@@ -12,6 +12,9 @@ Families:
   v3bf16  the v3 checkpoint stored in bf16; the oracle runs in bf16
   v3fp8e128  v3fp8 with moe_intermediate_size 128, so a fused gate_up scale tensor splits between
           gate and up on 128-row blocks (the only fused fp8 layout that has per-expert views)
+  v3fp8probe  v3fp8e128 with intermediate_size 384 and kv_lora_rank 128 (multiples of 128):
+          tools/probe_fp8_fused_layout.py loads it with transformers' fp8 integration on a GPU and
+          saves it back fused, giving tests/data/transformers_fp8_fused
 
 Layouts of the routed experts (make(..., layout=)):
   hub     one tensor per expert, `experts.{e}.{gate,up,down}_proj.weight`: what DeepSeek publishes
@@ -61,12 +64,13 @@ def family_config(family: str):
                                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
                                                  "original_max_position_embeddings": 64, "beta_fast": 32,
                                                  "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
-    if family in ("v3fp8", "v3fp8e128"):
+    if family in ("v3fp8", "v3fp8e128", "v3fp8probe"):
         d = dict(BASE)
-        d.update(hidden_size=256, intermediate_size=320, moe_intermediate_size=96 if family == "v3fp8" else 128,
-                 num_hidden_layers=2,
-                 num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=160, qk_rope_head_dim=32,
-                 qk_nope_head_dim=64, v_head_dim=64)
+        d.update(hidden_size=256, intermediate_size=384 if family == "v3fp8probe" else 320,
+                 moe_intermediate_size=96 if family == "v3fp8" else 128, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=2,
+                 kv_lora_rank=128 if family == "v3fp8probe" else 160, qk_rope_head_dim=32, qk_nope_head_dim=64,
+                 v_head_dim=64)
         return DeepseekV3Config(**d, q_lora_rank=192, n_shared_experts=1, n_group=4, topk_group=2,
                                 norm_topk_prob=True, routed_scaling_factor=2.5, num_mtp_layers=0,
                                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
@@ -218,7 +222,7 @@ def make(family: str, out: Path, seed: int = 0, layout: str = "hub"):
     m = _hf_model(family, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     mtp_block = None
-    if family in ("v3fp8", "v3fp8e128"):
+    if family in ("v3fp8", "v3fp8e128", "v3fp8probe"):
         m.save_pretrained(out)   # for config.json; the weights are replaced below
         for p in out.glob("*.safetensors*"):
             p.unlink()

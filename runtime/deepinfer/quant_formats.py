@@ -55,8 +55,10 @@ DEFAULT_NOT_CONVERTED = ("lm_head", "embed_tokens", "mlp.gate", "shared_head", "
                          "e_score_correction_bias")
 
 _CONFIG_KEYS = {
+    # DeepSeek's release keys, plus what transformers' FineGrainedFP8Config writes when it saves an fp8
+    # model (dequantize, modules_to_convert, modules_to_not_convert; scale_fmt "float")
     "fp8": {"quant_method", "fmt", "activation_scheme", "weight_block_size", "scale_fmt", "modules_not_converted",
-            "ignored_layers"},
+            "ignored_layers", "dequantize", "modules_to_convert", "modules_to_not_convert"},
     "deepinfer": {"quant_method", "format", "group_size", "symmetric", "scale_dtype", "modules_not_converted",
                   "weight_block_size", "calibration"},
 }
@@ -123,7 +125,9 @@ def parse_quantization_config(qc: Optional[dict], source: str = "quantization_co
     if unknown:
         raise CheckpointError(f"{source}: unknown key(s) {unknown} for quant_method {method!r}; "
                               f"valid: {sorted(_CONFIG_KEYS[method])}")
-    mnc = qc.get("modules_not_converted") or qc.get("ignored_layers") or []
+    # which weights are quantized is read from the checkpoint itself (dtype and scale tensors); these
+    # lists matter to `deepinfer quantize`, which writes modules_not_converted
+    mnc = qc.get("modules_not_converted") or qc.get("ignored_layers") or qc.get("modules_to_not_convert") or []
     if not isinstance(mnc, (list, tuple)) or not all(isinstance(m, str) for m in mnc):
         raise CheckpointError(f"{source}.modules_not_converted must be a list of module names")
     if method == "fp8":
@@ -133,6 +137,16 @@ def parse_quantization_config(qc: Optional[dict], source: str = "quantization_co
         act = qc.get("activation_scheme", "dynamic")
         if act != "dynamic":
             raise CheckpointError(f"{source}.activation_scheme={act!r}: only dynamic activation scales are supported")
+        sf = qc.get("scale_fmt")
+        if sf not in (None, "float", "ue8m0"):
+            raise CheckpointError(f"{source}.scale_fmt={sf!r}: expected 'float' or 'ue8m0'")
+        mc = qc.get("modules_to_convert")
+        if mc is not None and (not isinstance(mc, (list, tuple)) or not all(isinstance(m, str) for m in mc)):
+            raise CheckpointError(f"{source}.modules_to_convert must be null or a list of module names")
+        # `dequantize` is transformers' load option (fp8 weights widened at load); the values are the
+        # same e4m3 x scale products either way, so it does not change what is computed
+        if not isinstance(qc.get("dequantize", False), bool):
+            raise CheckpointError(f"{source}.dequantize must be true or false")
         return QuantScheme("fp8", "fp8", block=_block(qc, source), modules_not_converted=tuple(mnc))
     fmt = qc.get("format")
     if fmt not in FORMATS:
@@ -236,9 +250,13 @@ def weight_from_checkpoint(get_tensor: GetTensor, name: str, quantization_config
         if s is None:
             raise CheckpointError(f"fp8 tensor {name!r} has no {name + '_scale_inv'!r}")
         n, k = w.shape
-        _check_shape(name + "_scale_inv", s, (-(-n // block[0]), -(-k // block[1])),
-                     f"one scale per {block[0]}x{block[1]} block")
+        grid = (-(-n // block[0]), -(-k // block[1]))
         s = np.asarray(s)
+        if tuple(s.shape) != grid and tuple(d for d in s.shape if d != 1) == tuple(d for d in grid if d != 1):
+            # transformers 5's default save of fused fp8 experts writes each expert's scale grid with
+            # its size-1 dims dropped ([2] for a [1, 2] grid); the order is the same, so reshape
+            s = s.reshape(grid)
+        _check_shape(name + "_scale_inv", s, grid, f"one scale per {block[0]}x{block[1]} block")
         if s.dtype != np.float32:
             s = s.astype(np.float32)
         return Tensor.from_numpy(w, "e4m3", quant=Quant(Tensor.from_numpy(s), block))
