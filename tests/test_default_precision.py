@@ -60,13 +60,32 @@ def test_default_run_gives_transformers_greedy_text(bf16_dir):
         assert got.strip() == want.strip(), prompt
 
 
-def test_cli_prints_the_choice_and_its_reason(bf16_dir, capsys):
+def test_cli_prints_the_choice_and_its_reason(bf16_dir, capsys, caplog):
+    import logging
+
     from deepinfer import cli
 
     d, _ = bf16_dir
     assert cli.main(["run", str(d), "t5 t17", "--max-new-tokens", "3"]) == 0
     err = capsys.readouterr().err
     assert "precision bf16: the checkpoint's own precision (bf16); its weights fit" in err
-    assert cli.main(["run", str(d), "t5 t17", "--max-new-tokens", "3", "--precision", "fastest"]) == 0
-    err = capsys.readouterr().err
-    assert "the fastest cpu path" in err and "lossy (measured cost" in err
+    with caplog.at_level(logging.WARNING, logger="deepinfer"):   # a lossy choice is a logged warning
+        assert cli.main(["run", str(d), "t5 t17", "--max-new-tokens", "3", "--precision", "fastest"]) == 0
+    warned = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "the fastest cpu path" in warned and "lossy (measured cost" in warned
+
+
+def test_a_lossy_default_is_never_silent(bf16_dir, caplog):
+    """When the bf16 weights do not fit, auto quantizes, and says so as a warning with the cost."""
+    import logging
+
+    d, _ = bf16_dir
+    with caplog.at_level(logging.WARNING, logger="deepinfer"):
+        eng = deepinfer.load(str(d), config={"memory_budget_bytes": 600_000, "backend": "cpu"})
+    assert eng.model.precision not in ("bf16", "f32") and eng.model.precision_lossy
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("does not fit" in w and "lossy (measured cost" in w for w in warned), warned
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="deepinfer"):
+        eng = deepinfer.load(str(d), config={"backend": "cpu"})
+    assert not eng.model.precision_lossy and not [r for r in caplog.records if r.levelno >= logging.WARNING]

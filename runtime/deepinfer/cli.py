@@ -63,7 +63,8 @@ def _cmd_run(args) -> int:
     eng = _engine(args)
     m = eng.model
     print(f"deepinfer: {eng.model_name} on {eng.backend.name}: {getattr(m, 'precision_note', '')}"
-          + (f" ({m.precision_reason})" if getattr(m, "precision_reason", "") else ""), file=sys.stderr)
+          + (f" ({m.precision_reason})" if getattr(m, "precision_reason", "") and not eng.precision_warned else ""),
+          file=sys.stderr)
     opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                 top_p=args.top_p, seed=args.seed, stop=args.stop or None)
     if args.chat:

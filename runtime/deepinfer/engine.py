@@ -190,6 +190,14 @@ class Engine:
         self.eos_ids = {i for i in (self.tokenizer.eos_id, getattr(self.model, "eos_token_id", None)) if i is not None}
         log.info("engine: %s on %s (%s)", self.model_dir.name, self.backend.name,
                  getattr(self.model, "precision_note", ""))
+        reason = getattr(self.model, "precision_reason", "")
+        self.precision_warned = bool(getattr(self.model, "precision_lossy", False)
+                                     and config.precision in ("auto", "fastest"))
+        if self.precision_warned:
+            # a default that changes what the checkpoint computes is never silent
+            log.warning("%s", reason)
+        elif reason:
+            log.info("%s", reason)
 
     @classmethod
     def from_pretrained(cls, model=None, config=None, **overrides) -> "Engine":

@@ -370,9 +370,14 @@ _LOSSLESS = {None: ("f32",), "f32": ("f32",), "bf16": ("bf16", "f32"), "fp8": ("
              "int8": ("int8", "f32"), "int4": ("int4", "f32")}
 
 
+def is_lossy(p: str, stored: Optional[str]) -> bool:
+    """Whether precision `p` computes something other than the stored weights (None: unknown)."""
+    return p not in _LOSSLESS.get(stored, ())
+
+
 def _lossy_note(p: str, stored: Optional[str], group_size: int, costs: Optional[dict]) -> str:
     """For a path that changes what the stored weights compute: '; lossy (...measured cost...)'."""
-    if p in _LOSSLESS.get(stored, ()):
+    if not is_lossy(p, stored):
         return ""
     if stored in ("fp8", "int8", "int4") and p == "bf16":
         return f"; rounds the dequantized {stored} weights to bf16 (near-lossless)"

@@ -11,7 +11,7 @@ def load_model(model_dir, backend, engine_config=None) -> DeepseekModel:
     """A DeepseekModel sized and typed from an EngineConfig: max_batch, max_seq_len, kv_cache_tokens,
     kv_block_size, activation_dtype, precision (auto: the checkpoint's own precision when it fits the
     memory budget, else the most accurate path that does; fastest: the fastest that fits; see
-    precision.resolve) and group_size. Sets model.precision_reason."""
+    precision.resolve) and group_size. Sets model.precision_reason and model.precision_lossy."""
     ckpt = Checkpoint(model_dir)
     ec = engine_config
     if ec is None:
@@ -33,12 +33,15 @@ def load_model(model_dir, backend, engine_config=None) -> DeepseekModel:
     kw["load_mtp"] = bool(spec.get("mtp", True))
     entries = ckpt.entries()
     shapes = QF.logical_shapes(entries, ckpt.array)
+    stored = P.stored_precision(entries, scheme)
     precision, reason = P.resolve(backend, ec, shapes, scheme.to_config() if scheme is not None else None,
-                                  stored=P.stored_precision(entries, scheme))
+                                  stored=stored)
+    lossy = P.is_lossy(precision, stored[0])
     if scheme is not None and precision == scheme.format:
         precision = None   # the checkpoint's own format: the weights are used as stored
     model = DeepseekModel(ckpt, backend, precision=precision, **kw)
     model.precision_reason = reason
+    model.precision_lossy = lossy   # the weights compute something other than the stored ones
     return model
 
 
