@@ -70,10 +70,14 @@ def test_unknown_architecture_lists_what_runs():
         ModelConfig.from_dict({"model_type": "llama", "vocab_size": 8})
 
 
+@pytest.mark.parametrize("layout", ["hub", "fused"])
 @pytest.mark.parametrize("name", sorted(RELEASES))
-def test_release_structure_matches_transformers(name, model_backend, tmp_path):
+def test_release_structure_matches_transformers(name, layout, model_backend, tmp_path):
     seed = sorted(RELEASES).index(name)
-    path, hf = tiny_checkpoints.make_from_hub_config(name, tmp_path / name, seed=seed)
+    path, hf = tiny_checkpoints.make_from_hub_config(name, tmp_path / name, seed=seed, layout=layout)
+    from deepinfer.model import Checkpoint
+
+    assert Checkpoint(path).layout == layout
     ours = ModelConfig.from_file(path / "config.json")
     pub = ModelConfig.from_dict(_published(name))
     for key in ("model_type", "topk_method", "scoring_func", "n_group", "topk_group", "num_experts_per_tok",

@@ -188,6 +188,22 @@ FP8_SUFFIXES = ("q_a_proj.weight", "q_b_proj.weight", "q_proj.weight", "kv_a_pro
                 "kv_b_proj.weight", "o_proj.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight")
 
 
+def _check_layout(out: Path, layout: str) -> None:
+    """transformers before 5 (or one without save_original_format) writes another layout: say so."""
+    import transformers
+    from safetensors import safe_open
+
+    keys = set()
+    for f in out.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            keys.update(h.keys())
+    fused = any(k.endswith("mlp.experts.gate_up_proj") for k in keys)
+    if fused != (layout == "fused"):
+        raise RuntimeError(f"transformers {transformers.__version__} save_pretrained wrote the "
+                           f"{'fused' if fused else 'hub'} expert layout where {layout} was asked; the tests need "
+                           f"transformers 5 with save_original_format")
+
+
 def _fuse_fp8(st: dict, num_experts: int) -> dict:
     """The per-expert fp8 tensors of `st` regrouped into transformers' fused layout."""
     out, done = {}, set()
@@ -270,6 +286,7 @@ def make(family: str, out: Path, seed: int = 0, layout: str = "hub"):
     shard = "150KB" if family == "v3" else "50GB"
     # save_original_format=False keeps transformers' in-memory (fused) expert tensors
     m.save_pretrained(out, max_shard_size=shard, save_original_format=layout == "hub")
+    _check_layout(out, layout)
     if family in ("v3", "v3bf16"):
         mtp, mtp_block = _mtp_state(m, gen, layout)
         if family == "v3bf16":
@@ -354,9 +371,9 @@ def shrink_hub_config(d: dict) -> dict:
     return d
 
 
-def make_from_hub_config(name: str, out: Path, seed: int = 0):
+def make_from_hub_config(name: str, out: Path, seed: int = 0, layout: str = "hub"):
     """A random f32 checkpoint of the published config `name` (tests/data/hub_configs/NAME.json)
-    shrunk to tiny dims; returns (out, transformers oracle)."""
+    shrunk to tiny dims, routed experts in `layout`; returns (out, transformers oracle)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     d = shrink_hub_config(json.loads((HUB_CONFIGS / f"{name}.json").read_text()))
@@ -369,7 +386,8 @@ def make_from_hub_config(name: str, out: Path, seed: int = 0):
     out = Path(out)
     if out.exists():
         shutil.rmtree(out)
-    m.save_pretrained(out)
+    m.save_pretrained(out, save_original_format=layout == "hub")
+    _check_layout(out, layout)
     return out, m
 
 
