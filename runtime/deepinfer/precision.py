@@ -285,7 +285,7 @@ def speed_order(device: str, vnni: bool) -> tuple[str, ...]:
 
 
 def _gb(b: int) -> str:
-    return f"{b / 2**30:.2f} GiB"
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.2f} MiB"
 
 
 def choose_precision(caps: Mapping[str, int], sizes: Mapping[str, int], budget: int, device: str = "cpu",
