@@ -127,3 +127,12 @@ def test_paths_and_ids_are_told_apart(tmp_path):
         resolve_model(str(tmp_path / "missing" / "x" / "y"))
     with pytest.raises(CheckpointError, match="local directory, not a hub id"):
         resolve_model(tmp_path, revision="main")
+
+
+def test_quantize_reads_a_hub_id(hub_cache, tmp_path):
+    dst = tmp_path / "q"
+    r = _run(f"from deepinfer import cli; raise SystemExit(cli.main(['quantize', 'tiny/deepseek-v3', {str(dst)!r}, "
+             f"'--format', 'int8', '--revision', 'v0']))", hub_cache)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((dst / "config.json").read_text())["num_hidden_layers"] == 2   # the v0 snapshot
+    assert json.loads((dst / "config.json").read_text())["quantization_config"]["format"] == "int8"
