@@ -273,8 +273,8 @@ class TensorStore:
         out = {}
         for n in self._names:
             v = self.views.get(n)
-            out[n] = (self.where[v.stored if v is not None else n].entries[v.stored if v is not None else n][0],
-                      self.shape(n))
+            stored = v.stored if v is not None else n
+            out[n] = (self.where[stored].entries[stored][0], self.shape(n))
         return out
 
     def array(self, name: str, shape=None) -> np.ndarray:
