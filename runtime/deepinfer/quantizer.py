@@ -35,6 +35,7 @@ import numpy as np
 from . import dtypes as D
 from . import quant_formats as QF
 from .errors import CheckpointError, ConfigError
+from .model.checkpoint import TensorStore
 from .tensor import Quant, Tensor, pack_4bit
 
 
@@ -360,15 +361,6 @@ def write_safetensors(path: Path, tensors: dict, metadata: Optional[dict] = None
     return off
 
 
-def source_tensors(src: Path, src_scheme=None):
-    """Read-only view of SRC's tensors by hub-layout name (model.safetensors or an index's shards;
-    routed experts stored per expert or fused, see model.checkpoint.TensorStore)."""
-    from .model.checkpoint import TensorStore
-
-    block = src_scheme.block if src_scheme is not None and src_scheme.format == "fp8" else (128, 128)
-    return TensorStore(Path(src), fp8_block_rows=block[0])
-
-
 class _ShardWriter:
     """Collects tensors into shards of at most `shard_bytes` and writes the index at the end."""
 
@@ -452,7 +444,8 @@ def quantize_model(src, dst, format: str, group: int = 64, symmetric: bool = Tru
         raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from None
     src_scheme = QF.parse_quantization_config(config.get("quantization_config"), f"{cfg_path}: quantization_config")
     scheme = QF.make_scheme(format, group if format == "int4" else 64, symmetric, scale_dtype)
-    ckpt = source_tensors(src, src_scheme)
+    # SRC's tensors by hub-layout name: routed experts stored per expert or fused alike
+    ckpt = TensorStore(src, src_scheme)
 
     stats = dict(activation_stats or {})
     if calibration is not None and not activation_stats:

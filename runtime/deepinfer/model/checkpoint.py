@@ -137,11 +137,12 @@ class TensorStore:
     """Every tensor of a model directory by its hub-layout name, without reading data up front.
 
     `names()` are the logical names (fused expert tensors appear as their per-expert names);
-    `array(name)` is a read-only memory-mapped view. `fp8_block_rows` is the row height of fp8
-    scale blocks, needed to split fused gate_up scales between gate and up.
+    `array(name)` is a read-only memory-mapped view. `quant_scheme` (the checkpoint's QuantScheme,
+    None for float weights) gives the row height of fp8 scale blocks, needed to split fused
+    gate_up scales between gate and up.
     """
 
-    def __init__(self, model_dir, fp8_block_rows: int = 128):
+    def __init__(self, model_dir, quant_scheme=None):
         self.dir = Path(model_dir)
         if not self.dir.is_dir():
             raise CheckpointError(f"model directory {self.dir} does not exist")
@@ -177,10 +178,12 @@ class TensorStore:
             raise CheckpointError(f"{self.dir}: no model.safetensors or model.safetensors.index.json")
         self.views: dict[str, _ExpertView] = {}
         self._fused: set[str] = set()
+        fp8 = quant_scheme is not None and quant_scheme.format == "fp8"
+        block_rows = int(quant_scheme.block[0]) if fp8 else 128
         for name in list(self.where):
             m = _FUSED.match(name)
             if m is not None:
-                self._add_fused(name, m["prefix"], m["proj"], int(fp8_block_rows))
+                self._add_fused(name, m["prefix"], m["proj"], block_rows)
         self._names = [n for n in self.where if n not in self._fused] + list(self.views)
 
     # ------------------------------------------------------------------ fused experts
@@ -303,9 +306,7 @@ class Checkpoint(TensorStore):
         if not d.is_dir():
             raise CheckpointError(f"model directory {d} does not exist")
         self.config = ModelConfig.from_file(d / "config.json")
-        scheme = self.config.quant_scheme
-        block = scheme.block if scheme is not None and scheme.format == "fp8" else (128, 128)
-        super().__init__(d, fp8_block_rows=block[0])
+        super().__init__(d, self.config.quant_scheme)
 
     def tensor(self, name: str, shape, dtype: Optional[str] = None) -> Tensor:
         """A plain float tensor (norms, embeddings, biases), cast to `dtype` when it differs."""
