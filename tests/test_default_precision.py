@@ -22,18 +22,6 @@ PROMPTS = ["t5 t17 t200 t3 t99", "t42 t7 t130 t64 t11 t250", "t8 t31 t77", "t100
 NEW = 12
 
 
-def greedy_ids(hf, ids, n, eos):
-    """transformers' greedy continuation, recomputing the prefix each step (its uncached forward)."""
-    x = list(ids)
-    with torch.no_grad():
-        for _ in range(n):
-            t = int(hf(torch.tensor([x])).logits[0, -1].argmax())
-            if t == eos:
-                break
-            x.append(t)
-    return x[len(ids):]
-
-
 @pytest.fixture(scope="module")
 def bf16_dir(tiny_checkpoint, tmp_path_factory):
     from transformers import AutoModelForCausalLM
@@ -55,7 +43,7 @@ def test_default_run_gives_transformers_greedy_text(bf16_dir):
     assert "lossy" not in eng.model.precision_reason
     for prompt in PROMPTS:
         ids = eng.tokenizer.encode(prompt)
-        want = eng.tokenizer.decode(greedy_ids(hf, ids, NEW, hf.config.eos_token_id))
+        want = eng.tokenizer.decode(tiny_checkpoints.transformers_greedy(hf, ids, NEW, hf.config.eos_token_id))
         got = deepinfer.run(str(d), prompt, max_new_tokens=NEW)
         assert got.strip() == want.strip(), prompt
 

@@ -140,15 +140,11 @@ def test_embedded_model_greedy_matches_transformers(engine, hf_model):
     """Greedy tokens against transformers recomputing the whole prefix each step. (transformers'
     own cached `generate` departs from its uncached forward on this model after one token, so the
     uncached forward is the oracle.)"""
-    import torch
+    import tiny_checkpoints
 
     ids = engine.tokenizer.encode(PROMPTS[0])
     ours = engine.generate_ids([ids], max_new_tokens=16)[0]
-    x = list(ids)
-    with torch.no_grad():
-        for _ in range(16):
-            x.append(int(hf_model(torch.tensor([x])).logits[0, -1].argmax()))
-    assert ours == x[len(ids):]
+    assert ours == tiny_checkpoints.transformers_greedy(hf_model, ids, 16)
 
 
 # Training run (tools/train_nano.py, training.json): held-out ppl 20.89 over 42707 tokens in windows of

@@ -391,6 +391,19 @@ def make_from_hub_config(name: str, out: Path, seed: int = 0, layout: str = "hub
     return out, m
 
 
+def transformers_greedy(model, ids, n: int, eos=None) -> list[int]:
+    """transformers' greedy continuation of `ids` (up to n tokens, stopping before `eos`), recomputing
+    the whole prefix each step: its uncached forward is the oracle."""
+    x = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            t = int(model(torch.tensor([x])).logits[0, -1].argmax())
+            if t == eos:
+                break
+            x.append(t)
+    return x[len(ids):]
+
+
 def add_tokenizer(out: Path, vocab_size: int = 256) -> None:
     """A word-level tokenizer over the tiny vocabulary ("<s>" = 0, "</s>" = 1, then "t2".."tN"), so
     the engine's text API (deepinfer.run) can drive a tiny checkpoint."""

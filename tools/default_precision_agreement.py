@@ -47,14 +47,7 @@ def greedy_f32(d: Path, ids, n, eos):
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, attn_implementation="eager").eval()
-    x = list(ids)
-    with torch.no_grad():
-        for _ in range(n):
-            t = int(m(torch.tensor([x])).logits[0, -1].argmax())
-            if t == eos:
-                break
-            x.append(t)
-    return x[len(ids):]
+    return T.transformers_greedy(m, ids, n, eos)
 
 
 def main() -> int:
