@@ -25,6 +25,18 @@ def default_model_dir() -> Path:
     return Path(__file__).resolve().parent / "assets" / "deepseek-v3-nano"
 
 
+def resolve_model_dir(model=None, revision: Optional[str] = None) -> Path:
+    """The directory of a model argument: a directory as is, a hub id's snapshot in the Hugging
+    Face cache (model.hub, at `revision`), or the embedded model for None."""
+    from .model.hub import resolve_model
+
+    if model:
+        return resolve_model(model, revision)
+    if revision:
+        raise CheckpointError("revision applies to a hub id; the embedded model has none")
+    return default_model_dir()
+
+
 def step_seed(seed: int, row: int, step: int) -> int:
     """A fresh 64-bit seed per (request seed, row, step); the sample op hashes it again (splitmix64)."""
     z = (seed * 0x9E3779B97F4A7C15 + row * 0xD1B54A32D192ED03 + step * 0xBF58476D1CE4E5B9 + 1) & MASK64
@@ -170,12 +182,12 @@ class _Request:
 class Engine:
     """Load once, generate many times. Not thread-safe: one generate call at a time."""
 
-    def __init__(self, model_dir: Path, config: EngineConfig):
+    def __init__(self, model_dir: Path, config: EngineConfig, name: Optional[str] = None):
         from .loader import get_backend
         from .model import load_model
 
         self.model_dir = Path(model_dir)
-        self.model_name = self.model_dir.name   # what the user called it (a hub id, a path)
+        self.model_name = name or self.model_dir.name   # what the user called it (a hub id, a path)
         self.config = config
         if config.verbose:  # say which backend, precision and why on stderr
             log.setLevel(logging.INFO)
@@ -204,18 +216,9 @@ class Engine:
         """`model`: a model directory, a hub id (`org/name`, resolved through the Hugging Face
         cache, see model.hub; `revision` in the config picks a branch, tag or commit), or None for
         the embedded model."""
-        from .model.hub import resolve_model
-
         cfg = EngineConfig.from_any(config, **overrides)
-        if model:
-            model_dir = resolve_model(model, cfg.revision)
-        else:
-            if cfg.revision:
-                raise CheckpointError("revision applies to a hub id; the embedded model has none")
-            model_dir = default_model_dir()
-        eng = cls(model_dir, cfg)
-        eng.model_name = os.fspath(model) if model else model_dir.name
-        return eng
+        model_dir = resolve_model_dir(model, cfg.revision)
+        return cls(model_dir, cfg, name=os.fspath(model) if model else None)
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompt: str, **options) -> str:

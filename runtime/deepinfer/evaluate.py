@@ -69,11 +69,9 @@ def perplexity(engine, text: str, max_tokens: int = 4096, window: int = 512) -> 
 
 
 def main(args) -> int:
-    from .engine import Engine, default_model_dir
-    from .model.hub import resolve_model
+    from .engine import Engine, resolve_model_dir
 
-    revision = getattr(args, "revision", None)
-    model_dir = resolve_model(args.model, revision) if args.model else default_model_dir()
+    model_dir = resolve_model_dir(args.model, getattr(args, "revision", None))
     text = heldout_text(model_dir, args.text)
     overrides = {"precision": args.precision}
     if args.backend:
