@@ -116,6 +116,9 @@ DI_Status need_dtype(DI_Context* ctx, const char* op, const char* name, int dt, 
         DI_TRY(need_dtype(ctx, op, name, dt, allowed_, (int)(sizeof(allowed_) / sizeof(int)))); \
     } while (0)
 
+// A weight operand of linear / moe_experts: a supported dtype, and scales where the dtype needs them.
+DI_Status check_weight(DI_Context* ctx, const char* op, const char* name, const QTensor& w);
+
 DI_Status need_shape(DI_Context* ctx, const char* op, const char* name, const DTensor& t, int dim,
                      int64_t expect, const char* what);
 DI_Status same_shape(DI_Context* ctx, const char* op, const char* a_name, const DTensor& a,

@@ -655,6 +655,15 @@ def gen_moe_experts(p, s):
     for wf in _pick(p, ["int4/g32/sym/f32", "e4m3/128x128/f32", "uint4/g32/asym/f32", "int8/channel/f32",
                         "e2m1/g32/e8m0"]):
         yield moe_experts(s(), 4, 4, 2, 40, 24, "bf16", wf)
+    # On the tensor-core grid of the GPU backends (rows a multiple of 16, K of 128), each weight
+    # format they take: decode-sized (T=3, a token or two per expert) and prefill-sized (T=150 over
+    # 4 of 8 experts, about 75 tokens each: more than one 64-token work item per expert).
+    for wf in ["bf16"] + _pick(p, ["int4/g32/sym/f32", "int4/g64/sym/bf16", "int4/g128/sym/f16",
+                                   "uint4/g32/asym/f32", "uint4/g128/asym/f16+u8", "int8/channel/f32",
+                                   "e4m3/128x128/f32"]):
+        yield moe_experts(s(), 3, 8, 2, 256, 128, "bf16", wf)
+        yield moe_experts(s(), 150, 8, 2, 256, 128, "bf16", wf)
+    yield moe_experts(s(), 40, 8, 3, 256, 160, "bf16", routing="skip", accumulate=1, absent=(7,))
     for _ in range(p.random_draws):
         r = s.rng
         yield moe_experts(s(), int(r.integers(1, 10)), int(r.integers(1, 8)), int(r.integers(1, 3)),

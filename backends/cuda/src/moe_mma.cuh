@@ -1,0 +1,422 @@
+// moe_experts on tensor cores: one kernel for the gate/up projection (SiLU(gate) * up fused) and
+// one for the down projection, templated on the weight format and on the work shape.
+//
+// Work: moe_align (ops_moe_experts.cu) groups the routed (token, k) pairs by expert on the device
+// and cuts each expert's pairs into items of 8 * NT tokens. grid = (row tiles, max items); a block
+// whose item does not exist returns at once, so the work is proportional to the experts routed and
+// the host never needs to know which ones they are.
+//
+// Each warp computes 16-row tiles of the weights against the item's tokens with
+// mma.sync.m16n8k16 (bf16 in, f32 accumulate). The weights stream from global memory straight into
+// registers, 16 bytes per lane, and are decoded there; no shared memory for them. The k order inside
+// an mma is free as long as A and B agree, so each lane takes 16 contiguous bytes of one weight row
+// and the 16 matching bytes of each token's activations: both operands are plain 16-byte loads.
+//   lane = 4 * g + c: rows g and g + 8 of the tile, token g of each n-tile, k range
+//   [k0 + c * EPL, k0 + (c + 1) * EPL) of the k-step (EPL weight elements in 16 bytes).
+// Formats: bf16 as is; fp8 e4m3 by bit placement into bf16 and an exact multiply by 2^120; int8 and
+// uint4 through f32; int4 by the 0x4300 | nibble trick (128 + q in bf16). Scales: after each k-step
+// in f32 when the scale block covers the whole k-step (fp8 128x128, int4 groups >= 128), at the end
+// for per-channel int8, before the mma (bf16 weights) for int4 groups of 32 / 64 and uint4.
+// Decode (NT = 1): the block's 4 warps split K and reduce through shared memory. Prefill (NT = 8):
+// each warp owns its rows; a weight fragment serves 8 n-tiles.
+#pragma once
+
+#include "device.cuh"
+#include "moe_mma_api.cuh"
+
+#if DI_HAVE_MOE_MMA
+namespace di {
+namespace moe {
+
+template <int F> struct Fmt;
+template <> struct Fmt<MW_BF16>  { static constexpr int EPL = 8;  static constexpr bool PERM = false; };
+template <> struct Fmt<MW_FP8>   { static constexpr int EPL = 16; static constexpr bool PERM = false; };
+template <> struct Fmt<MW_I8>    { static constexpr int EPL = 16; static constexpr bool PERM = false; };
+template <> struct Fmt<MW_I4>    { static constexpr int EPL = 32; static constexpr bool PERM = true; };
+template <> struct Fmt<MW_I4PRE> { static constexpr int EPL = 32; static constexpr bool PERM = true; };
+template <> struct Fmt<MW_U4>    { static constexpr int EPL = 32; static constexpr bool PERM = true; };
+
+// scale handling: 0 none, 1 per k-step after the mma, 2 per row at the end, 3 before the mma
+template <int F> __host__ __device__ constexpr int scale_mode() {
+    return F == MW_BF16 ? 0 : (F == MW_FP8 || F == MW_I4) ? 1 : F == MW_I8 ? 2 : 3;
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t bf2_fma(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+// (lo, hi) f32 -> bf16x2, round to nearest even
+__device__ __forceinline__ uint32_t pack_bf2(float lo, float hi) {
+    uint32_t d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+    uint32_t d;
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+__device__ __forceinline__ uint4 ld_stream(const char* p) {  // weights: read once, keep out of L1
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint4 ld_act(const char* p) {  // activations: reused by every row tile
+    return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+constexpr uint32_t BF2_ONE = 0x3F803F80u, BF2_NEG_ZERO = 0x80008000u;
+
+// two e4m3 (the high bytes of each half of d) -> bf16x2, exact: sign in place, exponent and mantissa
+// moved under the bf16 ones (a factor 2^-120, subnormals included), then times 2^120
+__device__ __forceinline__ uint32_t e4m3x2_to_bf2(uint32_t d) {
+    uint32_t r = (d & 0x80008000u) | ((d >> 4) & 0x07F007F0u);
+    return bf2_fma(r, 0x7B807B80u, BF2_NEG_ZERO);
+}
+__device__ __forceinline__ float magic_u8(uint32_t w, uint32_t i) {  // 2^23 + byte i of w
+    return __uint_as_float(prmt(w, 0x4B000000u, 0x7440u | i));
+}
+
+// Sub-chunk j (8 elements) of one lane's 16 weight bytes as 4 bf16x2 operands. For the 4-bit
+// formats the pairs are (e, e + 4) of each 8-element word; the activations are permuted to match.
+// sc: the pre-mma scale (mode 3) as bf16x2 (MW_I4PRE) or f32 (MW_U4); zs: - zero * scale (MW_U4).
+template <int F>
+__device__ __forceinline__ void decode(const uint4& v, int j, uint32_t (&p)[4], uint32_t sc2, float sc, float zs) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    if constexpr (F == MW_BF16) {
+        p[0] = w[0]; p[1] = w[1]; p[2] = w[2]; p[3] = w[3];
+    } else if constexpr (F == MW_FP8) {
+        const uint32_t a = w[2 * j], b = w[2 * j + 1];
+        p[0] = e4m3x2_to_bf2(prmt(a, 0, 0x1404u));
+        p[1] = e4m3x2_to_bf2(prmt(a, 0, 0x3424u));
+        p[2] = e4m3x2_to_bf2(prmt(b, 0, 0x1404u));
+        p[3] = e4m3x2_to_bf2(prmt(b, 0, 0x3424u));
+    } else if constexpr (F == MW_I8) {
+        const float off = 8388736.f;  // 2^23 + 128
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const uint32_t u = w[2 * j + h] ^ 0x80808080u;
+            p[2 * h] = pack_bf2(magic_u8(u, 0) - off, magic_u8(u, 1) - off);
+            p[2 * h + 1] = pack_bf2(magic_u8(u, 2) - off, magic_u8(u, 3) - off);
+        }
+    } else if constexpr (F == MW_I4 || F == MW_I4PRE) {
+        const uint32_t u = w[j] ^ 0x88888888u;  // two's complement nibble -> q + 8
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            uint32_t b = ((u >> (4 * i)) & 0x000F000Fu) | 0x43004300u;   // 128 + q + 8, exact
+            b = bf2_fma(b, BF2_ONE, 0xC308C308u);                        // - 136 -> q, exact
+            if constexpr (F == MW_I4PRE) b = bf2_fma(b, sc2, BF2_NEG_ZERO);
+            p[i] = b;
+        }
+    } else {  // MW_U4: (u - z) * s in f32, one rounding to bf16
+        const uint32_t u = w[j];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float lo = __uint_as_float(((u >> (4 * i)) & 0xFu) | 0x4B000000u) - 8388608.f;
+            float hi = __uint_as_float(((u >> (4 * i + 16)) & 0xFu) | 0x4B000000u) - 8388608.f;
+            p[i] = pack_bf2(fmaf(lo, sc, zs), fmaf(hi, sc, zs));
+        }
+    }
+}
+
+// The 8 activations matching sub-chunk j, as the B operand pairs of its two mmas.
+template <int F>
+__device__ __forceinline__ void act_pairs(const uint4& v, uint32_t (&b)[4]) {
+    if constexpr (Fmt<F>::PERM) {
+        b[0] = prmt(v.x, v.z, 0x5410u);  // (x0, x4)
+        b[1] = prmt(v.x, v.z, 0x7632u);  // (x1, x5)
+        b[2] = prmt(v.y, v.w, 0x5410u);  // (x2, x6)
+        b[3] = prmt(v.y, v.w, 0x7632u);  // (x3, x7)
+    } else {
+        b[0] = v.x; b[1] = v.y; b[2] = v.z; b[3] = v.w;
+    }
+}
+
+// One 16-row source of A: an expert matrix at rows r0 .. r0 + 15.
+struct ASrc {
+    const char* q;    // row g of the tile, this lane's first byte of the k-step 0
+    const char* s;    // scale base
+    const char* z;    // zero base
+    int64_t     r;    // row g (absolute)
+    bool        ok;
+};
+
+template <int F>
+__device__ __forceinline__ float scale_at(const MoeMat& m, const char* s, int64_t r, int64_t k) {
+    return load_f(m.s_dt, s, (r / m.br) * m.s_rs + (k / m.bc) * m.s_cs);
+}
+template <int F>
+__device__ __forceinline__ float zero_at(const MoeMat& m, const char* z, int64_t r, int64_t k) {
+    return load_f(m.z_dt, z, (r / m.br) * m.z_rs + (k / m.bc) * m.z_cs);
+}
+
+// acc[src][n] += A_src (16 rows, k-step st) x B (tokens of n-tile n). B rows: brow[n] (NULL: zero).
+template <int F, int NT>
+__device__ __forceinline__ void kstep(const MoeMat (&m)[2], const ASrc (&a)[2], const uint4 (&raw)[2][2],
+                                      const char* const (&brow)[NT], int64_t kl, int64_t kq,
+                                      float (&acc)[2][NT][4]) {
+    constexpr int EPL = Fmt<F>::EPL, SUBS = EPL / 8, SM = scale_mode<F>();
+    uint32_t sc2[2][2] = {};
+    float sc[2][2] = {}, zs[2][2] = {}, post[2][2] = {};
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if constexpr (SM == 1 || SM == 3) {
+                float s = a[i].ok ? scale_at<F>(m[i], a[i].s, a[i].r + 8 * h, kl) : 0.f;
+                if constexpr (SM == 1) post[i][h] = s;
+                else if constexpr (F == MW_I4PRE) sc2[i][h] = pack_bf2(s, s);
+                else {
+                    sc[i][h] = s;
+                    zs[i][h] = a[i].ok ? -zero_at<F>(m[i], a[i].z, a[i].r + 8 * h, kl) * s : 0.f;
+                }
+            }
+        }
+    auto body = [&](float (&dst)[2][NT][4]) {
+#pragma unroll
+        for (int j = 0; j < SUBS; ++j) {
+            uint32_t p[2][2][4];
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) decode<F>(raw[i][h], j, p[i][h], sc2[i][h], sc[i][h], zs[i][h]);
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                uint4 xv = brow[n] ? ld_act(brow[n] + (kq + 8 * j) * 2) : make_uint4(0, 0, 0, 0);
+                uint32_t b[4];
+                act_pairs<F>(xv, b);
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    mma_bf16(dst[i][n], p[i][0][0], p[i][1][0], p[i][0][1], p[i][1][1], b[0], b[1]);
+                    mma_bf16(dst[i][n], p[i][0][2], p[i][1][2], p[i][0][3], p[i][1][3], b[2], b[3]);
+                }
+            }
+        }
+    };
+    if constexpr (SM != 1) {
+        body(acc);
+    } else {
+        float part[2][NT][4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) part[i][n][e] = 0.f;
+        body(part);
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                acc[i][n][0] = fmaf(post[i][0], part[i][n][0], acc[i][n][0]);
+                acc[i][n][1] = fmaf(post[i][0], part[i][n][1], acc[i][n][1]);
+                acc[i][n][2] = fmaf(post[i][1], part[i][n][2], acc[i][n][2]);
+                acc[i][n][3] = fmaf(post[i][1], part[i][n][3], acc[i][n][3]);
+            }
+    }
+}
+
+// The k loop of one warp over its steps st = st0, st0 + stride, ...; A prefetched one step ahead.
+template <int F, int NT>
+__device__ __forceinline__ void kloop(const MoeMat (&m)[2], const ASrc (&a)[2], const char* const (&brow)[NT],
+                                      int c, int st0, int stride, float (&acc)[2][NT][4]) {
+    constexpr int EPL = Fmt<F>::EPL, QS = 4 * EPL;
+    const int nsteps = (int)(m[0].K / QS);
+    auto load = [&](int st, uint4 (&raw)[2][2]) {
+        const int64_t kb = (int64_t)st * 64 + c * 16;  // every format: 64 bytes of a row per k-step
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                raw[i][h] = a[i].ok ? ld_stream(a[i].q + 8 * h * m[i].ld + kb) : make_uint4(0, 0, 0, 0);
+    };
+    uint4 cur[2][2], nxt[2][2];
+    if (st0 < nsteps) load(st0, cur);
+    for (int st = st0; st < nsteps; st += stride) {
+        if (st + stride < nsteps) load(st + stride, nxt);
+        const int64_t kl = (int64_t)st * QS + (int64_t)c * EPL;  // this lane's first k
+        kstep<F, NT>(m, a, cur, brow, kl, kl, acc);
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) cur[i][h] = nxt[i][h];
+    }
+    if constexpr (scale_mode<F>() == 2) {  // int8 per output channel
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            float s0 = a[i].ok ? scale_at<F>(m[i], a[i].s, a[i].r, 0) : 0.f;
+            float s1 = a[i].ok ? scale_at<F>(m[i], a[i].s, a[i].r + 8, 0) : 0.f;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                acc[i][n][0] *= s0; acc[i][n][1] *= s0;
+                acc[i][n][2] *= s1; acc[i][n][3] *= s1;
+            }
+        }
+    }
+}
+
+template <int NT, int KS>
+__device__ __forceinline__ void reduce_warps(float (&acc)[2][NT][4], float* red) {
+    if constexpr (KS > 1) {
+        const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
+        constexpr int V = 2 * NT * 4;
+        if (w > 0) {
+            const float* f = &acc[0][0][0];
+#pragma unroll
+            for (int v = 0; v < V; ++v) red[((w - 1) * V + v) * 32 + lane] = f[v];
+        }
+        __syncthreads();
+        if (w == 0) {
+            float* f = &acc[0][0][0];
+#pragma unroll
+            for (int ww = 0; ww < KS - 1; ++ww)
+#pragma unroll
+                for (int v = 0; v < V; ++v) f[v] += red[(ww * V + v) * 32 + lane];
+        }
+    }
+}
+
+constexpr int KS_DECODE = 4;
+
+template <int F, int NT, int KS>
+__global__ __launch_bounds__(128) void k_gate_up(const MoeMat mg, const __grid_constant__ MoePtrs pg,
+                                                 const MoeMat mu, const __grid_constant__ MoePtrs pu,
+                                                 MoePlan plan, const char* x, int64_t x_rs, int Ktop,
+                                                 uint16_t* h) {
+    __shared__ float red[KS > 1 ? (KS - 1) * 2 * NT * 4 * 32 : 1];
+    const int item_i = blockIdx.y;
+    if (item_i >= *plan.n_items) return;
+    const int4 item = plan.items[item_i];
+    const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const int64_t I = mg.N;
+    const int64_t r0 = KS > 1 ? (int64_t)blockIdx.x * 16 : ((int64_t)blockIdx.x * 4 + w) * 16;
+    const bool ok = r0 < I;
+    const char* bq[2] = {pg.q[item.x], pu.q[item.x]};
+    const MoeMat m[2] = {mg, mu};
+    ASrc a[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        a[i].q = bq[i] + (r0 + g) * m[i].ld;
+        a[i].s = i == 0 ? pg.s[item.x] : pu.s[item.x];
+        a[i].z = i == 0 ? pg.z[item.x] : pu.z[item.x];
+        a[i].r = r0 + g;
+        a[i].ok = ok;
+    }
+    const char* brow[NT];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        const int j = n * 8 + g;
+        brow[n] = j < item.z ? x + (int64_t)(plan.sorted[item.y + j] / Ktop) * x_rs : nullptr;
+    }
+    float acc[2][NT][4] = {};
+    kloop<F, NT>(m, a, brow, c, KS > 1 ? w : 0, KS, acc);
+    reduce_warps<NT, KS>(acc, red);
+    if ((KS > 1 && w != 0) || !ok) return;
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int j = n * 8 + 2 * c + (e & 1);
+            if (j >= item.z) continue;
+            const int64_t row = r0 + g + (e >> 1) * 8;
+            const float gv = acc[0][n][e], uv = acc[1][n][e];
+            const float hv = gv / (1.f + __expf(-gv)) * uv;
+            h[(int64_t)(item.y + j) * I + row] = f_to_bf16(hv);
+        }
+}
+
+template <int F, int NT, int KS>
+__global__ __launch_bounds__(128) void k_down(const MoeMat md, const __grid_constant__ MoePtrs pd, MoePlan plan,
+                                              const uint16_t* h, float* y) {
+    __shared__ float red[KS > 1 ? (KS - 1) * 2 * NT * 4 * 32 : 1];
+    const int item_i = blockIdx.y;
+    if (item_i >= *plan.n_items) return;
+    const int4 item = plan.items[item_i];
+    const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const int64_t H = md.N, I = md.K;
+    const int64_t r0 = KS > 1 ? (int64_t)blockIdx.x * 32 : ((int64_t)blockIdx.x * 4 + w) * 32;
+    const MoeMat m[2] = {md, md};
+    ASrc a[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        a[i].r = r0 + 16 * i + g;
+        a[i].q = pd.q[item.x] + a[i].r * md.ld;
+        a[i].s = pd.s[item.x];
+        a[i].z = pd.z[item.x];
+        a[i].ok = r0 + 16 * i < H;
+    }
+    const char* brow[NT];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        const int j = n * 8 + g;
+        brow[n] = j < item.z ? reinterpret_cast<const char*>(h + (int64_t)(item.y + j) * I) : nullptr;
+    }
+    float acc[2][NT][4] = {};
+    kloop<F, NT>(m, a, brow, c, KS > 1 ? w : 0, KS, acc);
+    reduce_warps<NT, KS>(acc, red);
+    if (KS > 1 && w != 0) return;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        if (!a[i].ok) continue;
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int j = n * 8 + 2 * c + (e & 1);
+                if (j >= item.z) continue;
+                const int64_t row = r0 + 16 * i + g + (e >> 1) * 8;
+                y[(int64_t)plan.sorted[item.y + j] * H + row] = acc[i][n][e];
+            }
+    }
+}
+
+template <int F>
+void launch_gate_up(MoeShape sh, int max_items, const MoeMat& mg, const MoePtrs& pg, const MoeMat& mu,
+                    const MoePtrs& pu, MoePlan plan, const char* x, int64_t x_rs, int Ktop, uint16_t* h,
+                    cudaStream_t s) {
+    if (sh == MOE_DECODE) {
+        dim3 grid((unsigned)ceil_div(mg.N, 16), (unsigned)max_items);
+        k_gate_up<F, 1, KS_DECODE><<<grid, 128, 0, s>>>(mg, pg, mu, pu, plan, x, x_rs, Ktop, h);
+    } else {
+        dim3 grid((unsigned)ceil_div(mg.N, 64), (unsigned)max_items);
+        k_gate_up<F, 8, 1><<<grid, 128, 0, s>>>(mg, pg, mu, pu, plan, x, x_rs, Ktop, h);
+    }
+}
+
+template <int F>
+void launch_down(MoeShape sh, int max_items, const MoeMat& md, const MoePtrs& pd, MoePlan plan, const uint16_t* h,
+                 float* y, cudaStream_t s) {
+    if (sh == MOE_DECODE) {
+        dim3 grid((unsigned)ceil_div(md.N, 32), (unsigned)max_items);
+        k_down<F, 1, KS_DECODE><<<grid, 128, 0, s>>>(md, pd, plan, h, y);
+    } else {
+        dim3 grid((unsigned)ceil_div(md.N, 128), (unsigned)max_items);
+        k_down<F, 8, 1><<<grid, 128, 0, s>>>(md, pd, plan, h, y);
+    }
+}
+
+}  // namespace moe
+
+#define DI_MOE_MMA_DEFINE(name, F)                                                                           \
+    void launch_moe_gate_up_##name(MoeShape sh, int max_items, const MoeMat& mg, const MoePtrs& pg,         \
+                                   const MoeMat& mu, const MoePtrs& pu, MoePlan plan, const char* x,         \
+                                   int64_t x_rs, int Ktop, uint16_t* h, cudaStream_t s) {                    \
+        moe::launch_gate_up<F>(sh, max_items, mg, pg, mu, pu, plan, x, x_rs, Ktop, h, s);                   \
+    }                                                                                                        \
+    void launch_moe_down_##name(MoeShape sh, int max_items, const MoeMat& md, const MoePtrs& pd, MoePlan plan, \
+                                const uint16_t* h, float* y, cudaStream_t s) {                               \
+        moe::launch_down<F>(sh, max_items, md, pd, plan, h, y, s);                                          \
+    }
+
+}  // namespace di
+#endif  // DI_HAVE_MOE_MMA

@@ -1,0 +1,71 @@
+// The tensor-core path of moe_experts (moe_mma.cuh): what ops_moe_experts.cu hands the kernels.
+// One kernel template per weight format, each instantiated in its own moe_mma_<fmt>.cu so the
+// unrolled bodies compile in parallel (as gemv_<fmt>.cu).
+#pragma once
+
+#include "common.cuh"
+
+// The kernels are inline PTX (mma.sync, bf16x2 fma): CUDA only, sm_80 and newer. A HIP build keeps
+// the SIMT path until it has its own matrix-core kernels.
+#if defined(__HIP_PLATFORM_AMD__) || defined(__HIP__)
+#define DI_HAVE_MOE_MMA 0
+#else
+#define DI_HAVE_MOE_MMA 1
+#endif
+
+namespace di {
+
+// Experts whose pointers travel in one launch as kernel parameters (2 tables of 3 x 384 pointers:
+// 18 KB of the 32 KB a launch may carry since CUDA 12.1). Nothing is marshalled through memory,
+// so a call is capturable and never waits for the host.
+constexpr int MOE_MAX_E = 384;
+
+// Weight formats of the fast path. MW_I4 applies the group scale after each k-step in f32 (groups
+// of 128 or more), MW_I4PRE before the mma in bf16 (groups of 32 or 64).
+enum MoeWF { MW_BF16, MW_FP8, MW_I8, MW_I4, MW_I4PRE, MW_U4, MW_COUNT };
+
+// The layout every expert of one weight family shares (checked on the host).
+struct MoeMat {
+    int64_t N, K;          // rows, columns
+    int64_t ld;            // bytes between rows of q
+    int64_t s_rs, s_cs;    // scale strides in elements
+    int64_t z_rs, z_cs;    // zero-point strides
+    int32_t s_dt, z_dt;    // scale / zero dtypes (DT_*)
+    int32_t br, bc;        // block, resolved
+};
+
+struct MoePtrs {
+    const char* q[MOE_MAX_E];
+    const char* s[MOE_MAX_E];
+    const char* z[MOE_MAX_E];
+};
+
+// The routing plan moe_align writes on the device: pairs grouped by expert and cut into work items.
+struct MoePlan {
+    const int*  sorted;    // [P] pair index t * K + k, grouped by expert
+    const int4* items;     // [max_items] (expert - e0, first position in sorted, count, 0)
+    const int*  n_items;   // [1]
+};
+
+// Tokens per work item: 8 * NT. Decode: NT 1 with the K dimension split over the block's 4 warps;
+// prefill: NT 8 with each warp on its own rows.
+enum MoeShape { MOE_DECODE, MOE_PREFILL };
+inline int moe_tokens_per_item(MoeShape sh) { return sh == MOE_DECODE ? 8 : 64; }
+
+// gate_up: h[pos, i] = silu(gate_e x[t]) * up_e x[t] (bf16), pos = position in plan.sorted, t = p / Ktop.
+// down:    y[p, c]  = down_e h[pos] (f32), p = plan.sorted[pos].
+#define DI_MOE_MMA_DECL(name)                                                                                \
+    void launch_moe_gate_up_##name(MoeShape sh, int max_items, const MoeMat& mg, const MoePtrs& pg,         \
+                                   const MoeMat& mu, const MoePtrs& pu, MoePlan plan, const char* x,         \
+                                   int64_t x_rs, int Ktop, uint16_t* h, cudaStream_t s);                     \
+    void launch_moe_down_##name(MoeShape sh, int max_items, const MoeMat& md, const MoePtrs& pd, MoePlan plan, \
+                                const uint16_t* h, float* y, cudaStream_t s);
+DI_MOE_MMA_DECL(bf16)
+DI_MOE_MMA_DECL(fp8)
+DI_MOE_MMA_DECL(i8)
+DI_MOE_MMA_DECL(i4)
+DI_MOE_MMA_DECL(i4pre)
+DI_MOE_MMA_DECL(u4)
+#undef DI_MOE_MMA_DECL
+
+}  // namespace di

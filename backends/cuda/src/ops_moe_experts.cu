@@ -1,0 +1,605 @@
+// moe_experts: out[t] (+)= sum_k w[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t, k].
+//
+// Two paths, one contract:
+//  * tensor cores (moe_mma.cuh), for bf16 activations and the weight formats the engine stores
+//    (bf16, fp8 e4m3 128x128, int8 per channel, int4 / uint4 group-wise with groups of 32k):
+//    moe_align groups the routed pairs by expert on the device and cuts them into work items, then
+//    one gate/up kernel (SiLU * up fused, h in bf16) and one down kernel run only on the routed
+//    experts, and a fixed-order combine adds the k contributions of each token.
+//  * a tiled SIMT f32 fallback for everything else (f32 / f16 activations, activation-quantized x,
+//    f32 / f16 / fp4 weights, shapes off the 16-row / 64-byte grid): correct for any input.
+// Nothing waits for the host when every expert is resident, so a call can be captured in a graph.
+// Results do not depend on scheduling: every (pair, column) is computed by exactly one thread and
+// summed over k in k order.
+#include <vector>
+
+#include "device.cuh"
+#include "moe_mma_api.cuh"
+#include "tile_mm.cuh"
+
+using namespace di;
+
+// ---------------------------------------------------------------------------------------- SIMT fallback
+constexpr int MOE_CHUNK = 32;        // experts per launch (their pointers travel as kernel params)
+constexpr int MOE_WINDOW = 8192;     // routed pairs gathered per pass (shared memory list)
+
+struct ExpertPtrs {
+    char* q[MOE_CHUNK];
+    char* s[MOE_CHUNK];
+    char* z[MOE_CHUNK];
+};
+
+__device__ __forceinline__ QTensor with_ptrs(QTensor t, const ExpertPtrs& p, int i) {
+    t.q.base = p.q[i];
+    t.s.base = p.s[i];
+    t.z.base = p.z[i];
+    return t;
+}
+
+// Gathers into list the pairs p in [w0, w1) routed to expert e; returns their number.
+__device__ int gather_pairs(DTensor ids, int64_t Ktop, int64_t e, int64_t w0, int64_t w1, int* list, int* cnt) {
+    if (threadIdx.x == 0) *cnt = 0;
+    __syncthreads();
+    for (int64_t p = w0 + threadIdx.x; p < w1; p += blockDim.x) {
+        int64_t t = p / Ktop, k = p % Ktop;
+        if (load_i(ids.dt, ids.base, t * ids.strides[0] + k) == e) list[atomicAdd(cnt, 1)] = (int)(p - w0);
+    }
+    __syncthreads();
+    return *cnt;
+}
+
+// Phase 1: h[p, :] = silu(gate_e x[t]) * (up_e x[t]) for every pair p = (t, k) routed to e.
+__global__ __launch_bounds__(256) void k_moe_up(const __grid_constant__ QTensor x, DTensor ids, const QTensor wg0, ExpertPtrs gp, const QTensor wu0,
+                                                ExpertPtrs up, int e0, int64_t P, int64_t Ktop, int64_t I, int64_t H,
+                                                float* h) {
+    extern __shared__ int list[];
+    __shared__ float As[TK][TB + TPAD], Bs[TK][TB + TPAD], Bu[TK][TB + TPAD];
+    __shared__ int cnt;
+    const int bi = blockIdx.x;
+    if (!gp.q[bi] || !up.q[bi]) return;
+    const QTensor wg = with_ptrs(wg0, gp, bi), wu = with_ptrs(wu0, up, bi);
+    const int64_t e = e0 + bi, n0 = (int64_t)blockIdx.y * TB;
+    const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
+    for (int64_t w0 = 0; w0 < P; w0 += MOE_WINDOW) {
+        int n = gather_pairs(ids, Ktop, e, w0, min(P, w0 + MOE_WINDOW), list, &cnt);
+        for (int j0 = 0; j0 < n; j0 += TB) {
+            float ag[4][4] = {}, au[4][4] = {};
+            for (int64_t k0 = 0; k0 < H; k0 += TK) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    int idx = tid + 256 * i, r = idx / TK, kk = idx % TK;
+                    int64_t k = k0 + kk;
+                    bool kin = k < H;
+                    int64_t t = j0 + r < n ? (w0 + list[j0 + r]) / Ktop : -1;
+                    As[kk][r] = (kin && t >= 0) ? qload(x, 0, t, k) : 0.f;
+                    bool nin = kin && n0 + r < I;
+                    Bs[kk][r] = nin ? qload(wg, 0, n0 + r, k) : 0.f;
+                    Bu[kk][r] = nin ? qload(wu, 0, n0 + r, k) : 0.f;
+                }
+                __syncthreads();
+#pragma unroll
+                for (int kk = 0; kk < TK; ++kk) {
+                    float av[4], gv[4], uv[4];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) av[i] = As[kk][ty * 4 + i];
+#pragma unroll
+                    for (int jj = 0; jj < 4; ++jj) {
+                        gv[jj] = Bs[kk][tx * 4 + jj];
+                        uv[jj] = Bu[kk][tx * 4 + jj];
+                    }
+#pragma unroll
+                    for (int i = 0; i < 4; ++i)
+#pragma unroll
+                        for (int jj = 0; jj < 4; ++jj) {
+                            ag[i][jj] += av[i] * gv[jj];
+                            au[i][jj] += av[i] * uv[jj];
+                        }
+                }
+                __syncthreads();
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                int r = ty * 4 + i;
+                if (j0 + r >= n) continue;
+                int64_t p = w0 + list[j0 + r];
+#pragma unroll
+                for (int jj = 0; jj < 4; ++jj) {
+                    int64_t c = n0 + tx * 4 + jj;
+                    if (c >= I) continue;
+                    float g = ag[i][jj];
+                    h[p * I + c] = g / (1.f + expf(-g)) * au[i][jj];
+                }
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// Phase 2: y[p, :] = down_e h[p, :].
+__global__ __launch_bounds__(256) void k_moe_down(const float* h, DTensor ids, QTensor wd0, ExpertPtrs dp, int e0,
+                                                  int64_t P, int64_t Ktop, int64_t I, int64_t H, float* y) {
+    extern __shared__ int list[];
+    __shared__ float As[TK][TB + TPAD], Bs[TK][TB + TPAD];
+    __shared__ int cnt;
+    const int bi = blockIdx.x;
+    if (!dp.q[bi]) return;
+    const QTensor wd = with_ptrs(wd0, dp, bi);
+    const int64_t e = e0 + bi, n0 = (int64_t)blockIdx.y * TB;
+    for (int64_t w0 = 0; w0 < P; w0 += MOE_WINDOW) {
+        int n = gather_pairs(ids, Ktop, e, w0, min(P, w0 + MOE_WINDOW), list, &cnt);
+        for (int j0 = 0; j0 < n; j0 += TB) {
+            float acc[4][4] = {};
+            auto la = [&](int r, int64_t k) {
+                return j0 + r < n ? h[(w0 + list[j0 + r]) * I + k] : 0.f;
+            };
+            auto lb = [&](int r, int64_t k) { return n0 + r < H ? qload(wd, 0, n0 + r, k) : 0.f; };
+            tile_mm(la, lb, I, acc, As, Bs);
+            const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                int r = ty * 4 + i;
+                if (j0 + r >= n) continue;
+                int64_t p = w0 + list[j0 + r];
+#pragma unroll
+                for (int jj = 0; jj < 4; ++jj) {
+                    int64_t c = n0 + tx * 4 + jj;
+                    if (c < H) y[p * H + c] = acc[i][jj];
+                }
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// ---------------------------------------------------------------------------------------- routing plan
+// Groups the pairs routed to resident experts by expert: sorted[] (expert-major), one work item per
+// BN pairs of an expert, pair_ok[p] for the combine. One block: E <= MOE_MAX_E <= blockDim.
+struct ResidentMask {
+    uint32_t w[MOE_MAX_E / 32];
+};
+constexpr int ALIGN_THREADS = 1024;
+
+__global__ __launch_bounds__(ALIGN_THREADS) void k_moe_align(DTensor ids, int64_t T, int Ktop, int E, ResidentMask res,
+                                                            int BN, int max_items, int* sorted, int4* items,
+                                                            int* n_items, uint8_t* pair_ok) {
+    __shared__ int cnt[MOE_MAX_E], fill[MOE_MAX_E], off[MOE_MAX_E], ioff[MOE_MAX_E];
+    __shared__ int wsum[ALIGN_THREADS / 32][2];
+    const int tid = threadIdx.x, lane = tid % 32, wid = tid / 32;
+    const int64_t P = T * Ktop;
+    for (int e = tid; e < E; e += blockDim.x) cnt[e] = fill[e] = 0;
+    __syncthreads();
+    for (int64_t p = tid; p < P; p += blockDim.x) {
+        const int64_t e = load_i(ids.dt, ids.base, (p / Ktop) * ids.strides[0] + p % Ktop);
+        const bool ok = e >= 0 && e < E && ((res.w[e >> 5] >> (e & 31)) & 1u);
+        pair_ok[p] = ok;
+        if (ok) atomicAdd(&cnt[e], 1);
+    }
+    __syncthreads();
+    // exclusive scans of the pair counts and of the items per expert (thread e holds expert e)
+    int v = tid < E ? cnt[tid] : 0, it = (v + BN - 1) / BN;
+    int sv = v, si = it;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+        int a = __shfl_up_sync(0xffffffffu, sv, d), b = __shfl_up_sync(0xffffffffu, si, d);
+        if (lane >= d) { sv += a; si += b; }
+    }
+    if (lane == 31) { wsum[wid][0] = sv; wsum[wid][1] = si; }
+    __syncthreads();
+    if (wid == 0) {
+        const int nw = blockDim.x / 32;
+        int a = lane < nw ? wsum[lane][0] : 0, b = lane < nw ? wsum[lane][1] : 0;
+#pragma unroll
+        for (int d = 1; d < 32; d *= 2) {
+            int x = __shfl_up_sync(0xffffffffu, a, d), y = __shfl_up_sync(0xffffffffu, b, d);
+            if (lane >= d) { a += x; b += y; }
+        }
+        if (lane < nw) { wsum[lane][0] = a; wsum[lane][1] = b; }
+    }
+    __syncthreads();
+    const int base_v = wid ? wsum[wid - 1][0] : 0, base_i = wid ? wsum[wid - 1][1] : 0;
+    if (tid < E) {
+        off[tid] = base_v + sv - v;
+        ioff[tid] = base_i + si - it;
+        for (int i = 0; i < it; ++i) {
+            const int j = ioff[tid] + i;
+            if (j < max_items) items[j] = make_int4(tid, off[tid] + i * BN, min(BN, v - i * BN), 0);
+        }
+    }
+    if (tid == blockDim.x - 1) *n_items = min(wsum[blockDim.x / 32 - 1][1], max_items);
+    __syncthreads();
+    for (int64_t p = tid; p < P; p += blockDim.x) {
+        if (!pair_ok[p]) continue;
+        const int e = (int)load_i(ids.dt, ids.base, (p / Ktop) * ids.strides[0] + p % Ktop);
+        sorted[off[e] + atomicAdd(&fill[e], 1)] = (int)p;
+    }
+}
+
+// ---------------------------------------------------------------------------------------- combine
+// out[t] (+)= sum_k w[t, k] * y[t*K + k] over the pairs that ran, in k order. ok: per pair
+// (per_pair) or per expert.
+__global__ void k_moe_combine(const float* y, DTensor ids, DTensor tw, const uint8_t* ok, int per_pair, int64_t E,
+                              int64_t T, int64_t Ktop, int64_t H, DTensor out, int accumulate) {
+    int64_t n = T * H;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        int64_t t = i / H, c = i % H;
+        float acc = 0.f;
+        for (int64_t k = 0; k < Ktop; ++k) {
+            if (per_pair) {
+                if (!ok[t * Ktop + k]) continue;
+            } else {
+                int64_t e = load_i(ids.dt, ids.base, t * ids.strides[0] + k);
+                if (e < 0 || e >= E || !ok[e]) continue;
+            }
+            acc += load_f(tw.dt, tw.base, t * tw.strides[0] + k) * y[(t * Ktop + k) * H + c];
+        }
+        int64_t o = t * out.strides[0] + c;
+        if (accumulate) acc += load_f(out.dt, out.base, o);
+        store_f(out.dt, out.base, o, acc);
+    }
+}
+
+// ---------------------------------------------------------------------------------------- host side
+static bool same_layout(const DI_Tensor& a, const DI_Tensor& b) {
+    if (a.ndim != b.ndim || a.dtype.code != b.dtype.code || a.dtype.bits != b.dtype.bits) return false;
+    for (int d = 0; d < a.ndim; ++d)
+        if (a.shape[d] != b.shape[d] || a.strides[d] != b.strides[d]) return false;
+    if (!a.quant != !b.quant) return false;
+    if (a.quant) {
+        const DI_Quant &p = *a.quant, &q = *b.quant;
+        if (p.block_rows != q.block_rows || p.block_cols != q.block_cols) return false;
+        if (!same_layout(p.scales, q.scales)) return false;
+        if (!p.zeros.data != !q.zeros.data) return false;
+        if (p.zeros.data && !same_layout(p.zeros, q.zeros)) return false;
+    }
+    return true;
+}
+
+namespace {
+
+// Validated view of one call.
+struct Call {
+    QTensor x, ids, tw, out;
+    int64_t T, H, Ktop, E, I;
+    std::vector<uint8_t> resident;
+    int64_t n_resident = 0, first = -1;
+};
+
+// The tensor-core format of a weight family [N, K] (every expert shares w's layout), or -1.
+int mma_format(const QTensor& w) {
+    const int64_t N = w.q.shape[0], K = w.q.shape[1];
+    int f = -1;
+    if (w.mode == 0 && w.q.dt == DT_BF16) f = MW_BF16;
+    else if (w.mode == 1 && w.q.dt == DT_E4M3 && w.br == 128 && w.bc == 128) f = MW_FP8;
+    else if (w.mode == 1 && w.q.dt == DT_I8 && w.br == 1 && w.bc == K) f = MW_I8;
+    else if (w.mode == 1 && w.q.dt == DT_I4 && w.br == 1 && w.bc % 128 == 0) f = MW_I4;
+    else if (w.mode == 1 && w.q.dt == DT_I4 && w.br == 1 && w.bc % 32 == 0) f = MW_I4PRE;
+    else if (w.mode == 2 && w.q.dt == DT_U4 && w.br == 1 && w.bc % 32 == 0 && w.z.dt != DT_E4M3) f = MW_U4;
+    if (f < 0) return -1;
+    const int epl = f == MW_BF16 ? 8 : (f == MW_FP8 || f == MW_I8) ? 16 : 32;  // elements per 16 bytes
+    if (N <= 0 || K <= 0 || N % 16 != 0 || K % (4 * epl) != 0) return -1;
+    return f;
+}
+
+int64_t row_bytes(const QTensor& w) {
+    const int dt = w.q.dt;
+    if (dt_is_packed(dt)) return w.q.strides[0] / 2;
+    return w.q.strides[0] * (dt == DT_BF16 || dt == DT_F16 ? 2 : dt == DT_F32 ? 4 : 1);
+}
+
+MoeMat mat_of(const QTensor& w) {
+    MoeMat m{};
+    m.N = w.q.shape[0];
+    m.K = w.q.shape[1];
+    m.ld = row_bytes(w);
+    m.s_dt = w.s.dt;
+    m.z_dt = w.z.dt;
+    if (w.mode) { m.s_rs = w.s.strides[0]; m.s_cs = w.s.strides[1]; }
+    if (w.mode == 2) { m.z_rs = w.z.strides[0]; m.z_cs = w.z.strides[1]; }
+    m.br = (int32_t)w.br;
+    m.bc = (int32_t)w.bc;
+    return m;
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+typedef void (*GateUpFn)(MoeShape, int, const MoeMat&, const MoePtrs&, const MoeMat&, const MoePtrs&, MoePlan,
+                         const char*, int64_t, int, uint16_t*, cudaStream_t);
+typedef void (*DownFn)(MoeShape, int, const MoeMat&, const MoePtrs&, MoePlan, const uint16_t*, float*, cudaStream_t);
+
+#if DI_HAVE_MOE_MMA
+const GateUpFn kGateUp[MW_COUNT] = {launch_moe_gate_up_bf16, launch_moe_gate_up_fp8, launch_moe_gate_up_i8,
+                                    launch_moe_gate_up_i4, launch_moe_gate_up_i4pre, launch_moe_gate_up_u4};
+const DownFn kDown[MW_COUNT] = {launch_moe_down_bf16, launch_moe_down_fp8, launch_moe_down_i8,
+                                launch_moe_down_i4, launch_moe_down_i4pre, launch_moe_down_u4};
+#endif
+
+// The plan of the tensor-core path, or fast = false with the reason (for debugging; the fallback
+// is always correct).
+struct MmaPlan {
+    bool fast = false;
+    int fg = -1, fd = -1;
+    MoeShape shape = MOE_DECODE;
+    int bn = 8, max_items = 0;
+};
+
+MmaPlan plan_mma(DI_Context* ctx, const DI_MoEExpertsArgs* a, const Call& c, const OpMode* em) {
+    MmaPlan pl;
+#if DI_HAVE_MOE_MMA
+    if (c.E > MOE_MAX_E || c.n_resident == 0 || c.x.mode != 0 || c.x.q.dt != DT_BF16) return pl;
+    if (!aligned16(c.x.q.base) && em->launch) return pl;
+    if ((c.x.q.strides[0] * 2) % 16 != 0) return pl;
+    const int64_t e0 = c.first;
+    for (int64_t e = 0; e < c.E; ++e) {
+        if (!c.resident[(size_t)e]) continue;
+        if (!same_layout(a->w_gate[e], a->w_gate[e0]) || !same_layout(a->w_up[e], a->w_gate[e0]) ||
+            !same_layout(a->w_down[e], a->w_down[e0]))
+            return pl;
+        if (em->launch && (!aligned16(a->w_gate[e].data) || !aligned16(a->w_up[e].data) ||
+                           !aligned16(a->w_down[e].data) || a->w_gate[e].byte_offset % 16 ||
+                           a->w_up[e].byte_offset % 16 || a->w_down[e].byte_offset % 16))
+            return pl;
+    }
+    QTensor g, d;
+    if (take_tensor(ctx, em, "moe_experts", "w_gate", a->w_gate[e0], 2, T_ALLOW_Q, &g) != DI_OK) return pl;
+    if (take_tensor(ctx, em, "moe_experts", "w_down", a->w_down[e0], 2, T_ALLOW_Q, &d) != DI_OK) return pl;
+    pl.fg = mma_format(g);
+    pl.fd = mma_format(d);
+    if (pl.fg < 0 || pl.fd < 0 || row_bytes(g) % 16 || row_bytes(d) % 16) return pl;
+    const int64_t P = c.T * c.Ktop;
+    const int64_t active = P < c.n_resident ? P : c.n_resident;
+    // prefill shape once an expert gets 16 tokens on average
+    pl.shape = active > 0 && P >= 16 * active ? MOE_PREFILL : MOE_DECODE;
+    pl.bn = moe_tokens_per_item(pl.shape);
+    const int64_t mi = active + P / pl.bn;
+    if (mi > 65535) return pl;
+    pl.max_items = (int)mi;
+    pl.fast = true;
+#endif
+    return pl;
+}
+
+uint64_t mma_workspace(const Call& c, const MmaPlan& pl) {
+    const uint64_t P = (uint64_t)(c.T * c.Ktop);
+    return align256(P * c.I * 2) + align256(P * c.H * 4) + align256(P * 4) + align256((uint64_t)pl.max_items * 16) +
+           align256(P) + 256;
+}
+
+uint64_t simt_workspace(const Call& c) {
+    const uint64_t P = (uint64_t)(c.T * c.Ktop);
+    return align256(P * (uint64_t)c.I * 4) + align256(P * (uint64_t)c.H * 4) + align256((uint64_t)c.E);
+}
+
+DI_Status fill_ptrs(DI_Context* ctx, const DI_Tensor* w, const Call& c, const OpMode* em, MoePtrs* p) {
+    memset(p, 0, sizeof(*p));
+    for (int64_t e = 0; e < c.E; ++e) {
+        if (!c.resident[(size_t)e]) continue;
+        QTensor t;
+        DI_TRY(take_tensor(ctx, em, "moe_experts", "w", w[e], 2, T_ALLOW_Q, &t));
+        p->q[e] = t.q.base;
+        p->s[e] = t.s.base;
+        p->z[e] = t.z.base;
+    }
+    return DI_OK;
+}
+
+DI_Status run_mma(DI_Context* ctx, const DI_MoEExpertsArgs* a, const Call& c, const MmaPlan& pl, const OpMode* em,
+                  char* ws, cudaStream_t s) {
+#if DI_HAVE_MOE_MMA
+    const char* op = "moe_experts";
+    const int64_t P = c.T * c.Ktop;
+    uint16_t* h = reinterpret_cast<uint16_t*>(ws);
+    ws += align256((uint64_t)P * c.I * 2);
+    float* y = reinterpret_cast<float*>(ws);
+    ws += align256((uint64_t)P * c.H * 4);
+    int* sorted = reinterpret_cast<int*>(ws);
+    ws += align256((uint64_t)P * 4);
+    int4* items = reinterpret_cast<int4*>(ws);
+    ws += align256((uint64_t)pl.max_items * 16);
+    uint8_t* pair_ok = reinterpret_cast<uint8_t*>(ws);
+    ws += align256((uint64_t)P);
+    int* n_items = reinterpret_cast<int*>(ws);
+
+    ResidentMask res{};
+    for (int64_t e = 0; e < c.E; ++e)
+        if (c.resident[(size_t)e]) res.w[e >> 5] |= 1u << (e & 31);
+    k_moe_align<<<1, ALIGN_THREADS, 0, s>>>(c.ids.q, c.T, (int)c.Ktop, (int)c.E, res, pl.bn, pl.max_items, sorted,
+                                            items, n_items, pair_ok);
+    DI_TRY(launch_status(ctx, op));
+    // the pointer tables travel by value in the launches (static: 18 KB is too much for the stack
+    // of a host thread that calls in from a small-stack runtime; one op at a time per thread)
+    static thread_local MoePtrs pg, pu, pd;
+    DI_TRY(fill_ptrs(ctx, a->w_gate, c, em, &pg));
+    DI_TRY(fill_ptrs(ctx, a->w_up, c, em, &pu));
+    DI_TRY(fill_ptrs(ctx, a->w_down, c, em, &pd));
+    QTensor g, u, d;
+    DI_TRY(take_tensor(ctx, em, op, "w_gate", a->w_gate[c.first], 2, T_ALLOW_Q, &g));
+    DI_TRY(take_tensor(ctx, em, op, "w_up", a->w_up[c.first], 2, T_ALLOW_Q, &u));
+    DI_TRY(take_tensor(ctx, em, op, "w_down", a->w_down[c.first], 2, T_ALLOW_Q, &d));
+    const MoePlan plan{sorted, items, n_items};
+    kGateUp[pl.fg](pl.shape, pl.max_items, mat_of(g), pg, mat_of(u), pu, plan, c.x.q.base, c.x.q.strides[0] * 2,
+                   (int)c.Ktop, h, s);
+    DI_TRY(launch_status(ctx, op));
+    kDown[pl.fd](pl.shape, pl.max_items, mat_of(d), pd, plan, h, y, s);
+    DI_TRY(launch_status(ctx, op));
+    k_moe_combine<<<grid_for(c.T * c.H, 256), 256, 0, s>>>(y, c.ids.q, c.tw.q, pair_ok, 1, c.E, c.T, c.Ktop, c.H,
+                                                          c.out.q, a->accumulate ? 1 : 0);
+    return launch_status(ctx, op);
+#else
+    return set_error(ctx, DI_INTERNAL, "moe_experts: tensor-core path not built");
+#endif
+}
+
+DI_Status run_simt(DI_Context* ctx, const DI_MoEExpertsArgs* a, const Call& c, const OpMode* em, char* wsb,
+                   cudaStream_t s) {
+    const char* op = "moe_experts";
+    const int64_t T = c.T, H = c.H, Ktop = c.Ktop, E = c.E, I = c.I, P = T * Ktop;
+    float* h = reinterpret_cast<float*>(wsb);
+    float* y = reinterpret_cast<float*>(wsb + align256((uint64_t)P * I * 4));
+    uint8_t* res_dev = reinterpret_cast<uint8_t*>(wsb + align256((uint64_t)P * I * 4) + align256((uint64_t)P * H * 4));
+    DI_Status st = DI_OK;
+    if (E > 0) {
+        // resident flags travel through a stream-ordered set of tiny memsets (capturable, no host buffer)
+        st = cuda_status(ctx, cudaMemsetAsync(res_dev, 0, (size_t)E, s), "moe_experts: cudaMemsetAsync");
+        for (int64_t e = 0; e < E && st == DI_OK; ) {
+            if (!c.resident[(size_t)e]) { ++e; continue; }
+            int64_t e1 = e;
+            while (e1 < E && c.resident[(size_t)e1]) ++e1;
+            st = cuda_status(ctx, cudaMemsetAsync(res_dev + e, 1, (size_t)(e1 - e), s), "moe_experts: cudaMemsetAsync");
+            e = e1;
+        }
+    }
+    const size_t list_bytes = MOE_WINDOW * sizeof(int);
+    if (st == DI_OK && P > 0 && I > 0 && H > 0) {
+        cudaFuncSetAttribute(k_moe_up, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)list_bytes);
+        cudaFuncSetAttribute(k_moe_down, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)list_bytes);
+        // Groups of up to MOE_CHUNK consecutive experts that share one layout go in one launch.
+        for (int phase = 0; phase < 2 && st == DI_OK; ++phase) {
+            int64_t e = 0;
+            while (e < E && st == DI_OK) {
+                if (!c.resident[(size_t)e]) { ++e; continue; }
+                const int64_t e0 = e;
+                ExpertPtrs p1{}, p2{};
+                QTensor t1, t2;
+                const DI_Tensor* w1 = phase == 0 ? &a->w_gate[e0] : &a->w_down[e0];
+                DI_TRY(take_tensor(ctx, em, op, "w", *w1, 2, T_ALLOW_Q, &t1));
+                if (phase == 0) DI_TRY(take_tensor(ctx, em, op, "w_up", a->w_up[e0], 2, T_ALLOW_Q, &t2));
+                int64_t cnt = 0;
+                while (e < E && cnt < MOE_CHUNK) {
+                    if (c.resident[(size_t)e]) {
+                        const DI_Tensor* we = phase == 0 ? &a->w_gate[e] : &a->w_down[e];
+                        if (!same_layout(*we, *w1)) break;
+                        if (phase == 0 && !same_layout(a->w_up[e], a->w_up[e0])) break;
+                        QTensor te;
+                        DI_TRY(take_tensor(ctx, em, op, "w", *we, 2, T_ALLOW_Q, &te));
+                        p1.q[cnt] = te.q.base; p1.s[cnt] = te.s.base; p1.z[cnt] = te.z.base;
+                        if (phase == 0) {
+                            DI_TRY(take_tensor(ctx, em, op, "w_up", a->w_up[e], 2, T_ALLOW_Q, &te));
+                            p2.q[cnt] = te.q.base; p2.s[cnt] = te.s.base; p2.z[cnt] = te.z.base;
+                        }
+                    }
+                    ++cnt;
+                    ++e;
+                }
+                if (phase == 0) {
+                    dim3 grid((unsigned)cnt, (unsigned)ceil_div(I, TB));
+                    k_moe_up<<<grid, 256, list_bytes, s>>>(c.x, c.ids.q, t1, p1, t2, p2, (int)e0, P, Ktop, I, H, h);
+                } else {
+                    dim3 grid((unsigned)cnt, (unsigned)ceil_div(H, TB));
+                    k_moe_down<<<grid, 256, list_bytes, s>>>(h, c.ids.q, t1, p1, (int)e0, P, Ktop, I, H, y);
+                }
+                st = launch_status(ctx, op);
+            }
+        }
+    }
+    if (st == DI_OK && (P == 0 || I == 0))  // nothing routed anywhere: y is all zero
+        st = cuda_status(ctx, cudaMemsetAsync(y, 0, (size_t)P * H * 4, s), "moe_experts: cudaMemsetAsync");
+    if (st == DI_OK && T * H > 0) {
+        k_moe_combine<<<grid_for(T * H, 256), 256, 0, s>>>(y, c.ids.q, c.tw.q, res_dev, 0, E, T, Ktop, H, c.out.q,
+                                                           a->accumulate ? 1 : 0);
+        st = launch_status(ctx, op);
+    }
+    return st;
+}
+
+}  // namespace
+
+DI_Status op_moe_experts(DI_Context* ctx, const DI_MoEExpertsArgs* a, OpMode* mode) {
+    const char* op = "moe_experts";
+    DI_TRY(check_header(ctx, op, a, sizeof(*a), "DI_MoEExpertsArgs"));
+    Call c;
+    DI_TRY(take_tensor(ctx, mode, op, "x", a->x, 2, T_ALLOW_Q, &c.x));
+    DI_TRY(take_tensor(ctx, mode, op, "topk_ids", a->topk_ids, 2, 0, &c.ids));
+    DI_TRY(take_tensor(ctx, mode, op, "topk_weights", a->topk_weights, 2, 0, &c.tw));
+    DI_TRY(take_tensor(ctx, mode, op, "out", a->out, 2, 0, &c.out));
+    if (c.x.mode == 0) DI_NEED_DT(ctx, op, "x", c.x.q.dt, DT_F32, DT_BF16, DT_F16);
+    else DI_NEED_DT(ctx, op, "x (activation-quantized)", c.x.q.dt, DT_I8, DT_E4M3);
+    DI_NEED_DT(ctx, op, "topk_ids", c.ids.q.dt, DT_I32, DT_I64);
+    DI_NEED_DT(ctx, op, "topk_weights", c.tw.q.dt, DT_F32, DT_BF16, DT_F16);
+    DI_NEED_DT(ctx, op, "out", c.out.q.dt, DT_F32, DT_BF16, DT_F16);
+    c.T = c.x.q.shape[0];
+    c.H = c.x.q.shape[1];
+    c.Ktop = c.ids.q.shape[1];
+    c.E = a->num_experts;
+    const int64_t T = c.T, H = c.H, Ktop = c.Ktop, E = c.E;
+    DI_TRY(need_shape(ctx, op, "topk_ids", c.ids.q, 0, T, "x.shape[0]"));
+    DI_TRY(same_shape(ctx, op, "topk_ids", c.ids.q, "topk_weights", c.tw.q));
+    DI_TRY(same_shape(ctx, op, "x", c.x.q, "out", c.out.q));
+    if (E < 0) return set_error(ctx, DI_INVALID_ARGUMENT, "%s: num_experts=%lld is negative", op, (long long)E);
+    if (E > 0 && (!a->w_gate || !a->w_up || !a->w_down))
+        return set_error(ctx, DI_INVALID_ARGUMENT, "%s: w_gate, w_up and w_down must point to num_experts descriptors", op);
+    // Validate every resident expert (in query mode: every one that has a shape).
+    OpMode em = *mode;  // expert weights: hundreds of descriptors, no per-pointer driver lookups
+    em.check_ptrs = false;
+    c.resident.assign((size_t)E, 0);
+    int64_t I = -1;
+    char name[64];
+    for (int64_t e = 0; e < E; ++e) {
+        const DI_Tensor *g = &a->w_gate[e], *u = &a->w_up[e], *d = &a->w_down[e];
+        bool here = mode->launch ? (g->data && u->data && d->data) : (g->ndim == 2 && u->ndim == 2 && d->ndim == 2);
+        if (mode->launch && !here && (g->data || u->data || d->data))
+            return set_error(ctx, DI_INVALID_ARGUMENT, "%s: expert %lld is partly resident (some of gate/up/down NULL)",
+                             op, (long long)e);
+        if (!here) continue;
+        QTensor tg, tu, td;
+        snprintf(name, sizeof(name), "w_gate[%lld]", (long long)e);
+        DI_TRY(take_tensor(ctx, &em, op, name, *g, 2, T_ALLOW_Q, &tg));
+        DI_TRY(check_weight(ctx, op, name, tg));
+        snprintf(name, sizeof(name), "w_up[%lld]", (long long)e);
+        DI_TRY(take_tensor(ctx, &em, op, name, *u, 2, T_ALLOW_Q, &tu));
+        DI_TRY(check_weight(ctx, op, name, tu));
+        snprintf(name, sizeof(name), "w_down[%lld]", (long long)e);
+        DI_TRY(take_tensor(ctx, &em, op, name, *d, 2, T_ALLOW_Q, &td));
+        DI_TRY(check_weight(ctx, op, name, td));
+        if (I < 0) I = tg.q.shape[0];
+        if (tg.q.shape[0] != I || tu.q.shape[0] != I || td.q.shape[1] != I || tg.q.shape[1] != H ||
+            tu.q.shape[1] != H || td.q.shape[0] != H)
+            return set_error(ctx, DI_INVALID_ARGUMENT,
+                             "%s: expert %lld has gate %lldx%lld, up %lldx%lld, down %lldx%lld; expected [I, %lld], "
+                             "[I, %lld], [%lld, I] with one I for all experts",
+                             op, (long long)e, (long long)tg.q.shape[0], (long long)tg.q.shape[1],
+                             (long long)tu.q.shape[0], (long long)tu.q.shape[1], (long long)td.q.shape[0],
+                             (long long)td.q.shape[1], (long long)H, (long long)H, (long long)H);
+        c.resident[(size_t)e] = 1;
+        c.n_resident++;
+        if (c.first < 0) c.first = e;
+    }
+    c.I = I < 0 ? 0 : I;
+    const int64_t P = T * Ktop;
+    const MmaPlan pl = plan_mma(ctx, a, c, &em);
+    clear_error(ctx);  // plan_mma only probes; a refusal there is not an error of the call
+    mode->workspace = pl.fast ? mma_workspace(c, pl) : simt_workspace(c);
+    if (!mode->launch || T == 0) return DI_OK;
+    cudaStream_t s = (cudaStream_t)a->header.stream;
+
+    // A token routed to a non-resident expert is an error the caller must see; checking needs the
+    // ids on the host, so only calls that have non-resident experts pay for that round trip. Calls
+    // with every expert resident never wait for the host (and are capturable).
+    if (c.n_resident < E && P > 0) {
+        cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+        DI_TRY(cuda_status(ctx, cudaStreamIsCapturing(s, &cs), "moe_experts: cudaStreamIsCapturing"));
+        if (cs == cudaStreamCaptureStatusNone) {
+            int bytes = c.ids.q.dt == DT_I64 ? 8 : 4;
+            std::vector<char> host((size_t)(T * Ktop * bytes));
+            DI_TRY(cuda_status(ctx,
+                               cudaMemcpy2DAsync(host.data(), Ktop * bytes, c.ids.q.base, c.ids.q.strides[0] * bytes,
+                                                 Ktop * bytes, T, cudaMemcpyDeviceToHost, s),
+                               "moe_experts: reading topk_ids"));
+            DI_TRY(cuda_status(ctx, cudaStreamSynchronize(s), "moe_experts: reading topk_ids"));
+            for (int64_t p = 0; p < P; ++p) {
+                int64_t e = bytes == 8 ? reinterpret_cast<int64_t*>(host.data())[p]
+                                       : reinterpret_cast<int32_t*>(host.data())[p];
+                if (e >= 0 && e < E && !c.resident[(size_t)e])
+                    return set_error(ctx, DI_FAILED_PRECONDITION, "%s: expert %lld not resident (token %lld, k %lld)",
+                                     op, (long long)e, (long long)(p / Ktop), (long long)(p % Ktop));
+            }
+        }
+        // while capturing the check cannot run; non-resident experts then contribute nothing
+    }
+
+    Workspace ws;
+    DI_TRY(ws.acquire(ctx, a->header, mode->workspace));
+    char* wsb = static_cast<char*>(ws.ptr);
+    DI_Status st = pl.fast ? run_mma(ctx, a, c, pl, &em, wsb, s) : run_simt(ctx, a, c, &em, wsb, s);
+    ws.release();
+    return st;
+}
