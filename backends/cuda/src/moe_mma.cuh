@@ -28,18 +28,23 @@
 namespace di {
 namespace moe {
 
+// EPL: weight elements a lane holds per k-step (a k-step is 4 * EPL columns); BITS: per element;
+// PERM: 4-bit pairs are (e, e + 4), the activations are permuted to match.
 template <int F> struct Fmt;
-template <> struct Fmt<MW_BF16>  { static constexpr int EPL = 8;  static constexpr bool PERM = false; };
-template <> struct Fmt<MW_FP8>   { static constexpr int EPL = 16; static constexpr bool PERM = false; };
-template <> struct Fmt<MW_I8>    { static constexpr int EPL = 16; static constexpr bool PERM = false; };
-template <> struct Fmt<MW_I4>    { static constexpr int EPL = 32; static constexpr bool PERM = true; };
-template <> struct Fmt<MW_I4PRE> { static constexpr int EPL = 32; static constexpr bool PERM = true; };
-template <> struct Fmt<MW_U4>    { static constexpr int EPL = 32; static constexpr bool PERM = true; };
+template <> struct Fmt<MW_BF16>  { static constexpr int EPL = 8,  BITS = 16; static constexpr bool PERM = false; };
+template <> struct Fmt<MW_FP8>   { static constexpr int EPL = 16, BITS = 8;  static constexpr bool PERM = false; };
+template <> struct Fmt<MW_I8>    { static constexpr int EPL = 16, BITS = 8;  static constexpr bool PERM = false; };
+template <> struct Fmt<MW_I4>    { static constexpr int EPL = 32, BITS = 4;  static constexpr bool PERM = true; };
+template <> struct Fmt<MW_I4G64> { static constexpr int EPL = 16, BITS = 4;  static constexpr bool PERM = true; };
+template <> struct Fmt<MW_I4G32> { static constexpr int EPL = 8,  BITS = 4;  static constexpr bool PERM = true; };
+template <> struct Fmt<MW_U4>    { static constexpr int EPL = 32, BITS = 4;  static constexpr bool PERM = true; };
 
-// scale handling: 0 none, 1 per k-step after the mma, 2 per row at the end, 3 before the mma
+// scale handling: 0 none, 1 per k-step after the mma (exact, f32), 2 per row at the end, 3 before
+// the mma (uint4: (u - z) * s in f32, rounded once to bf16)
 template <int F> __host__ __device__ constexpr int scale_mode() {
-    return F == MW_BF16 ? 0 : (F == MW_FP8 || F == MW_I4) ? 1 : F == MW_I8 ? 2 : 3;
+    return F == MW_BF16 ? 0 : (F == MW_FP8 || F == MW_I4 || F == MW_I4G64 || F == MW_I4G32) ? 1 : F == MW_I8 ? 2 : 3;
 }
+template <int F> __host__ __device__ constexpr bool is_i4() { return F == MW_I4 || F == MW_I4G64 || F == MW_I4G32; }
 
 __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
@@ -89,9 +94,9 @@ __device__ __forceinline__ float magic_u8(uint32_t w, uint32_t i) {  // 2^23 + b
 
 // Sub-chunk j (8 elements) of one lane's 16 weight bytes as 4 bf16x2 operands. For the 4-bit
 // formats the pairs are (e, e + 4) of each 8-element word; the activations are permuted to match.
-// sc: the pre-mma scale (mode 3) as bf16x2 (MW_I4PRE) or f32 (MW_U4); zs: - zero * scale (MW_U4).
+// sc: the pre-mma scale (MW_U4); zs: - zero * scale (MW_U4).
 template <int F>
-__device__ __forceinline__ void decode(const uint4& v, int j, uint32_t (&p)[4], uint32_t sc2, float sc, float zs) {
+__device__ __forceinline__ void decode(const uint4& v, int j, uint32_t (&p)[4], float sc, float zs) {
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
     if constexpr (F == MW_BF16) {
         p[0] = w[0]; p[1] = w[1]; p[2] = w[2]; p[3] = w[3];
@@ -109,14 +114,12 @@ __device__ __forceinline__ void decode(const uint4& v, int j, uint32_t (&p)[4], 
             p[2 * h] = pack_bf2(magic_u8(u, 0) - off, magic_u8(u, 1) - off);
             p[2 * h + 1] = pack_bf2(magic_u8(u, 2) - off, magic_u8(u, 3) - off);
         }
-    } else if constexpr (F == MW_I4 || F == MW_I4PRE) {
+    } else if constexpr (is_i4<F>()) {
         const uint32_t u = w[j] ^ 0x88888888u;  // two's complement nibble -> q + 8
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             uint32_t b = ((u >> (4 * i)) & 0x000F000Fu) | 0x43004300u;   // 128 + q + 8, exact
-            b = bf2_fma(b, BF2_ONE, 0xC308C308u);                        // - 136 -> q, exact
-            if constexpr (F == MW_I4PRE) b = bf2_fma(b, sc2, BF2_NEG_ZERO);
-            p[i] = b;
+            p[i] = bf2_fma(b, BF2_ONE, 0xC308C308u);                     // - 136 -> q, exact
         }
     } else {  // MW_U4: (u - z) * s in f32, one rounding to bf16
         const uint32_t u = w[j];
@@ -144,20 +147,33 @@ __device__ __forceinline__ void act_pairs(const uint4& v, uint32_t (&b)[4]) {
 
 // One 16-row source of A: an expert matrix at rows r0 .. r0 + 15.
 struct ASrc {
-    const char* q;    // row g of the tile, this lane's first byte of the k-step 0
-    const char* s;    // scale base
-    const char* z;    // zero base
-    int64_t     r;    // row g (absolute)
+    const char* q;       // row g of the tile, this lane's first byte of the k-step 0
+    const char* s;       // scale base
+    const char* z;       // zero base
+    int64_t     r;       // row g (absolute)
+    int64_t     srow[2]; // element offsets of rows g and g + 8 in the scales
+    int64_t     zrow[2]; // and in the zeros
     bool        ok;
 };
 
-template <int F>
-__device__ __forceinline__ float scale_at(const MoeMat& m, const char* s, int64_t r, int64_t k) {
-    return load_f(m.s_dt, s, (r / m.br) * m.s_rs + (k / m.bc) * m.s_cs);
+// Row offsets are computed once per kernel: the k loop only shifts (or divides, for a group size
+// that is not a power of two) the column, in 32 bits.
+__device__ __forceinline__ void src_rows(ASrc& a, const MoeMat& m) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        a.srow[h] = ((a.r + 8 * h) / m.br) * m.s_rs;
+        a.zrow[h] = ((a.r + 8 * h) / m.br) * m.z_rs;
+    }
 }
-template <int F>
-__device__ __forceinline__ float zero_at(const MoeMat& m, const char* z, int64_t r, int64_t k) {
-    return load_f(m.z_dt, z, (r / m.br) * m.z_rs + (k / m.bc) * m.z_cs);
+__device__ __forceinline__ uint32_t col_group(const MoeMat& m, uint32_t k) {
+    return m.bc_shift >= 0 ? k >> m.bc_shift : k / (uint32_t)m.bc;
+}
+// scales and zeros: the common dtypes without load_f's general switch
+__device__ __forceinline__ float load_sz(int dt, const char* base, int64_t i) {
+    if (dt == DT_F32) return __ldg(reinterpret_cast<const float*>(base) + i);
+    if (dt == DT_BF16) return __uint_as_float((uint32_t)__ldg(reinterpret_cast<const unsigned short*>(base) + i) << 16);
+    if (dt == DT_F16) return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(base) + i)));
+    return load_f(dt, base, i);
 }
 
 // acc[src][n] += A_src (16 rows, k-step st) x B (tokens of n-tile n). B rows: brow[n] (NULL: zero).
@@ -166,19 +182,18 @@ __device__ __forceinline__ void kstep(const MoeMat (&m)[2], const ASrc (&a)[2], 
                                       const char* const (&brow)[NT], int64_t kl, int64_t kq,
                                       float (&acc)[2][NT][4]) {
     constexpr int EPL = Fmt<F>::EPL, SUBS = EPL / 8, SM = scale_mode<F>();
-    uint32_t sc2[2][2] = {};
     float sc[2][2] = {}, zs[2][2] = {}, post[2][2] = {};
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             if constexpr (SM == 1 || SM == 3) {
-                float s = a[i].ok ? scale_at<F>(m[i], a[i].s, a[i].r + 8 * h, kl) : 0.f;
+                const int64_t gc = col_group(m[i], (uint32_t)kl);
+                float s = a[i].ok ? load_sz(m[i].s_dt, a[i].s, a[i].srow[h] + gc * m[i].s_cs) : 0.f;
                 if constexpr (SM == 1) post[i][h] = s;
-                else if constexpr (F == MW_I4PRE) sc2[i][h] = pack_bf2(s, s);
                 else {
                     sc[i][h] = s;
-                    zs[i][h] = a[i].ok ? -zero_at<F>(m[i], a[i].z, a[i].r + 8 * h, kl) * s : 0.f;
+                    zs[i][h] = a[i].ok ? -load_sz(m[i].z_dt, a[i].z, a[i].zrow[h] + gc * m[i].z_cs) * s : 0.f;
                 }
             }
         }
@@ -189,7 +204,7 @@ __device__ __forceinline__ void kstep(const MoeMat (&m)[2], const ASrc (&a)[2], 
 #pragma unroll
             for (int i = 0; i < 2; ++i)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) decode<F>(raw[i][h], j, p[i][h], sc2[i][h], sc[i][h], zs[i][h]);
+                for (int h = 0; h < 2; ++h) decode<F>(raw[i][h], j, p[i][h], sc[i][h], zs[i][h]);
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
                 uint4 xv = brow[n] ? ld_act(brow[n] + (kq + 8 * j) * 2) : make_uint4(0, 0, 0, 0);
@@ -226,36 +241,54 @@ __device__ __forceinline__ void kstep(const MoeMat (&m)[2], const ASrc (&a)[2], 
     }
 }
 
-// The k loop of one warp over its steps st = st0, st0 + stride, ...; A prefetched one step ahead.
-template <int F, int NT>
+// The k loop of one warp over its steps st = st0, st0 + stride, ...: D k-steps of A in flight (a
+// static ring, so the buffers stay in registers).
+template <int F>
+__device__ __forceinline__ uint4 ld_weights(const char* p) {
+    constexpr int BYTES = Fmt<F>::EPL * Fmt<F>::BITS / 8;  // 16, or 8 / 4 for the narrow int4 steps
+    if constexpr (BYTES == 16) {
+        return ld_stream(p);
+    } else if constexpr (BYTES == 8) {
+        uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+        return make_uint4(v.x, v.y, 0, 0);
+    } else {
+        return make_uint4(__ldg(reinterpret_cast<const uint32_t*>(p)), 0, 0, 0);
+    }
+}
+
+template <int F, int NT, int D>
 __device__ __forceinline__ void kloop(const MoeMat (&m)[2], const ASrc (&a)[2], const char* const (&brow)[NT],
                                       int c, int st0, int stride, float (&acc)[2][NT][4]) {
-    constexpr int EPL = Fmt<F>::EPL, QS = 4 * EPL;
+    constexpr int EPL = Fmt<F>::EPL, QS = 4 * EPL, BITS = Fmt<F>::BITS;
     const int nsteps = (int)(m[0].K / QS);
     auto load = [&](int st, uint4 (&raw)[2][2]) {
-        const int64_t kb = (int64_t)st * 64 + c * 16;  // every format: 64 bytes of a row per k-step
+        const int64_t kb = ((int64_t)st * QS + (int64_t)c * EPL) * BITS / 8;
 #pragma unroll
         for (int i = 0; i < 2; ++i)
 #pragma unroll
             for (int h = 0; h < 2; ++h)
-                raw[i][h] = a[i].ok ? ld_stream(a[i].q + 8 * h * m[i].ld + kb) : make_uint4(0, 0, 0, 0);
+                raw[i][h] = a[i].ok ? ld_weights<F>(a[i].q + 8 * h * m[i].ld + kb) : make_uint4(0, 0, 0, 0);
     };
-    uint4 cur[2][2], nxt[2][2];
-    if (st0 < nsteps) load(st0, cur);
-    for (int st = st0; st < nsteps; st += stride) {
-        if (st + stride < nsteps) load(st + stride, nxt);
-        const int64_t kl = (int64_t)st * QS + (int64_t)c * EPL;  // this lane's first k
-        kstep<F, NT>(m, a, cur, brow, kl, kl, acc);
+    uint4 buf[D][2][2];
 #pragma unroll
-        for (int i = 0; i < 2; ++i)
+    for (int d = 0; d < D; ++d)
+        if (st0 + d * stride < nsteps) load(st0 + d * stride, buf[d]);
+    for (int st = st0; st < nsteps; st += D * stride) {
 #pragma unroll
-            for (int h = 0; h < 2; ++h) cur[i][h] = nxt[i][h];
+        for (int d = 0; d < D; ++d) {
+            const int sd = st + d * stride;
+            if (sd < nsteps) {
+                const int64_t kl = (int64_t)sd * QS + (int64_t)c * EPL;  // this lane's first k
+                kstep<F, NT>(m, a, buf[d], brow, kl, kl, acc);
+                if (sd + D * stride < nsteps) load(sd + D * stride, buf[d]);
+            }
+        }
     }
     if constexpr (scale_mode<F>() == 2) {  // int8 per output channel
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            float s0 = a[i].ok ? scale_at<F>(m[i], a[i].s, a[i].r, 0) : 0.f;
-            float s1 = a[i].ok ? scale_at<F>(m[i], a[i].s, a[i].r + 8, 0) : 0.f;
+            float s0 = a[i].ok ? load_sz(m[i].s_dt, a[i].s, a[i].srow[0]) : 0.f;
+            float s1 = a[i].ok ? load_sz(m[i].s_dt, a[i].s, a[i].srow[1]) : 0.f;
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
                 acc[i][n][0] *= s0; acc[i][n][1] *= s0;
@@ -311,6 +344,7 @@ __global__ __launch_bounds__(128) void k_gate_up(const MoeMat mg, const __grid_c
         a[i].z = i == 0 ? pg.z[item.x] : pu.z[item.x];
         a[i].r = r0 + g;
         a[i].ok = ok;
+        src_rows(a[i], m[i]);
     }
     const char* brow[NT];
 #pragma unroll
@@ -319,7 +353,7 @@ __global__ __launch_bounds__(128) void k_gate_up(const MoeMat mg, const __grid_c
         brow[n] = j < item.z ? x + (int64_t)(plan.sorted[item.y + j] / Ktop) * x_rs : nullptr;
     }
     float acc[2][NT][4] = {};
-    kloop<F, NT>(m, a, brow, c, KS > 1 ? w : 0, KS, acc);
+    kloop<F, NT, NT == 1 ? 2 : 1>(m, a, brow, c, KS > 1 ? w : 0, KS, acc);
     reduce_warps<NT, KS>(acc, red);
     if ((KS > 1 && w != 0) || !ok) return;
 #pragma unroll
@@ -354,6 +388,7 @@ __global__ __launch_bounds__(128) void k_down(const MoeMat md, const __grid_cons
         a[i].s = pd.s[item.x];
         a[i].z = pd.z[item.x];
         a[i].ok = r0 + 16 * i < H;
+        src_rows(a[i], md);
     }
     const char* brow[NT];
 #pragma unroll
@@ -362,7 +397,7 @@ __global__ __launch_bounds__(128) void k_down(const MoeMat md, const __grid_cons
         brow[n] = j < item.z ? reinterpret_cast<const char*>(h + (int64_t)(item.y + j) * I) : nullptr;
     }
     float acc[2][NT][4] = {};
-    kloop<F, NT>(m, a, brow, c, KS > 1 ? w : 0, KS, acc);
+    kloop<F, NT, NT == 1 ? 2 : 1>(m, a, brow, c, KS > 1 ? w : 0, KS, acc);
     reduce_warps<NT, KS>(acc, red);
     if (KS > 1 && w != 0) return;
 #pragma unroll

@@ -20,9 +20,10 @@ namespace di {
 // so a call is capturable and never waits for the host.
 constexpr int MOE_MAX_E = 384;
 
-// Weight formats of the fast path. MW_I4 applies the group scale after each k-step in f32 (groups
-// of 128 or more), MW_I4PRE before the mma in bf16 (groups of 32 or 64).
-enum MoeWF { MW_BF16, MW_FP8, MW_I8, MW_I4, MW_I4PRE, MW_U4, MW_COUNT };
+// Weight formats of the fast path. int4 comes in three k-step widths so that a k-step never crosses
+// a scale group and the scale is applied exactly, in f32, after the mma: MW_I4 (groups of 128k),
+// MW_I4G64 (64k), MW_I4G32 (32k).
+enum MoeWF { MW_BF16, MW_FP8, MW_I8, MW_I4, MW_I4G64, MW_I4G32, MW_U4, MW_COUNT };
 
 // The layout every expert of one weight family shares (checked on the host).
 struct MoeMat {
@@ -32,6 +33,8 @@ struct MoeMat {
     int64_t z_rs, z_cs;    // zero-point strides
     int32_t s_dt, z_dt;    // scale / zero dtypes (DT_*)
     int32_t br, bc;        // block, resolved
+    int32_t bc_shift;      // log2(bc) when bc is a power of two, else -1 (the group of column k)
+    int32_t pad_;
 };
 
 struct MoePtrs {
@@ -64,7 +67,8 @@ DI_MOE_MMA_DECL(bf16)
 DI_MOE_MMA_DECL(fp8)
 DI_MOE_MMA_DECL(i8)
 DI_MOE_MMA_DECL(i4)
-DI_MOE_MMA_DECL(i4pre)
+DI_MOE_MMA_DECL(i4g64)
+DI_MOE_MMA_DECL(i4g32)
 DI_MOE_MMA_DECL(u4)
 #undef DI_MOE_MMA_DECL
 

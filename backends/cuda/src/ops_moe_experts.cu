@@ -272,11 +272,13 @@ int mma_format(const QTensor& w) {
     else if (w.mode == 1 && w.q.dt == DT_E4M3 && w.br == 128 && w.bc == 128) f = MW_FP8;
     else if (w.mode == 1 && w.q.dt == DT_I8 && w.br == 1 && w.bc == K) f = MW_I8;
     else if (w.mode == 1 && w.q.dt == DT_I4 && w.br == 1 && w.bc % 128 == 0) f = MW_I4;
-    else if (w.mode == 1 && w.q.dt == DT_I4 && w.br == 1 && w.bc % 32 == 0) f = MW_I4PRE;
+    else if (w.mode == 1 && w.q.dt == DT_I4 && w.br == 1 && w.bc % 64 == 0) f = MW_I4G64;
+    else if (w.mode == 1 && w.q.dt == DT_I4 && w.br == 1 && w.bc % 32 == 0) f = MW_I4G32;
     else if (w.mode == 2 && w.q.dt == DT_U4 && w.br == 1 && w.bc % 32 == 0 && w.z.dt != DT_E4M3) f = MW_U4;
     if (f < 0) return -1;
-    const int epl = f == MW_BF16 ? 8 : (f == MW_FP8 || f == MW_I8) ? 16 : 32;  // elements per 16 bytes
-    if (N <= 0 || K <= 0 || N % 16 != 0 || K % (4 * epl) != 0) return -1;
+    // k-step: 4 lanes x 16 bytes of a row, or 4 x 8 / 4 x 4 bytes for the narrow int4 groups
+    const int qs = f == MW_BF16 ? 32 : f == MW_I4G64 ? 64 : f == MW_I4G32 ? 32 : (f == MW_FP8 || f == MW_I8) ? 64 : 128;
+    if (N <= 0 || K <= 0 || N % 16 != 0 || K % qs != 0) return -1;
     return f;
 }
 
@@ -297,6 +299,9 @@ MoeMat mat_of(const QTensor& w) {
     if (w.mode == 2) { m.z_rs = w.z.strides[0]; m.z_cs = w.z.strides[1]; }
     m.br = (int32_t)w.br;
     m.bc = (int32_t)w.bc;
+    m.bc_shift = -1;
+    for (int b = 0; b < 31; ++b)
+        if ((int64_t(1) << b) == w.bc) m.bc_shift = b;
     return m;
 }
 
@@ -308,9 +313,11 @@ typedef void (*DownFn)(MoeShape, int, const MoeMat&, const MoePtrs&, MoePlan, co
 
 #if DI_HAVE_MOE_MMA
 const GateUpFn kGateUp[MW_COUNT] = {launch_moe_gate_up_bf16, launch_moe_gate_up_fp8, launch_moe_gate_up_i8,
-                                    launch_moe_gate_up_i4, launch_moe_gate_up_i4pre, launch_moe_gate_up_u4};
+                                    launch_moe_gate_up_i4, launch_moe_gate_up_i4g64, launch_moe_gate_up_i4g32,
+                                    launch_moe_gate_up_u4};
 const DownFn kDown[MW_COUNT] = {launch_moe_down_bf16, launch_moe_down_fp8, launch_moe_down_i8,
-                                launch_moe_down_i4, launch_moe_down_i4pre, launch_moe_down_u4};
+                                launch_moe_down_i4, launch_moe_down_i4g64, launch_moe_down_i4g32,
+                                launch_moe_down_u4};
 #endif
 
 // The plan of the tensor-core path, or fast = false with the reason (for debugging; the fallback

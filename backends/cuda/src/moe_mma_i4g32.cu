@@ -3,6 +3,6 @@
 
 #if DI_HAVE_MOE_MMA
 namespace di {
-DI_MOE_MMA_DEFINE(i4pre, MW_I4PRE)
+DI_MOE_MMA_DEFINE(i4g32, MW_I4G32)
 }  // namespace di
 #endif
