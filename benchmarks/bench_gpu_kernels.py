@@ -256,6 +256,8 @@ def main() -> int:
     a = ap.parse_args()
     be = load_library(a.lib)
     torch.cuda.init()
+    # a created stream (the default one cannot be captured), shared by torch and the library
+    torch.cuda.set_stream(torch.cuda.Stream())
     stream = torch.cuda.current_stream().cuda_stream
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
