@@ -189,27 +189,34 @@ DI_Status take_tensor(DI_Context* ctx, const OpMode* mode, const char* op, const
     if (!(flags & T_ALLOW_Q))
         return set_error(ctx, DI_UNIMPLEMENTED, "%s: %s carries a quantization descriptor, which this op does not take",
                          op, name);
-    char what[160];
-    snprintf(what, sizeof(what), "%s: %s.quant", op, name);
-    DI_TRY(check_sized(ctx, what, t.quant, sizeof(DI_Quant), "DI_Quant", true));
+    // Names for messages are formatted only when there is an error to report: moe_experts validates
+    // hundreds of these per call, and the formatting would dominate its host time.
+    char what[160] = {0}, sname[160];
+    auto W = [&]() -> const char* {
+        if (!what[0]) snprintf(what, sizeof(what), "%s: %s.quant", op, name);
+        return what;
+    };
+    if (check_sized(ctx, "quant", t.quant, sizeof(DI_Quant), "DI_Quant", true) != DI_OK)
+        return check_sized(ctx, W(), t.quant, sizeof(DI_Quant), "DI_Quant", true);
     const DI_Quant& q = *t.quant;
-    if (q.flags) return set_error(ctx, DI_UNIMPLEMENTED, "%s.flags=%u (reserved, must be 0)", what, q.flags);
+    if (q.flags) return set_error(ctx, DI_UNIMPLEMENTED, "%s.flags=%u (reserved, must be 0)", W(), q.flags);
     if (q.scheme != DI_QUANT_BLOCK)
-        return set_error(ctx, DI_UNIMPLEMENTED, "%s.scheme=%d is not DI_QUANT_BLOCK", what, q.scheme);
+        return set_error(ctx, DI_UNIMPLEMENTED, "%s.scheme=%d is not DI_QUANT_BLOCK", W(), q.scheme);
     if (q.nibble_order != DI_NIBBLE_LOW_FIRST)
-        return set_error(ctx, DI_UNIMPLEMENTED, "%s.nibble_order=%d is not DI_NIBBLE_LOW_FIRST", what, q.nibble_order);
+        return set_error(ctx, DI_UNIMPLEMENTED, "%s.nibble_order=%d is not DI_NIBBLE_LOW_FIRST", W(), q.nibble_order);
     if (q.block_rows < 0 || q.block_cols < 0)
-        return set_error(ctx, DI_INVALID_ARGUMENT, "%s: block (%d, %d) has a negative size", what, q.block_rows,
+        return set_error(ctx, DI_INVALID_ARGUMENT, "%s: block (%d, %d) has a negative size", W(), q.block_rows,
                          q.block_cols);
-    if (t.ndim < 1) return set_error(ctx, DI_INVALID_ARGUMENT, "%s: a quantized tensor needs ndim >= 1", what);
+    if (t.ndim < 1) return set_error(ctx, DI_INVALID_ARGUMENT, "%s: a quantized tensor needs ndim >= 1", W());
     int64_t R = t.ndim >= 2 ? t.shape[t.ndim - 2] : 1, C = t.shape[t.ndim - 1];
     v->br = q.block_rows ? q.block_rows : (R > 0 ? R : 1);
     v->bc = q.block_cols ? q.block_cols : (C > 0 ? C : 1);
-    char sname[160];
-    snprintf(sname, sizeof(sname), "%s.quant->scales", name);
-    DI_TRY(take_plain(ctx, mode, op, sname, q.scales, t.ndim, true, &v->s));
+    if (take_plain(ctx, mode, op, "scales", q.scales, t.ndim, true, &v->s) != DI_OK) {
+        snprintf(sname, sizeof(sname), "%s.quant->scales", name);
+        return take_plain(ctx, mode, op, sname, q.scales, t.ndim, true, &v->s);
+    }
     if (!dt_is_scale(v->s.dt))
-        return set_error(ctx, DI_UNIMPLEMENTED, "%s: scales of dtype %s are not supported", what, dt_name(v->s.dt));
+        return set_error(ctx, DI_UNIMPLEMENTED, "%s: scales of dtype %s are not supported", W(), dt_name(v->s.dt));
     int64_t expect[DI_MAX_DIMS];
     for (int d = 0; d < t.ndim; ++d) expect[d] = t.shape[d];
     if (t.ndim >= 2) expect[t.ndim - 2] = ceil_div(R, v->br);
@@ -217,17 +224,19 @@ DI_Status take_tensor(DI_Context* ctx, const OpMode* mode, const char* op, const
     for (int d = 0; d < t.ndim; ++d)
         if (v->s.shape[d] != expect[d])
             return set_error(ctx, DI_INVALID_ARGUMENT, "%s: scales.shape[%d]=%lld, expected %lld for block (%d, %d)",
-                             what, d, (long long)v->s.shape[d], (long long)expect[d], q.block_rows, q.block_cols);
+                             W(), d, (long long)v->s.shape[d], (long long)expect[d], q.block_rows, q.block_cols);
     v->mode = 1;
     if (q.zeros.data || (!mode->launch && q.zeros.ndim > 0 && q.zeros.device_type == DI_DEVICE_CUDA)) {
-        snprintf(sname, sizeof(sname), "%s.quant->zeros", name);
-        DI_TRY(take_plain(ctx, mode, op, sname, q.zeros, t.ndim, true, &v->z));
+        if (take_plain(ctx, mode, op, "zeros", q.zeros, t.ndim, true, &v->z) != DI_OK) {
+            snprintf(sname, sizeof(sname), "%s.quant->zeros", name);
+            return take_plain(ctx, mode, op, sname, q.zeros, t.ndim, true, &v->z);
+        }
         for (int d = 0; d < t.ndim; ++d)
             if (v->z.shape[d] != expect[d])
                 return set_error(ctx, DI_INVALID_ARGUMENT, "%s: zeros.shape[%d]=%lld, expected %lld (scales' shape)",
-                                 what, d, (long long)v->z.shape[d], (long long)expect[d]);
+                                 W(), d, (long long)v->z.shape[d], (long long)expect[d]);
         if (v->z.dt == DT_E8M0 || dt_is_packed(v->z.dt) || v->z.dt == DT_U64)
-            return set_error(ctx, DI_UNIMPLEMENTED, "%s: zeros of dtype %s are not supported", what, dt_name(v->z.dt));
+            return set_error(ctx, DI_UNIMPLEMENTED, "%s: zeros of dtype %s are not supported", W(), dt_name(v->z.dt));
         v->mode = 2;
     }
     return DI_OK;

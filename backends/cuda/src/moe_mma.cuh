@@ -353,7 +353,7 @@ __global__ __launch_bounds__(128) void k_gate_up(const MoeMat mg, const __grid_c
         brow[n] = j < item.z ? x + (int64_t)(plan.sorted[item.y + j] / Ktop) * x_rs : nullptr;
     }
     float acc[2][NT][4] = {};
-    kloop<F, NT, NT == 1 ? 2 : 1>(m, a, brow, c, KS > 1 ? w : 0, KS, acc);
+    kloop<F, NT, 2>(m, a, brow, c, KS > 1 ? w : 0, KS, acc);
     reduce_warps<NT, KS>(acc, red);
     if ((KS > 1 && w != 0) || !ok) return;
 #pragma unroll
@@ -397,7 +397,7 @@ __global__ __launch_bounds__(128) void k_down(const MoeMat md, const __grid_cons
         brow[n] = j < item.z ? reinterpret_cast<const char*>(h + (int64_t)(item.y + j) * I) : nullptr;
     }
     float acc[2][NT][4] = {};
-    kloop<F, NT, NT == 1 ? 2 : 1>(m, a, brow, c, KS > 1 ? w : 0, KS, acc);
+    kloop<F, NT, 2>(m, a, brow, c, KS > 1 ? w : 0, KS, acc);
     reduce_warps<NT, KS>(acc, red);
     if (KS > 1 && w != 0) return;
 #pragma unroll

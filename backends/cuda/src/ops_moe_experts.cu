@@ -256,13 +256,31 @@ static bool same_layout(const DI_Tensor& a, const DI_Tensor& b) {
 
 namespace {
 
+struct ExpertBases {
+    char *q, *s, *z;
+};
+
 // Validated view of one call.
 struct Call {
     QTensor x, ids, tw, out;
     int64_t T, H, Ktop, E, I;
     std::vector<uint8_t> resident;
+    std::vector<ExpertBases> ptrs[3];   // gate, up, down of every resident expert
     int64_t n_resident = 0, first = -1;
 };
+
+// One expert weight: validated under a fixed name first; the indexed name is formatted only for the
+// message of a failure (formatting hundreds of names per call was most of the op's host time).
+DI_Status take_expert(DI_Context* ctx, const OpMode* em, const char* which, int64_t e, const DI_Tensor& t,
+                      QTensor* v) {
+    if (take_tensor(ctx, em, "moe_experts", which, t, 2, T_ALLOW_Q, v) == DI_OK &&
+        check_weight(ctx, "moe_experts", which, *v) == DI_OK)
+        return DI_OK;
+    char name[64];
+    snprintf(name, sizeof(name), "%s[%lld]", which, (long long)e);
+    DI_TRY(take_tensor(ctx, em, "moe_experts", name, t, 2, T_ALLOW_Q, v));
+    return check_weight(ctx, "moe_experts", name, *v);
+}
 
 // The tensor-core format of a weight family [N, K] (every expert shares w's layout), or -1.
 int mma_format(const QTensor& w) {
@@ -376,17 +394,14 @@ uint64_t simt_workspace(const Call& c) {
     return align256(P * (uint64_t)c.I * 4) + align256(P * (uint64_t)c.H * 4) + align256((uint64_t)c.E);
 }
 
-DI_Status fill_ptrs(DI_Context* ctx, const DI_Tensor* w, const Call& c, const OpMode* em, MoePtrs* p) {
+void fill_ptrs(const std::vector<ExpertBases>& b, const Call& c, MoePtrs* p) {
     memset(p, 0, sizeof(*p));
     for (int64_t e = 0; e < c.E; ++e) {
         if (!c.resident[(size_t)e]) continue;
-        QTensor t;
-        DI_TRY(take_tensor(ctx, em, "moe_experts", "w", w[e], 2, T_ALLOW_Q, &t));
-        p->q[e] = t.q.base;
-        p->s[e] = t.s.base;
-        p->z[e] = t.z.base;
+        p->q[e] = b[(size_t)e].q;
+        p->s[e] = b[(size_t)e].s;
+        p->z[e] = b[(size_t)e].z;
     }
-    return DI_OK;
 }
 
 DI_Status run_mma(DI_Context* ctx, const DI_MoEExpertsArgs* a, const Call& c, const MmaPlan& pl, const OpMode* em,
@@ -415,9 +430,9 @@ DI_Status run_mma(DI_Context* ctx, const DI_MoEExpertsArgs* a, const Call& c, co
     // the pointer tables travel by value in the launches (static: 18 KB is too much for the stack
     // of a host thread that calls in from a small-stack runtime; one op at a time per thread)
     static thread_local MoePtrs pg, pu, pd;
-    DI_TRY(fill_ptrs(ctx, a->w_gate, c, em, &pg));
-    DI_TRY(fill_ptrs(ctx, a->w_up, c, em, &pu));
-    DI_TRY(fill_ptrs(ctx, a->w_down, c, em, &pd));
+    fill_ptrs(c.ptrs[0], c, &pg);
+    fill_ptrs(c.ptrs[1], c, &pu);
+    fill_ptrs(c.ptrs[2], c, &pd);
     QTensor g, u, d;
     DI_TRY(take_tensor(ctx, em, op, "w_gate", a->w_gate[c.first], 2, T_ALLOW_Q, &g));
     DI_TRY(take_tensor(ctx, em, op, "w_up", a->w_up[c.first], 2, T_ALLOW_Q, &u));
@@ -538,8 +553,8 @@ DI_Status op_moe_experts(DI_Context* ctx, const DI_MoEExpertsArgs* a, OpMode* mo
     OpMode em = *mode;  // expert weights: hundreds of descriptors, no per-pointer driver lookups
     em.check_ptrs = false;
     c.resident.assign((size_t)E, 0);
+    for (auto& p : c.ptrs) p.assign((size_t)E, ExpertBases{});
     int64_t I = -1;
-    char name[64];
     for (int64_t e = 0; e < E; ++e) {
         const DI_Tensor *g = &a->w_gate[e], *u = &a->w_up[e], *d = &a->w_down[e];
         bool here = mode->launch ? (g->data && u->data && d->data) : (g->ndim == 2 && u->ndim == 2 && d->ndim == 2);
@@ -548,15 +563,12 @@ DI_Status op_moe_experts(DI_Context* ctx, const DI_MoEExpertsArgs* a, OpMode* mo
                              op, (long long)e);
         if (!here) continue;
         QTensor tg, tu, td;
-        snprintf(name, sizeof(name), "w_gate[%lld]", (long long)e);
-        DI_TRY(take_tensor(ctx, &em, op, name, *g, 2, T_ALLOW_Q, &tg));
-        DI_TRY(check_weight(ctx, op, name, tg));
-        snprintf(name, sizeof(name), "w_up[%lld]", (long long)e);
-        DI_TRY(take_tensor(ctx, &em, op, name, *u, 2, T_ALLOW_Q, &tu));
-        DI_TRY(check_weight(ctx, op, name, tu));
-        snprintf(name, sizeof(name), "w_down[%lld]", (long long)e);
-        DI_TRY(take_tensor(ctx, &em, op, name, *d, 2, T_ALLOW_Q, &td));
-        DI_TRY(check_weight(ctx, op, name, td));
+        DI_TRY(take_expert(ctx, &em, "w_gate", e, *g, &tg));
+        DI_TRY(take_expert(ctx, &em, "w_up", e, *u, &tu));
+        DI_TRY(take_expert(ctx, &em, "w_down", e, *d, &td));
+        c.ptrs[0][(size_t)e] = {tg.q.base, tg.s.base, tg.z.base};
+        c.ptrs[1][(size_t)e] = {tu.q.base, tu.s.base, tu.z.base};
+        c.ptrs[2][(size_t)e] = {td.q.base, td.s.base, td.z.base};
         if (I < 0) I = tg.q.shape[0];
         if (tg.q.shape[0] != I || tu.q.shape[0] != I || td.q.shape[1] != I || tg.q.shape[1] != H ||
             tu.q.shape[1] != H || td.q.shape[0] != H)
