@@ -119,7 +119,7 @@ __device__ __forceinline__ void decode(const uint4& v, int j, uint32_t (&p)[4], 
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             uint32_t b = ((u >> (4 * i)) & 0x000F000Fu) | 0x43004300u;   // 128 + q + 8, exact
-            p[i] = bf2_fma(b, BF2_ONE, 0xC308C308u);                     // - 136 -> q, exact
+            p[i] = b;  // q + 136: the 136 * sum(x) it adds is taken off after the k-step (kstep)
         }
     } else {  // MW_U4: (u - z) * s in f32, one rounding to bf16
         const uint32_t u = w[j];
@@ -197,6 +197,15 @@ __device__ __forceinline__ void kstep(const MoeMat (&m)[2], const ASrc (&a)[2], 
                 }
             }
         }
+    // int4 weights enter the mma as q + 136 (the decode is then one lop3 per pair); xs[n] collects
+    // sum(x) over the k-step with an all-ones A, and the k-step result is part - 136 * xs.
+    float xs[NT][4];
+    if constexpr (is_i4<F>()) {
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) xs[n][e] = 0.f;
+    }
     auto body = [&](float (&dst)[2][NT][4]) {
 #pragma unroll
         for (int j = 0; j < SUBS; ++j) {
@@ -210,6 +219,10 @@ __device__ __forceinline__ void kstep(const MoeMat (&m)[2], const ASrc (&a)[2], 
                 uint4 xv = brow[n] ? ld_act(brow[n] + (kq + 8 * j) * 2) : make_uint4(0, 0, 0, 0);
                 uint32_t b[4];
                 act_pairs<F>(xv, b);
+                if constexpr (is_i4<F>()) {
+                    mma_bf16(xs[n], BF2_ONE, BF2_ONE, BF2_ONE, BF2_ONE, b[0], b[1]);
+                    mma_bf16(xs[n], BF2_ONE, BF2_ONE, BF2_ONE, BF2_ONE, b[2], b[3]);
+                }
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
                     mma_bf16(dst[i][n], p[i][0][0], p[i][1][0], p[i][0][1], p[i][1][1], b[0], b[1]);
@@ -229,6 +242,14 @@ __device__ __forceinline__ void kstep(const MoeMat (&m)[2], const ASrc (&a)[2], 
 #pragma unroll
                 for (int e = 0; e < 4; ++e) part[i][n][e] = 0.f;
         body(part);
+        if constexpr (is_i4<F>()) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int n = 0; n < NT; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) part[i][n][e] = fmaf(-136.f, xs[n][e], part[i][n][e]);
+        }
 #pragma unroll
         for (int i = 0; i < 2; ++i)
 #pragma unroll
@@ -321,8 +342,14 @@ __device__ __forceinline__ void reduce_warps(float (&acc)[2][NT][4], float* red)
 
 constexpr int KS_DECODE = 4;
 
+// Decode (NT = 1) is latency-bound: registers are capped so that 5-6 blocks (20-24 warps) fit an
+// SM, as far as that stays free of spills (checked with -Xptxas -v).
+template <int F> constexpr int decode_min_blocks() {
+    return (F == MW_I4 || F == MW_FP8 || F == MW_U4) ? 5 : 6;
+}
+
 template <int F, int NT, int KS>
-__global__ __launch_bounds__(128) void k_gate_up(const MoeMat mg, const __grid_constant__ MoePtrs pg,
+__global__ __launch_bounds__(128, NT == 1 ? decode_min_blocks<F>() : 1) void k_gate_up(const MoeMat mg, const __grid_constant__ MoePtrs pg,
                                                  const MoeMat mu, const __grid_constant__ MoePtrs pu,
                                                  MoePlan plan, const char* x, int64_t x_rs, int Ktop,
                                                  uint16_t* h) {
@@ -370,7 +397,7 @@ __global__ __launch_bounds__(128) void k_gate_up(const MoeMat mg, const __grid_c
 }
 
 template <int F, int NT, int KS>
-__global__ __launch_bounds__(128) void k_down(const MoeMat md, const __grid_constant__ MoePtrs pd, MoePlan plan,
+__global__ __launch_bounds__(128, NT == 1 ? decode_min_blocks<F>() : 1) void k_down(const MoeMat md, const __grid_constant__ MoePtrs pd, MoePlan plan,
                                               const uint16_t* h, float* y) {
     __shared__ float red[KS > 1 ? (KS - 1) * 2 * NT * 4 * 32 : 1];
     const int item_i = blockIdx.y;
@@ -422,9 +449,13 @@ void launch_gate_up(MoeShape sh, int max_items, const MoeMat& mg, const MoePtrs&
     if (sh == MOE_DECODE) {
         dim3 grid((unsigned)ceil_div(mg.N, 16), (unsigned)max_items);
         k_gate_up<F, 1, KS_DECODE><<<grid, 128, 0, s>>>(mg, pg, mu, pu, plan, x, x_rs, Ktop, h);
+    } else if (sh == MOE_PREFILL) {  // never planned for the narrow formats (moe_needs_narrow_prefill)
+        dim3 grid((unsigned)ceil_div(mg.N, 64), (unsigned)max_items);
+        if constexpr (scale_mode<F>() != 1 && F != MW_U4)
+            k_gate_up<F, 8, 1><<<grid, 128, 0, s>>>(mg, pg, mu, pu, plan, x, x_rs, Ktop, h);
     } else {
         dim3 grid((unsigned)ceil_div(mg.N, 64), (unsigned)max_items);
-        k_gate_up<F, 8, 1><<<grid, 128, 0, s>>>(mg, pg, mu, pu, plan, x, x_rs, Ktop, h);
+        k_gate_up<F, 4, 1><<<grid, 128, 0, s>>>(mg, pg, mu, pu, plan, x, x_rs, Ktop, h);
     }
 }
 
@@ -434,9 +465,12 @@ void launch_down(MoeShape sh, int max_items, const MoeMat& md, const MoePtrs& pd
     if (sh == MOE_DECODE) {
         dim3 grid((unsigned)ceil_div(md.N, 32), (unsigned)max_items);
         k_down<F, 1, KS_DECODE><<<grid, 128, 0, s>>>(md, pd, plan, h, y);
+    } else if (sh == MOE_PREFILL) {
+        dim3 grid((unsigned)ceil_div(md.N, 128), (unsigned)max_items);
+        if constexpr (scale_mode<F>() != 1 && F != MW_U4) k_down<F, 8, 1><<<grid, 128, 0, s>>>(md, pd, plan, h, y);
     } else {
         dim3 grid((unsigned)ceil_div(md.N, 128), (unsigned)max_items);
-        k_down<F, 8, 1><<<grid, 128, 0, s>>>(md, pd, plan, h, y);
+        k_down<F, 4, 1><<<grid, 128, 0, s>>>(md, pd, plan, h, y);
     }
 }
 

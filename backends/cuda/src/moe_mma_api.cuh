@@ -51,9 +51,11 @@ struct MoePlan {
 };
 
 // Tokens per work item: 8 * NT. Decode: NT 1 with the K dimension split over the block's 4 warps;
-// prefill: NT 8 with each warp on its own rows.
-enum MoeShape { MOE_DECODE, MOE_PREFILL };
-inline int moe_tokens_per_item(MoeShape sh) { return sh == MOE_DECODE ? 8 : 64; }
+// prefill: NT 8 (4 for the formats whose k-step scaling needs a second accumulator set, which at
+// NT 8 would spill) with each warp on its own rows.
+enum MoeShape { MOE_DECODE, MOE_PREFILL, MOE_PREFILL_NARROW };
+inline int moe_tokens_per_item(MoeShape sh) { return sh == MOE_DECODE ? 8 : sh == MOE_PREFILL ? 64 : 32; }
+inline bool moe_needs_narrow_prefill(int f) { return f == MW_FP8 || f == MW_I4 || f == MW_I4G64 || f == MW_I4G32 || f == MW_U4; }
 
 // gate_up: h[pos, i] = silu(gate_e x[t]) * up_e x[t] (bf16), pos = position in plan.sorted, t = p / Ktop.
 // down:    y[p, c]  = down_e h[pos] (f32), p = plan.sorted[pos].

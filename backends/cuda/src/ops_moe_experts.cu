@@ -374,6 +374,8 @@ MmaPlan plan_mma(DI_Context* ctx, const DI_MoEExpertsArgs* a, const Call& c, con
     const int64_t active = P < c.n_resident ? P : c.n_resident;
     // prefill shape once an expert gets 16 tokens on average
     pl.shape = active > 0 && P >= 16 * active ? MOE_PREFILL : MOE_DECODE;
+    if (pl.shape == MOE_PREFILL && (moe_needs_narrow_prefill(pl.fg) || moe_needs_narrow_prefill(pl.fd)))
+        pl.shape = MOE_PREFILL_NARROW;
     pl.bn = moe_tokens_per_item(pl.shape);
     const int64_t mi = active + P / pl.bn;
     if (mi > 65535) return pl;
