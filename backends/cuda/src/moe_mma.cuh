@@ -178,21 +178,25 @@ __device__ __forceinline__ float load_sz(int dt, const char* base, int64_t i) {
 
 // acc[src][n] += A_src (16 rows, k-step st) x B (tokens of n-tile n). B rows: brow[n] (NULL: zero).
 template <int F, int NT>
-__device__ __forceinline__ void kstep(const uint4 (&raw)[2][2], const float (&sv)[2][2], const float (&zv)[2][2],
-                                      const char* const (&brow)[NT], int64_t kq, float (&acc)[2][NT][4]) {
+__device__ __forceinline__ void kstep(const MoeMat (&m)[2], const ASrc (&a)[2], const uint4 (&raw)[2][2],
+                                      const char* const (&brow)[NT], int64_t kl, int64_t kq,
+                                      float (&acc)[2][NT][4]) {
     constexpr int EPL = Fmt<F>::EPL, SUBS = EPL / 8, SM = scale_mode<F>();
-    // sv / zv: this k-step's scale and zero of rows g and g + 8 of each source, loaded with the
-    // weights one ring slot ahead (kloop), so no scale read sits on the k-step's critical path
-    float sc[2][2] = {}, zs[2][2] = {};
-    if constexpr (SM == 3) {
+    float sc[2][2] = {}, zs[2][2] = {}, post[2][2] = {};
 #pragma unroll
-        for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < 2; ++i)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                sc[i][h] = sv[i][h];
-                zs[i][h] = -zv[i][h] * sv[i][h];
+        for (int h = 0; h < 2; ++h) {
+            if constexpr (SM == 1 || SM == 3) {
+                const int64_t gc = col_group(m[i], (uint32_t)kl);
+                float s = a[i].ok ? load_sz(m[i].s_dt, a[i].s, a[i].srow[h] + gc * m[i].s_cs) : 0.f;
+                if constexpr (SM == 1) post[i][h] = s;
+                else {
+                    sc[i][h] = s;
+                    zs[i][h] = a[i].ok ? -load_sz(m[i].z_dt, a[i].z, a[i].zrow[h] + gc * m[i].z_cs) * s : 0.f;
+                }
             }
-    }
+        }
     // int4 weights enter the mma as q + 136 (the decode is then one lop3 per pair); xs[n] collects
     // sum(x) over the k-step with an all-ones A, and the k-step result is part - 136 * xs.
     float xs[NT][4];
@@ -250,10 +254,10 @@ __device__ __forceinline__ void kstep(const uint4 (&raw)[2][2], const float (&sv
         for (int i = 0; i < 2; ++i)
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
-                acc[i][n][0] = fmaf(sv[i][0], part[i][n][0], acc[i][n][0]);
-                acc[i][n][1] = fmaf(sv[i][0], part[i][n][1], acc[i][n][1]);
-                acc[i][n][2] = fmaf(sv[i][1], part[i][n][2], acc[i][n][2]);
-                acc[i][n][3] = fmaf(sv[i][1], part[i][n][3], acc[i][n][3]);
+                acc[i][n][0] = fmaf(post[i][0], part[i][n][0], acc[i][n][0]);
+                acc[i][n][1] = fmaf(post[i][0], part[i][n][1], acc[i][n][1]);
+                acc[i][n][2] = fmaf(post[i][1], part[i][n][2], acc[i][n][2]);
+                acc[i][n][3] = fmaf(post[i][1], part[i][n][3], acc[i][n][3]);
             }
     }
 }
@@ -278,36 +282,26 @@ __device__ __forceinline__ void kloop(const MoeMat (&m)[2], const ASrc (&a)[2], 
                                       int c, int st0, int stride, float (&acc)[2][NT][4]) {
     constexpr int EPL = Fmt<F>::EPL, QS = 4 * EPL, BITS = Fmt<F>::BITS;
     const int nsteps = (int)(m[0].K / QS);
-    constexpr int SM = scale_mode<F>();
-    auto load = [&](int st, uint4 (&raw)[2][2], float (&sv)[2][2], float (&zv)[2][2]) {
-        const int64_t kl = (int64_t)st * QS + (int64_t)c * EPL;
-        const int64_t kb = kl * BITS / 8;
+    auto load = [&](int st, uint4 (&raw)[2][2]) {
+        const int64_t kb = ((int64_t)st * QS + (int64_t)c * EPL) * BITS / 8;
 #pragma unroll
         for (int i = 0; i < 2; ++i)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
+            for (int h = 0; h < 2; ++h)
                 raw[i][h] = a[i].ok ? ld_weights<F>(a[i].q + 8 * h * m[i].ld + kb) : make_uint4(0, 0, 0, 0);
-                if constexpr (SM == 1 || SM == 3) {
-                    const int64_t gc = col_group(m[i], (uint32_t)kl);
-                    sv[i][h] = a[i].ok ? load_sz(m[i].s_dt, a[i].s, a[i].srow[h] + gc * m[i].s_cs) : 0.f;
-                    if constexpr (SM == 3)
-                        zv[i][h] = a[i].ok ? load_sz(m[i].z_dt, a[i].z, a[i].zrow[h] + gc * m[i].z_cs) : 0.f;
-                }
-            }
     };
     uint4 buf[D][2][2];
-    float sbuf[D][2][2], zbuf[D][2][2];
 #pragma unroll
     for (int d = 0; d < D; ++d)
-        if (st0 + d * stride < nsteps) load(st0 + d * stride, buf[d], sbuf[d], zbuf[d]);
+        if (st0 + d * stride < nsteps) load(st0 + d * stride, buf[d]);
     for (int st = st0; st < nsteps; st += D * stride) {
 #pragma unroll
         for (int d = 0; d < D; ++d) {
             const int sd = st + d * stride;
             if (sd < nsteps) {
                 const int64_t kl = (int64_t)sd * QS + (int64_t)c * EPL;  // this lane's first k
-                kstep<F, NT>(buf[d], sbuf[d], zbuf[d], brow, kl, acc);
-                if (sd + D * stride < nsteps) load(sd + D * stride, buf[d], sbuf[d], zbuf[d]);
+                kstep<F, NT>(m, a, buf[d], brow, kl, kl, acc);
+                if (sd + D * stride < nsteps) load(sd + D * stride, buf[d]);
             }
         }
     }
@@ -351,7 +345,7 @@ constexpr int KS_DECODE = 4;
 // Decode (NT = 1) is latency-bound: registers are capped so that 5-6 blocks (20-24 warps) fit an
 // SM, as far as that stays free of spills (checked with -Xptxas -v).
 template <int F> constexpr int decode_min_blocks() {
-    return (F == MW_I4 || F == MW_U4 || F == MW_I4G64) ? 4 : F == MW_FP8 ? 5 : 6;
+    return (F == MW_I4 || F == MW_FP8 || F == MW_U4) ? 5 : 6;
 }
 
 template <int F, int NT, int KS>
