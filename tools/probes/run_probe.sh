@@ -1,3 +1,6 @@
+#!/usr/bin/env bash
+# One device call: the kernel-parameter probe, then ncu on moe_experts (V2-Lite, int4 g128, 1 token).
+#   bash tools/probes/run_probe.sh   (writes $OUT/ncu.txt; needs .whl carried for cffi)
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/runtime || exit
 nvcc -O2 -arch=sm_90a tools/probes/kernel_param_cost.cu -o /tmp/kpc && /tmp/kpc

@@ -14,10 +14,12 @@
 //   lane = 4 * g + c: rows g and g + 8 of the tile, token g of each n-tile, k range
 //   [k0 + c * EPL, k0 + (c + 1) * EPL) of the k-step (EPL weight elements in 16 bytes).
 // Formats: bf16 as is; fp8 e4m3 by bit placement into bf16 and an exact multiply by 2^120; int8 and
-// uint4 through f32; int4 by the 0x4300 | nibble trick (128 + q in bf16). Scales: after each k-step
-// in f32 when the scale block covers the whole k-step (fp8 128x128, int4 groups >= 128), at the end
-// for per-channel int8, before the mma (bf16 weights) for int4 groups of 32 / 64 and uint4.
-// Decode (NT = 1): the block's 4 warps split K and reduce through shared memory. Prefill (NT = 8):
+// uint4 through f32; int4 by the 0x4300 | nibble trick (q + 136 in bf16, the offset removed after
+// the k-step). Scales: after each k-step in f32 (fp8 128x128; int4, whose k-step is narrowed to 32 /
+// 64 columns for groups of 32 / 64 so it never crosses a group), at the end for per-channel int8,
+// before the mma only for uint4 ((u - z) * s in f32, rounded once to bf16).
+// Decode (NT = 1): the block's 4 warps split K and reduce through shared memory. Prefill (NT = 8, 4 for
+// the k-step-scaled formats):
 // each warp owns its rows; a weight fragment serves 8 n-tiles.
 #pragma once
 

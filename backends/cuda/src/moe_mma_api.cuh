@@ -46,7 +46,7 @@ struct MoePtrs {
 // The routing plan moe_align writes on the device: pairs grouped by expert and cut into work items.
 struct MoePlan {
     const int*  sorted;    // [P] pair index t * K + k, grouped by expert
-    const int4* items;     // [max_items] (expert - e0, first position in sorted, count, 0)
+    const int4* items;     // [max_items] (expert, first position in sorted, count, 0)
     const int*  n_items;   // [1]
 };
 
