@@ -216,24 +216,6 @@ class MoECall:
             self.be._api.graph_destroy(self.be._ctx, g[0])
 
 
-def kernel_profile(fn, n=10) -> list:
-    """GPU time per kernel name (mean us per call of fn) from the torch profiler's CUPTI trace."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn(0)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(n):
-            fn(i)
-        torch.cuda.synchronize()
-    out = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            name = ev.name.split("(")[0].split("<")[0][-40:]
-            out[name] = out.get(name, 0.0) + ev.device_time_total / n if hasattr(ev, "device_time_total") else 0.0
-    return sorted(([k, round(v, 2)] for k, v in out.items()), key=lambda kv: -kv[1])
-
-
 def hf_experts(w: Weights):
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
@@ -271,7 +253,6 @@ def main() -> int:
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--no-peers", action="store_true")
-    ap.add_argument("--profile", action="store_true", help="per-kernel GPU times for rows of <= 64 tokens")
     a = ap.parse_args()
     be = load_library(a.lib)
     torch.cuda.init()
@@ -372,12 +353,6 @@ def main() -> int:
                     row["speedup_vs_hf"] = row["hf_us"] / row["us"]
                 if "grouped_mm_us" in row:
                     row["speedup_vs_grouped_mm"] = row["grouped_mm_us"] / row["us"]
-                if a.profile and T <= 64:
-                    try:
-                        row["kernels_us"] = kernel_profile(call)
-                        print("   kernels:", ", ".join(f"{k} {v}" for k, v in row["kernels_us"]), flush=True)
-                    except Exception as e:
-                        print(f"   (profile failed: {type(e).__name__}: {e})", flush=True)
                 result["rows"].append(row)
                 print(f"{shape_name:7s} {fmt:17s} T={T:5d}: {row['us']:9.1f} us  {row['GBps']:6.0f} GB/s "
                       f"({100 * row['of_copy_bw']:3.0f}% copy)  graph {row['us_graph']:8.1f} us "

@@ -371,6 +371,7 @@ MmaPlan plan_mma(DI_Context* ctx, const DI_MoEExpertsArgs* a, const Call& c, con
     pl.fd = mma_format(d);
     if (pl.fg < 0 || pl.fd < 0 || row_bytes(g) % 16 || row_bytes(d) % 16) return pl;
     const int64_t P = c.T * c.Ktop;
+    if (P == 0) return pl;  // top-k of 0: nothing to route (the fallback writes the zeros / keeps out)
     const int64_t active = P < c.n_resident ? P : c.n_resident;
     // prefill shape once an expert gets 16 tokens on average
     pl.shape = active > 0 && P >= 16 * active ? MOE_PREFILL : MOE_DECODE;

@@ -664,6 +664,7 @@ def gen_moe_experts(p, s):
         yield moe_experts(s(), 3, 8, 2, 256, 128, "bf16", wf)
         yield moe_experts(s(), 150, 8, 2, 256, 128, "bf16", wf)
     yield moe_experts(s(), 40, 8, 3, 256, 160, "bf16", routing="skip", accumulate=1, absent=(7,))
+    yield moe_experts(s(), 3, 8, 0, 256, 128, "bf16", accumulate=1)   # top-k of 0: out keeps its values
     for _ in range(p.random_draws):
         r = s.rng
         yield moe_experts(s(), int(r.integers(1, 10)), int(r.integers(1, 8)), int(r.integers(1, 3)),
