@@ -60,9 +60,9 @@ def timed(fn, iters=20, warm=3) -> float:
     return float(np.median(ts))
 
 
-def view(t: torch.Tensor, shape, dtype: str, quant=None, packed_offset: int = 0) -> Tensor:
+def view(t: torch.Tensor, shape, dtype: str, quant=None) -> Tensor:
     """A deepinfer device Tensor over torch memory (not owned)."""
-    ptr = t.data_ptr() + packed_offset
+    ptr = t.data_ptr()
     return Tensor(DeviceBuffer(ptr, t.numel() * t.element_size(), None), shape, dtype, quant=quant)
 
 

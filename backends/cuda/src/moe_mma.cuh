@@ -181,7 +181,7 @@ __device__ __forceinline__ float load_sz(int dt, const char* base, int64_t i) {
 // acc[src][n] += A_src (16 rows, k-step st) x B (tokens of n-tile n). B rows: brow[n] (NULL: zero).
 template <int F, int NT>
 __device__ __forceinline__ void kstep(const MoeMat (&m)[2], const ASrc (&a)[2], const uint4 (&raw)[2][2],
-                                      const char* const (&brow)[NT], int64_t kl, int64_t kq,
+                                      const char* const (&brow)[NT], int64_t kl,
                                       float (&acc)[2][NT][4]) {
     constexpr int EPL = Fmt<F>::EPL, SUBS = EPL / 8, SM = scale_mode<F>();
     float sc[2][2] = {}, zs[2][2] = {}, post[2][2] = {};
@@ -218,7 +218,7 @@ __device__ __forceinline__ void kstep(const MoeMat (&m)[2], const ASrc (&a)[2], 
                 for (int h = 0; h < 2; ++h) decode<F>(raw[i][h], j, p[i][h], sc[i][h], zs[i][h]);
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
-                uint4 xv = brow[n] ? ld_act(brow[n] + (kq + 8 * j) * 2) : make_uint4(0, 0, 0, 0);
+                uint4 xv = brow[n] ? ld_act(brow[n] + (kl + 8 * j) * 2) : make_uint4(0, 0, 0, 0);
                 uint32_t b[4];
                 act_pairs<F>(xv, b);
                 if constexpr (is_i4<F>()) {
@@ -283,6 +283,7 @@ template <int F, int NT, int D>
 __device__ __forceinline__ void kloop(const MoeMat (&m)[2], const ASrc (&a)[2], const char* const (&brow)[NT],
                                       int c, int st0, int stride, float (&acc)[2][NT][4]) {
     constexpr int EPL = Fmt<F>::EPL, QS = 4 * EPL, BITS = Fmt<F>::BITS;
+    static_assert(QS == moe_kstep_cols(F), "moe_kstep_cols (the host's shape check) disagrees with Fmt");
     const int nsteps = (int)(m[0].K / QS);
     auto load = [&](int st, uint4 (&raw)[2][2]) {
         const int64_t kb = ((int64_t)st * QS + (int64_t)c * EPL) * BITS / 8;
@@ -302,7 +303,7 @@ __device__ __forceinline__ void kloop(const MoeMat (&m)[2], const ASrc (&a)[2], 
             const int sd = st + d * stride;
             if (sd < nsteps) {
                 const int64_t kl = (int64_t)sd * QS + (int64_t)c * EPL;  // this lane's first k
-                kstep<F, NT>(m, a, buf[d], brow, kl, kl, acc);
+                kstep<F, NT>(m, a, buf[d], brow, kl, acc);
                 if (sd + D * stride < nsteps) load(sd + D * stride, buf[d]);
             }
         }
@@ -453,7 +454,7 @@ void launch_gate_up(MoeShape sh, int max_items, const MoeMat& mg, const MoePtrs&
         k_gate_up<F, 1, KS_DECODE><<<grid, 128, 0, s>>>(mg, pg, mu, pu, plan, x, x_rs, Ktop, h);
     } else if (sh == MOE_PREFILL) {  // never planned for the narrow formats (moe_needs_narrow_prefill)
         dim3 grid((unsigned)ceil_div(mg.N, 64), (unsigned)max_items);
-        if constexpr (scale_mode<F>() != 1 && F != MW_U4)
+        if constexpr (!moe_needs_narrow_prefill(F))
             k_gate_up<F, 8, 1><<<grid, 128, 0, s>>>(mg, pg, mu, pu, plan, x, x_rs, Ktop, h);
     } else {
         dim3 grid((unsigned)ceil_div(mg.N, 64), (unsigned)max_items);
@@ -469,7 +470,7 @@ void launch_down(MoeShape sh, int max_items, const MoeMat& md, const MoePtrs& pd
         k_down<F, 1, KS_DECODE><<<grid, 128, 0, s>>>(md, pd, plan, h, y);
     } else if (sh == MOE_PREFILL) {
         dim3 grid((unsigned)ceil_div(md.N, 128), (unsigned)max_items);
-        if constexpr (scale_mode<F>() != 1 && F != MW_U4) k_down<F, 8, 1><<<grid, 128, 0, s>>>(md, pd, plan, h, y);
+        if constexpr (!moe_needs_narrow_prefill(F)) k_down<F, 8, 1><<<grid, 128, 0, s>>>(md, pd, plan, h, y);
     } else {
         dim3 grid((unsigned)ceil_div(md.N, 128), (unsigned)max_items);
         k_down<F, 4, 1><<<grid, 128, 0, s>>>(md, pd, plan, h, y);

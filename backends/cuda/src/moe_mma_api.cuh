@@ -55,7 +55,14 @@ struct MoePlan {
 // NT 8 would spill) with each warp on its own rows.
 enum MoeShape { MOE_DECODE, MOE_PREFILL, MOE_PREFILL_NARROW };
 inline int moe_tokens_per_item(MoeShape sh) { return sh == MOE_DECODE ? 8 : sh == MOE_PREFILL ? 64 : 32; }
-inline bool moe_needs_narrow_prefill(int f) { return f == MW_FP8 || f == MW_I4 || f == MW_I4G64 || f == MW_I4G32 || f == MW_U4; }
+__host__ __device__ constexpr bool moe_needs_narrow_prefill(int f) {
+    return f == MW_FP8 || f == MW_I4 || f == MW_I4G64 || f == MW_I4G32 || f == MW_U4;
+}
+// Columns of one k-step (4 lanes x the 16, 8 or 4 bytes each lane loads of a row): K must be a
+// multiple of it. The kernels' format traits (moe_mma.cuh) are checked against this table.
+__host__ __device__ constexpr int moe_kstep_cols(int f) {
+    return f == MW_BF16 ? 32 : f == MW_I4G32 ? 32 : (f == MW_FP8 || f == MW_I8 || f == MW_I4G64) ? 64 : 128;
+}
 
 // gate_up: h[pos, i] = silu(gate_e x[t]) * up_e x[t] (bf16), pos = position in plan.sorted, t = p / Ktop.
 // down:    y[p, c]  = down_e h[pos] (f32), p = plan.sorted[pos].

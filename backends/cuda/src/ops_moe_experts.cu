@@ -294,9 +294,7 @@ int mma_format(const QTensor& w) {
     else if (w.mode == 1 && w.q.dt == DT_I4 && w.br == 1 && w.bc % 32 == 0) f = MW_I4G32;
     else if (w.mode == 2 && w.q.dt == DT_U4 && w.br == 1 && w.bc % 32 == 0 && w.z.dt != DT_E4M3) f = MW_U4;
     if (f < 0) return -1;
-    // k-step: 4 lanes x 16 bytes of a row, or 4 x 8 / 4 x 4 bytes for the narrow int4 groups
-    const int qs = f == MW_BF16 ? 32 : f == MW_I4G64 ? 64 : f == MW_I4G32 ? 32 : (f == MW_FP8 || f == MW_I8) ? 64 : 128;
-    if (N <= 0 || K <= 0 || N % 16 != 0 || K % qs != 0) return -1;
+    if (N <= 0 || K <= 0 || N % 16 != 0 || K % moe_kstep_cols(f) != 0) return -1;
     return f;
 }
 
@@ -343,6 +341,7 @@ const DownFn kDown[MW_COUNT] = {launch_moe_down_bf16, launch_moe_down_fp8, launc
 struct MmaPlan {
     bool fast = false;
     int fg = -1, fd = -1;
+    MoeMat mg{}, md{};  // gate's layout (up's is the same, same_layout checked) and down's
     MoeShape shape = MOE_DECODE;
     int bn = 8, max_items = 0;
 };
@@ -370,6 +369,8 @@ MmaPlan plan_mma(DI_Context* ctx, const DI_MoEExpertsArgs* a, const Call& c, con
     pl.fg = mma_format(g);
     pl.fd = mma_format(d);
     if (pl.fg < 0 || pl.fd < 0 || row_bytes(g) % 16 || row_bytes(d) % 16) return pl;
+    pl.mg = mat_of(g);
+    pl.md = mat_of(d);
     const int64_t P = c.T * c.Ktop;
     if (P == 0) return pl;  // top-k of 0: nothing to route (the fallback writes the zeros / keeps out)
     const int64_t active = P < c.n_resident ? P : c.n_resident;
@@ -407,8 +408,8 @@ void fill_ptrs(const std::vector<ExpertBases>& b, const Call& c, MoePtrs* p) {
     }
 }
 
-DI_Status run_mma(DI_Context* ctx, const DI_MoEExpertsArgs* a, const Call& c, const MmaPlan& pl, const OpMode* em,
-                  char* ws, cudaStream_t s) {
+DI_Status run_mma(DI_Context* ctx, const DI_MoEExpertsArgs* a, const Call& c, const MmaPlan& pl, char* ws,
+                  cudaStream_t s) {
 #if DI_HAVE_MOE_MMA
     const char* op = "moe_experts";
     const int64_t P = c.T * c.Ktop;
@@ -436,15 +437,11 @@ DI_Status run_mma(DI_Context* ctx, const DI_MoEExpertsArgs* a, const Call& c, co
     fill_ptrs(c.ptrs[0], c, &pg);
     fill_ptrs(c.ptrs[1], c, &pu);
     fill_ptrs(c.ptrs[2], c, &pd);
-    QTensor g, u, d;
-    DI_TRY(take_tensor(ctx, em, op, "w_gate", a->w_gate[c.first], 2, T_ALLOW_Q, &g));
-    DI_TRY(take_tensor(ctx, em, op, "w_up", a->w_up[c.first], 2, T_ALLOW_Q, &u));
-    DI_TRY(take_tensor(ctx, em, op, "w_down", a->w_down[c.first], 2, T_ALLOW_Q, &d));
     const MoePlan plan{sorted, items, n_items};
-    kGateUp[pl.fg](pl.shape, pl.max_items, mat_of(g), pg, mat_of(u), pu, plan, c.x.q.base, c.x.q.strides[0] * 2,
+    kGateUp[pl.fg](pl.shape, pl.max_items, pl.mg, pg, pl.mg, pu, plan, c.x.q.base, c.x.q.strides[0] * 2,
                    (int)c.Ktop, h, s);
     DI_TRY(launch_status(ctx, op));
-    kDown[pl.fd](pl.shape, pl.max_items, mat_of(d), pd, plan, h, y, s);
+    kDown[pl.fd](pl.shape, pl.max_items, pl.md, pd, plan, h, y, s);
     DI_TRY(launch_status(ctx, op));
     k_moe_combine<<<grid_for(c.T * c.H, 256), 256, 0, s>>>(y, c.ids.q, c.tw.q, pair_ok, 1, c.E, c.T, c.Ktop, c.H,
                                                           c.out.q, a->accumulate ? 1 : 0);
@@ -621,7 +618,7 @@ DI_Status op_moe_experts(DI_Context* ctx, const DI_MoEExpertsArgs* a, OpMode* mo
     Workspace ws;
     DI_TRY(ws.acquire(ctx, a->header, mode->workspace));
     char* wsb = static_cast<char*>(ws.ptr);
-    DI_Status st = pl.fast ? run_mma(ctx, a, c, pl, &em, wsb, s) : run_simt(ctx, a, c, &em, wsb, s);
+    DI_Status st = pl.fast ? run_mma(ctx, a, c, pl, wsb, s) : run_simt(ctx, a, c, &em, wsb, s);
     ws.release();
     return st;
 }
