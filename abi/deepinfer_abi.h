@@ -1,5 +1,5 @@
 /*
- * deepinfer kernel ABI, version 1.0.
+ * deepinfer kernel ABI, version 1.1 (abi/CHANGELOG.md lists what each minor version added).
  *
  * A vendor library (libdeepinfer_<name>.so) is built against this header alone. It exports one
  * frozen symbol, deepinfer_plugin_info(), which returns a DI_PluginInfo. The host asks that struct
@@ -15,9 +15,16 @@
  *    throws across this boundary.
  *  - The host allocates outputs and workspaces; all work goes onto the stream in the args.
  *
+ *  - No struct has implicit padding: where alignment would leave bytes, a named `reserved` field
+ *    (zero) holds them, so appending any field always changes sizeof and struct_size tells a
+ *    library exactly which fields its caller knows. Reserved fields are never repurposed.
+ *
  * The block between DI_CDEF_BEGIN and DI_CDEF_END is plain declarations only (no preprocessor
  * conditionals): the Python loader hands it verbatim to cffi, so the header is the single source
- * of truth for struct layouts, op names and op order.
+ * of truth for struct layouts, op names and op order. After it, DI_OPS and the DI_ARGS_<op>
+ * X-macros are the one machine-readable statement of each op's arguments (role, optionality,
+ * ranks, dtypes, quantization); deepinfer_abi_check.h turns them into a validator any library may
+ * use, and the Python runtime parses the same lines.
  */
 #ifndef DEEPINFER_ABI_H
 #define DEEPINFER_ABI_H
@@ -32,7 +39,7 @@ extern "C" {
 /* DI_CDEF_BEGIN */
 
 #define DI_ABI_MAJOR 1
-#define DI_ABI_MINOR 0
+#define DI_ABI_MINOR 1
 #define DI_MAX_DIMS 6
 
 /* ---------------------------------------------------------------- status codes */
@@ -57,6 +64,16 @@ enum DI_DTypeCode {
     DI_DTYPE_F8_E5M2    = 12,  /* kDLFloat8_e5m2 */
     DI_DTYPE_F8_E8M0FNU = 14,  /* kDLFloat8_e8m0fnu: power-of-two scales (ue8m0) */
     DI_DTYPE_F4_E2M1FN  = 17   /* kDLFloat4_e2m1fn: bits 4, max 6 */
+};
+
+/* Dense ids of the ABI's dtypes (bit i of a DI_DTS_* set below is id i); not a wire format. */
+enum DI_DTypeId {
+    DI_DT_INVALID = 0,
+    DI_DT_F32 = 1, DI_DT_F16 = 2, DI_DT_BF16 = 3,
+    DI_DT_E4M3 = 4, DI_DT_E5M2 = 5, DI_DT_E8M0 = 6, DI_DT_E2M1 = 7,
+    DI_DT_I4 = 8, DI_DT_U4 = 9, DI_DT_I8 = 10, DI_DT_U8 = 11,
+    DI_DT_I32 = 12, DI_DT_I64 = 13, DI_DT_U64 = 14,
+    DI_DT_COUNT = 15
 };
 
 /* == DLPack's DLDataType */
@@ -133,6 +150,7 @@ typedef struct DI_Quant {
 typedef struct DI_Context DI_Context;   /* opaque, owned by the library */
 typedef struct DI_Graph   DI_Graph;     /* opaque, owned by the library */
 typedef void*             DI_Stream;    /* cudaStream_t / hipStream_t / ...; NULL = default */
+typedef void*             DI_Event;     /* cudaEvent_t / hipEvent_t / ... (v1.1) */
 
 typedef struct DI_ContextOptions {
     uint32_t    struct_size;
@@ -189,7 +207,8 @@ enum DI_OpId {
     DI_OP_SILU_MUL        = 13,
     DI_OP_CONCAT          = 14,
     DI_OP_SAMPLE          = 15,
-    DI_OP_COUNT_V1_0      = 16
+    DI_OP_COUNT_V1_0      = 16,
+    DI_OP_COUNT_V1_1      = 16   /* 1.1 added no ops */
 };
 
 /* ---------------------------------------------------------------- op args (README: semantics) */
@@ -211,6 +230,7 @@ typedef struct DI_RMSNormArgs {
     DI_Tensor out;           /* [T, H] */
     DI_Tensor residual_out;  /* [T, H] or absent; may alias x or residual */
     float     eps;
+    uint32_t  reserved;      /* 0 (was tail padding in 1.0) */
 } DI_RMSNormArgs;
 
 /* out = dequant(x) @ dequant(w)^T (+ bias); x plain or activation-quantized, w any format */
@@ -228,6 +248,7 @@ typedef struct DI_QuantizeArgs {
     DI_Tensor x;               /* [..., R, C] f32 | bf16 */
     DI_Tensor out;             /* same shape, int8 | int4 | e4m3 | e2m1, quant describes blocks */
     int32_t   scale_pow2;      /* 1: round each scale up to a power of two (ue8m0 style) */
+    uint32_t  reserved;        /* 0 (was tail padding in 1.0) */
 } DI_QuantizeArgs;
 
 /* out = (q - zero) * scale, computed in f32, then rounded to out's dtype; bit-exact */
@@ -273,6 +294,7 @@ typedef struct DI_MLAPrefillArgs {
     DI_Tensor cu_seqlens;  /* [S + 1] int32, cu_seqlens[0] = 0, cu_seqlens[S] = T */
     DI_Tensor out;         /* [T, H, Dv] */
     float     scale;       /* softmax scale */
+    uint32_t  reserved;    /* 0 (was tail padding in 1.0) */
 } DI_MLAPrefillArgs;
 
 /* MLA attention of T query tokens over the paged latent cache with absorbed kv_b weights */
@@ -286,6 +308,7 @@ typedef struct DI_MLADecodeArgs {
     DI_Tensor kv_len;       /* [T] int32: token t attends to positions [0, kv_len[t]) */
     DI_Tensor out;          /* [T, H, Dv] */
     float     scale;
+    uint32_t  reserved;     /* 0 (was tail padding in 1.0) */
 } DI_MLADecodeArgs;
 
 enum DI_Scoring    { DI_SCORING_SOFTMAX = 0, DI_SCORING_SIGMOID = 1 };
@@ -403,7 +426,28 @@ typedef struct DI_Api {
     DI_Status (*silu_mul)(DI_Context* ctx, const DI_SiluMulArgs* args);
     DI_Status (*concat)(DI_Context* ctx, const DI_ConcatArgs* args);
     DI_Status (*sample)(DI_Context* ctx, const DI_SampleArgs* args);
-    /* v1.1 and later append here */
+
+    /* ---- v1.1 (present when abi_minor >= 1 and the offset is below struct_size) ---- */
+    /* events (optional: all six or none): order work across streams without blocking the host */
+    DI_Status (*event_create)(DI_Context* ctx, DI_Event* out);
+    DI_Status (*event_destroy)(DI_Context* ctx, DI_Event event);
+    DI_Status (*event_record)(DI_Context* ctx, DI_Event event, DI_Stream stream);
+    DI_Status (*stream_wait_event)(DI_Context* ctx, DI_Stream stream, DI_Event event);
+    DI_Status (*event_query)(DI_Context* ctx, DI_Event event, int32_t* done);   /* *done = 1: reached */
+    DI_Status (*event_synchronize)(DI_Context* ctx, DI_Event event);
+
+    /* host memory for asynchronous copies (optional: all four or none) */
+    DI_Status (*host_alloc)(DI_Context* ctx, uint64_t bytes, void** out);       /* pinned, 256-aligned */
+    DI_Status (*host_free)(DI_Context* ctx, void* ptr);
+    DI_Status (*host_register)(DI_Context* ctx, void* ptr, uint64_t bytes);     /* e.g. an mmap'd file */
+    DI_Status (*host_unregister)(DI_Context* ctx, void* ptr);
+
+    /* a copy that returns at once; both buffers must stay valid until the stream reaches it */
+    DI_Status (*mem_copy_async)(DI_Context* ctx, void* dst, const void* src, uint64_t bytes,
+                                int32_t kind, DI_Stream stream);
+    /* devices of this library's kind on this machine (no context needed; errors: last_error(NULL)) */
+    DI_Status (*device_count)(int32_t* out);
+    /* v1.2 and later append here */
 } DI_Api;
 
 /*
@@ -425,6 +469,165 @@ typedef struct DI_PluginInfo {
 const DI_PluginInfo* deepinfer_plugin_info(void);
 
 /* DI_CDEF_END */
+
+/* DI_OPTABLE_BEGIN
+ * ------------------------------------------------------------------------------------------------
+ * The op table: the single machine-readable statement of every op's arguments. Every consumer
+ * derives from these lines: deepinfer_abi_check.h (a validator any library may include), the CPU
+ * and CUDA backends' dispatch tables, the Python loader's bindings, the reference backend's
+ * argument checks, the planner's output fields and the conformance suite's per-op facts. The
+ * Python runtime parses this block, so keep each entry on one line in exactly this form.
+ *
+ * DI_OPS(X): X(op id, name (= the DI_Api entry), args struct, minor version that added it)
+ * DI_ARGS_<name>(T, A, S): one row per DI_Tensor field of the args struct S, in field order:
+ *   T(S, field, role, presence, ndim_lo, ndim_hi, plain dtypes, quantized storage dtypes)
+ *   A(S, field, role, presence, ndim_lo, ndim_hi, plain dtypes, quantized storage dtypes, count field)
+ *     for a `const DI_Tensor*` array of `count field` descriptors (data NULL: not resident)
+ *   role: IN (read), OUT (written), INOUT (read and written)
+ *   presence: REQ (data must be set) or OPT (data NULL = absent)
+ *   plain dtypes: what the tensor may be without a quant descriptor (DI_DTS_NONE: it must be
+ *     quantized); quantized storage dtypes: what q may be with one (DI_DTS_NONE: plain only).
+ *   The rules of abi/README.md sections 3-5 apply on top: another float dtype where floats are
+ *   taken is UNIMPLEMENTED, anything else outside the set INVALID_ARGUMENT; scales have the
+ *   tensor's rank and dtype DI_DTS_SCALES, zeros the scales' shape and dtype DI_DTS_ZEROS. A
+ *   library may implement less than a row allows (UNIMPLEMENTED), never more.
+ * ------------------------------------------------------------------------------------------------ */
+#define DI_DTM(id) (1u << (id))
+#define DI_DTS_NONE        0u
+#define DI_DTS_FLOAT       (DI_DTM(DI_DT_F32) | DI_DTM(DI_DT_BF16))
+#define DI_DTS_F32         (DI_DTM(DI_DT_F32))
+#define DI_DTS_TABLE       (DI_DTM(DI_DT_F32) | DI_DTM(DI_DT_BF16) | DI_DTM(DI_DT_F16))
+#define DI_DTS_INDEX       (DI_DTM(DI_DT_I32))
+#define DI_DTS_SEED        (DI_DTM(DI_DT_U64))
+#define DI_DTS_ACT_Q       (DI_DTM(DI_DT_I8) | DI_DTM(DI_DT_E4M3))
+#define DI_DTS_WEIGHT_Q    (DI_DTM(DI_DT_I4) | DI_DTM(DI_DT_U4) | DI_DTM(DI_DT_I8) | DI_DTM(DI_DT_U8) | DI_DTM(DI_DT_E4M3) | DI_DTM(DI_DT_E5M2) | DI_DTM(DI_DT_E2M1))
+#define DI_DTS_QUANTIZE_Q  (DI_DTM(DI_DT_I8) | DI_DTM(DI_DT_I4) | DI_DTM(DI_DT_E4M3) | DI_DTM(DI_DT_E2M1))
+#define DI_DTS_SCALES      (DI_DTM(DI_DT_F32) | DI_DTM(DI_DT_BF16) | DI_DTM(DI_DT_F16) | DI_DTM(DI_DT_E8M0) | DI_DTM(DI_DT_E4M3))
+#define DI_DTS_SCALES_INT  (DI_DTM(DI_DT_F32) | DI_DTM(DI_DT_BF16) | DI_DTM(DI_DT_F16))
+#define DI_DTS_SCALES_FP4  (DI_DTM(DI_DT_E4M3) | DI_DTM(DI_DT_E8M0))
+#define DI_DTS_ZEROS       (DI_DTM(DI_DT_F32) | DI_DTM(DI_DT_BF16) | DI_DTM(DI_DT_F16) | DI_DTM(DI_DT_I8) | DI_DTM(DI_DT_U8) | DI_DTM(DI_DT_I32))
+
+#define DI_OPS(X) \
+    X(DI_OP_EMBEDDING, embedding, DI_EmbeddingArgs, 0) \
+    X(DI_OP_RMSNORM, rmsnorm, DI_RMSNormArgs, 0) \
+    X(DI_OP_LINEAR, linear, DI_LinearArgs, 0) \
+    X(DI_OP_QUANTIZE, quantize, DI_QuantizeArgs, 0) \
+    X(DI_OP_DEQUANTIZE, dequantize, DI_DequantizeArgs, 0) \
+    X(DI_OP_ROPE, rope, DI_RopeArgs, 0) \
+    X(DI_OP_MLA_CACHE_WRITE, mla_cache_write, DI_MLACacheWriteArgs, 0) \
+    X(DI_OP_MLA_PREFILL, mla_prefill, DI_MLAPrefillArgs, 0) \
+    X(DI_OP_MLA_DECODE, mla_decode, DI_MLADecodeArgs, 0) \
+    X(DI_OP_MOE_ROUTER, moe_router, DI_MoERouterArgs, 0) \
+    X(DI_OP_MOE_EXPERTS, moe_experts, DI_MoEExpertsArgs, 0) \
+    X(DI_OP_ADD, add, DI_BinaryArgs, 0) \
+    X(DI_OP_MUL, mul, DI_BinaryArgs, 0) \
+    X(DI_OP_SILU_MUL, silu_mul, DI_SiluMulArgs, 0) \
+    X(DI_OP_CONCAT, concat, DI_ConcatArgs, 0) \
+    X(DI_OP_SAMPLE, sample, DI_SampleArgs, 0)
+
+#define DI_ARGS_embedding(T, A, S) \
+    T(S, ids, IN, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, table, IN, REQ, 2, 2, DI_DTS_TABLE, DI_DTS_NONE) \
+    T(S, out, OUT, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE)
+#define DI_ARGS_rmsnorm(T, A, S) \
+    T(S, x, IN, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, weight, IN, REQ, 1, 1, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, residual, IN, OPT, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, out, OUT, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, residual_out, OUT, OPT, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE)
+#define DI_ARGS_linear(T, A, S) \
+    T(S, x, IN, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_ACT_Q) \
+    T(S, w, IN, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_WEIGHT_Q) \
+    T(S, bias, IN, OPT, 1, 1, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, out, OUT, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE)
+#define DI_ARGS_quantize(T, A, S) \
+    T(S, x, IN, REQ, 1, 6, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, out, OUT, REQ, 1, 6, DI_DTS_NONE, DI_DTS_QUANTIZE_Q)
+#define DI_ARGS_dequantize(T, A, S) \
+    T(S, x, IN, REQ, 1, 6, DI_DTS_NONE, DI_DTS_WEIGHT_Q) \
+    T(S, out, OUT, REQ, 1, 6, DI_DTS_FLOAT, DI_DTS_NONE)
+#define DI_ARGS_rope(T, A, S) \
+    T(S, x, IN, REQ, 2, 3, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, positions, IN, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, out, OUT, REQ, 2, 3, DI_DTS_FLOAT, DI_DTS_NONE)
+#define DI_ARGS_mla_cache_write(T, A, S) \
+    T(S, latent, IN, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, k_pe, IN, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, slots, IN, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, cache, INOUT, REQ, 3, 3, DI_DTS_FLOAT, DI_DTS_NONE)
+#define DI_ARGS_mla_prefill(T, A, S) \
+    T(S, q, IN, REQ, 3, 3, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, kv, IN, REQ, 3, 3, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, k_pe, IN, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, cu_seqlens, IN, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, out, OUT, REQ, 3, 3, DI_DTS_FLOAT, DI_DTS_NONE)
+#define DI_ARGS_mla_decode(T, A, S) \
+    T(S, q, IN, REQ, 3, 3, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, wkv_b, IN, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, cache, IN, REQ, 3, 3, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, block_table, IN, REQ, 2, 2, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, token_seq, IN, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, kv_len, IN, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, out, OUT, REQ, 3, 3, DI_DTS_FLOAT, DI_DTS_NONE)
+#define DI_ARGS_moe_router(T, A, S) \
+    T(S, logits, IN, REQ, 2, 2, DI_DTS_F32, DI_DTS_NONE) \
+    T(S, bias, IN, OPT, 1, 1, DI_DTS_F32, DI_DTS_NONE) \
+    T(S, topk_ids, OUT, REQ, 2, 2, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, topk_weights, OUT, REQ, 2, 2, DI_DTS_F32, DI_DTS_NONE)
+#define DI_ARGS_moe_experts(T, A, S) \
+    T(S, x, IN, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, topk_ids, IN, REQ, 2, 2, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, topk_weights, IN, REQ, 2, 2, DI_DTS_F32, DI_DTS_NONE) \
+    A(S, w_gate, IN, OPT, 2, 2, DI_DTS_FLOAT, DI_DTS_WEIGHT_Q, num_experts) \
+    A(S, w_up, IN, OPT, 2, 2, DI_DTS_FLOAT, DI_DTS_WEIGHT_Q, num_experts) \
+    A(S, w_down, IN, OPT, 2, 2, DI_DTS_FLOAT, DI_DTS_WEIGHT_Q, num_experts) \
+    T(S, out, OUT, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE)
+#define DI_ARGS_add(T, A, S) \
+    T(S, a, IN, REQ, 0, 6, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, b, IN, REQ, 0, 6, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, out, OUT, REQ, 0, 6, DI_DTS_FLOAT, DI_DTS_NONE)
+#define DI_ARGS_mul(T, A, S) \
+    T(S, a, IN, REQ, 0, 6, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, b, IN, REQ, 0, 6, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, out, OUT, REQ, 0, 6, DI_DTS_FLOAT, DI_DTS_NONE)
+#define DI_ARGS_silu_mul(T, A, S) \
+    T(S, gate, IN, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, up, IN, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, out, OUT, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE)
+#define DI_ARGS_concat(T, A, S) \
+    T(S, a, IN, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, b, IN, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, out, OUT, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE)
+#define DI_ARGS_sample(T, A, S) \
+    T(S, logits, IN, REQ, 2, 2, DI_DTS_F32, DI_DTS_NONE) \
+    T(S, temperature, IN, REQ, 1, 1, DI_DTS_F32, DI_DTS_NONE) \
+    T(S, top_k, IN, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, top_p, IN, REQ, 1, 1, DI_DTS_F32, DI_DTS_NONE) \
+    T(S, seeds, IN, REQ, 1, 1, DI_DTS_SEED, DI_DTS_NONE) \
+    T(S, out, OUT, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE)
+
+/*
+ * The quantization formats of section 5 (abi/README.md), one row each:
+ *   F(name, q storage dtype, block_rows, block_cols, scale dtypes, asymmetric, use)
+ *   block 0 = the whole dimension; -1 = a group size of DI_GROUP_SIZES; use: W weight, A activation
+ * DI_QMAX(Q): Q(q dtype, largest magnitude) of the symmetric quantize op.
+ */
+#define DI_GROUP_SIZES(G) G(32) G(64) G(128)
+#define DI_FORMATS(F) \
+    F(int4_sym, DI_DT_I4, 1, -1, DI_DTS_SCALES_INT, 0, W) \
+    F(int4_asym, DI_DT_U4, 1, -1, DI_DTS_SCALES_INT, 1, W) \
+    F(int8_channel, DI_DT_I8, 1, 0, DI_DTS_F32, 0, W) \
+    F(fp8_block, DI_DT_E4M3, 128, 128, DI_DTS_F32, 0, W) \
+    F(fp4_g16, DI_DT_E2M1, 1, 16, DI_DTS_SCALES_FP4, 0, W) \
+    F(fp4_g32, DI_DT_E2M1, 1, 32, DI_DTS_SCALES_FP4, 0, W) \
+    F(fp8_act, DI_DT_E4M3, 1, 128, DI_DTS_F32, 0, A) \
+    F(int8_act, DI_DT_I8, 1, 0, DI_DTS_F32, 0, A)
+#define DI_QMAX(Q) \
+    Q(DI_DT_I8, 127) \
+    Q(DI_DT_I4, 7) \
+    Q(DI_DT_E4M3, 448) \
+    Q(DI_DT_E2M1, 6)
+/* DI_OPTABLE_END */
 
 #if defined(_WIN32)
 #define DI_EXPORT __declspec(dllexport)
