@@ -25,7 +25,8 @@ from deepinfer.backend import FallbackBackend, NativeBackend  # noqa: E402
 from deepinfer.errors import BackendLoadError, UnsupportedOpError  # noqa: E402
 from deepinfer.tensor import Tensor  # noqa: E402
 
-LAYOUT_JSON = Path(__file__).resolve().parent / "conformance" / "abi_layout_v1.json"
+LAYOUT_JSON = Path(__file__).resolve().parent / "conformance" / "abi_layout_v1.json"        # 1.0, frozen
+LAYOUT_JSON_CURRENT = Path(__file__).resolve().parent / "conformance" / "abi_layout_v1_1.json"
 ffi = abi.ffi
 
 
@@ -129,7 +130,7 @@ def test_ranking_by_score_and_rejections_last(build, isolated, monkeypatch):
     assert {Path(c.path).name for c in rejected} == {neg.name, bad.name}
     assert all(not c.ok and c.reason for c in rejected)
     assert "score < 0" in next(c for c in rejected if c.path == str(neg)).reason
-    assert "ABI 2.0" in next(c for c in rejected if c.path == str(bad)).reason
+    assert f"ABI 2.{abi.ABI_MINOR}" in next(c for c in rejected if c.path == str(bad)).reason
     # the best usable library is what get_backend() gives without a name
     be = loader.get_backend()
     try:
@@ -257,25 +258,50 @@ def layout_from_c(cc: str, tmp_path: Path, names: dict) -> dict:
 
 
 def test_abi_layout_is_pinned(cc, tmp_path):
+    """The compiler and cffi agree on every struct, the current version matches its pinned table, and
+    it extends 1.0 compatibly: every 1.0 struct keeps its size, alignment and field offsets, DI_Api
+    only grows at the end, and no 1.0 enum value moves."""
     if ffi.sizeof("void*") != 8:
-        pytest.skip("abi_layout_v1.json pins the LP64 layout (64-bit Linux / macOS)")
+        pytest.skip("the pinned layouts are LP64 (64-bit Linux / macOS)")
     from_cffi = layout_from_cffi()
     if os.environ.get("DEEPINFER_UPDATE_ABI_LAYOUT") == "1":   # only when a new ABI version is cut on purpose
-        LAYOUT_JSON.write_text(json.dumps(from_cffi, indent=1) + "\n")
-    pinned = json.loads(LAYOUT_JSON.read_text())
-    from_c = layout_from_c(cc, tmp_path, {n: list(s["fields"]) for n, s in pinned["structs"].items()})
+        LAYOUT_JSON_CURRENT.write_text(json.dumps(from_cffi, indent=1) + "\n")
+    from_c = layout_from_c(cc, tmp_path, {n: list(s["fields"]) for n, s in from_cffi["structs"].items()})
     # the compiler and cffi agree (cffi reads the same header; a disagreement is a cdef problem)
     assert from_c == from_cffi["structs"]
-    # and neither has drifted from the committed v1 table: appending to DI_Api is a new minor version
-    # and needs a new table; changing anything else breaks every library already built
-    assert pinned["abi_version"] == "1.0"
-    for name, want in pinned["structs"].items():
-        got = from_cffi["structs"].get(name)
-        assert got == want, f"{name} changed: {got} != {want}"
-        assert list(got["fields"]) == list(want["fields"]), f"{name}: fields reordered"
-    assert set(from_cffi["structs"]) == set(pinned["structs"]), "a struct was added or removed"
-    assert from_cffi["enums"] == pinned["enums"], "an enum value changed"
-    assert from_cffi["max_dims"] == pinned["max_dims"]
+    pinned = json.loads(LAYOUT_JSON_CURRENT.read_text())
+    assert pinned["abi_version"] == f"{abi.ABI_MAJOR}.{abi.ABI_MINOR}", \
+        "a new ABI minor needs its own pinned table (DEEPINFER_UPDATE_ABI_LAYOUT=1, reviewed)"
+    assert from_cffi == pinned, "the layout changed without a new ABI version"
+    v10 = json.loads(LAYOUT_JSON.read_text())
+    assert v10["abi_version"] == "1.0"
+    for name, old in v10["structs"].items():
+        new = from_cffi["structs"][name]
+        assert (new["size"], new["align"]) == (old["size"], old["align"]) or name == "DI_Api", \
+            f"{name} changed size: {old['size']} -> {new['size']} (1.0 libraries would reject or misread it)"
+        for f, off in old["fields"].items():
+            assert new["fields"].get(f) == off, f"{name}.{f} moved or vanished"
+        added = [f for f in new["fields"] if f not in old["fields"]]
+        assert all(new["fields"][f] >= max(old["fields"].values()) for f in added), f"{name}: a field was inserted"
+        if name != "DI_Api":
+            assert all(f.startswith("reserved") for f in added), f"{name}: 1.1 may only name its padding"
+    for enum, values in v10["enums"].items():
+        for k, v in values.items():
+            assert from_cffi["enums"][enum][k] == v, f"{enum}.{k} changed"
+    assert from_cffi["max_dims"] == v10["max_dims"]
+
+
+def test_no_struct_has_padding():
+    """Every byte of every ABI struct belongs to a named field, so appending any field changes sizeof
+    (and struct_size tells a library exactly which fields its caller knows)."""
+    for name, s in layout_from_cffi()["structs"].items():
+        t = ffi.typeof(name)
+        end = 0
+        for f, field in t.fields:
+            off = ffi.offsetof(name, f)
+            assert off == end, f"{name}: {off - end} padding byte(s) before {f}"
+            end = off + ffi.sizeof(field.type)
+        assert end == s["size"], f"{name}: {s['size'] - end} byte(s) of tail padding after its last field"
 
 
 def test_frozen_plugin_info_layout():

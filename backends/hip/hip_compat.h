@@ -107,6 +107,27 @@
 #define cudaMemcpy2DAsync          hipMemcpy2DAsync
 #define cudaMemsetAsync            hipMemsetAsync
 
+// ---- events, pinned and registered host memory (ABI 1.1) --------------------------------------------
+#define cudaEvent_t                          hipEvent_t
+#define cudaEventCreateWithFlags             hipEventCreateWithFlags
+#define cudaEventDisableTiming               hipEventDisableTiming
+#define cudaEventDestroy                     hipEventDestroy
+#define cudaEventRecord                      hipEventRecord
+#define cudaEventQuery                       hipEventQuery
+#define cudaEventSynchronize                 hipEventSynchronize
+#define cudaStreamWaitEvent                  hipStreamWaitEvent
+#define cudaErrorNotReady                    hipErrorNotReady
+#define cudaErrorInvalidValue                hipErrorInvalidValue
+#define cudaHostAlloc                        hipHostMalloc
+#define cudaHostAllocPortable                hipHostMallocPortable
+#define cudaFreeHost                         hipHostFree
+#define cudaHostRegister                     hipHostRegister
+#define cudaHostRegisterPortable             hipHostRegisterPortable
+#define cudaHostRegisterReadOnly             hipHostRegisterReadOnly
+#define cudaHostUnregister                   hipHostUnregister
+#define cudaErrorHostMemoryAlreadyRegistered hipErrorHostMemoryAlreadyRegistered
+#define cudaErrorHostMemoryNotRegistered     hipErrorHostMemoryNotRegistered
+
 // ---- streams, graphs -----------------------------------------------------------------------------
 #define cudaStreamCreateWithFlags  hipStreamCreateWithFlags
 #define cudaStreamDestroy          hipStreamDestroy

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import FLOAT, INDEX, cast, check_dim, check_tensor, f32, read, read_index, write
-
-
+from .common import cast, check_arg, check_dim, f32, read, read_index, write
 def softmax(scores: np.ndarray) -> np.ndarray:
     e = np.exp(scores - scores.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
@@ -17,10 +15,10 @@ def softmax(scores: np.ndarray) -> np.ndarray:
 def mla_cache_write(latent=None, k_pe=None, slots=None, cache=None) -> None:
     """cache[slot // BS, slot % BS] = concat(latent[t], k_pe[t]) for every slot = slots[t] >= 0."""
     op = "mla_cache_write"
-    check_tensor(op, "latent", latent, FLOAT, ndim=2)
-    check_tensor(op, "k_pe", k_pe, FLOAT, ndim=2)
-    check_tensor(op, "slots", slots, INDEX, ndim=1)
-    check_tensor(op, "cache", cache, FLOAT, ndim=3)
+    check_arg(op, "latent", latent)
+    check_arg(op, "k_pe", k_pe)
+    check_arg(op, "slots", slots)
+    check_arg(op, "cache", cache)
     (T, Dc), Dr = latent.shape, k_pe.shape[1]
     NB, BS, W = cache.shape
     check_dim(op, "k_pe.shape[0]", k_pe.shape[0], T, "latent.shape[0]")
@@ -40,11 +38,11 @@ def mla_cache_write(latent=None, k_pe=None, slots=None, cache=None) -> None:
 def mla_prefill(q=None, kv=None, k_pe=None, cu_seqlens=None, out=None, scale=None) -> None:
     """Causal attention within each packed sequence, keys and values un-absorbed."""
     op = "mla_prefill"
-    check_tensor(op, "q", q, FLOAT, ndim=3)
-    check_tensor(op, "kv", kv, FLOAT, ndim=3)
-    check_tensor(op, "k_pe", k_pe, FLOAT, ndim=2)
-    check_tensor(op, "cu_seqlens", cu_seqlens, INDEX, ndim=1)
-    check_tensor(op, "out", out, FLOAT, ndim=3)
+    check_arg(op, "q", q)
+    check_arg(op, "kv", kv)
+    check_arg(op, "k_pe", k_pe)
+    check_arg(op, "cu_seqlens", cu_seqlens)
+    check_arg(op, "out", out)
     scale = f32(scale, op, "scale")
     T, H, Dq = q.shape
     Dv = out.shape[2]
@@ -81,13 +79,13 @@ def mla_decode(q=None, wkv_b=None, cache=None, block_table=None, token_seq=None,
                scale=None) -> None:
     """Attention of each query token over its sequence's paged latent cache, kv_b_proj absorbed."""
     op = "mla_decode"
-    check_tensor(op, "q", q, FLOAT, ndim=3)
-    check_tensor(op, "wkv_b", wkv_b, FLOAT, ndim=2)
-    check_tensor(op, "cache", cache, FLOAT, ndim=3)
-    check_tensor(op, "block_table", block_table, INDEX, ndim=2)
-    check_tensor(op, "token_seq", token_seq, INDEX, ndim=1)
-    check_tensor(op, "kv_len", kv_len, INDEX, ndim=1)
-    check_tensor(op, "out", out, FLOAT, ndim=3)
+    check_arg(op, "q", q)
+    check_arg(op, "wkv_b", wkv_b)
+    check_arg(op, "cache", cache)
+    check_arg(op, "block_table", block_table)
+    check_arg(op, "token_seq", token_seq)
+    check_arg(op, "kv_len", kv_len)
+    check_arg(op, "out", out)
     scale = f32(scale, op, "scale")
     T, H, Dq = q.shape
     NB, BS, W = cache.shape

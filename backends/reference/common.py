@@ -20,8 +20,11 @@ from deepinfer import dtypes as D
 from deepinfer.errors import BackendCallError, UnsupportedOpError
 from deepinfer.tensor import Tensor
 
-FLOAT = ("f32", "bf16")          # "float" in abi/README.md section 8
-INDEX = ("int32",)
+# The dtype sets of the op table in deepinfer_abi.h (DI_DTS_*), never restated here.
+FLOAT = tuple(sorted(abi.DTYPE_SETS["DI_DTS_FLOAT"]))     # "float" in abi/README.md section 8
+INDEX = tuple(sorted(abi.DTYPE_SETS["DI_DTS_INDEX"]))
+SCALE_DTYPES = abi.DTYPE_SETS["DI_DTS_SCALES"]
+ZERO_DTYPES = abi.DTYPE_SETS["DI_DTS_ZEROS"]
 
 
 def unsupported(op: str, message: str) -> UnsupportedOpError:
@@ -97,6 +100,59 @@ def check_tensor(op: str, name: str, t, dtypes: Optional[Iterable[str]] = None,
                 raise unsupported(op, f"{name}.dtype={t.dtype.name} is not supported (takes {', '.join(allowed)})")
             raise TypeError(f"{op}: {name}.dtype={t.dtype.name}, expected {' or '.join(allowed)}")
     return t
+
+
+def _check_dtype_in(op: str, name: str, dt, allowed) -> None:
+    """README section 8: another float where floats are taken is UNIMPLEMENTED, else INVALID."""
+    if dt.name in allowed:
+        return
+    names = sorted(allowed, key=lambda n: list(abi.DTYPE_IDS).index(n))
+    if dt.is_float and any(D.get(a).is_float for a in allowed):
+        raise unsupported(op, f"{name}.dtype={dt.name} is not supported (takes {', '.join(names)})")
+    raise TypeError(f"{op}: {name}.dtype={dt.name}, expected {' or '.join(names)}")
+
+
+def check_arg(op: str, name: str, t, label: Optional[str] = None) -> Optional[Tensor]:
+    """Checks tensor argument `name` of `op` against its row of the op table (DI_ARGS_<op> in
+    deepinfer_abi.h): presence, rank, dtype, and the quantization descriptor's own rules.
+    `label` names an element of a descriptor array in messages ("w_gate[3]")."""
+    spec = abi.OP_SPECS[op].arg(name)
+    label = label or name
+    if t is None:
+        if spec.optional:
+            return None
+        raise ValueError(f"{op}: {label} is required")
+    lo, hi = spec.ndim
+    check_tensor(op, label, t, None, ndim=range(lo, hi + 1), quant_ok=True)
+    q = t.quant
+    if q is None:
+        if not spec.plain:
+            raise ValueError(f"{op}: {label} has no quantization descriptor (dtype {t.dtype.name}); it must be quantized")
+        _check_dtype_in(op, label, t.dtype, spec.plain)
+        return t
+    if not spec.quant:
+        raise unsupported(op, f"{label} is quantized ({q.describe(t.dtype)}); this argument takes plain values")
+    if t.dtype.name not in spec.quant:
+        raise unsupported(op, f"{label}: quantized storage dtype {t.dtype.name} is not a format of this argument "
+                              f"(takes {', '.join(sorted(spec.quant))})")
+    for part, s, allowed in (("scales", q.scales, SCALE_DTYPES), ("zeros", q.zeros, ZERO_DTYPES)):
+        if s is None:
+            continue
+        check_tensor(op, f"{label}.{part}", s, None, ndim=t.ndim)
+        _check_dtype_in(op, f"{label}.{part}", s.dtype, allowed)
+    return t
+
+
+def check_op_args(op: str, kwargs: dict) -> None:
+    """Every tensor argument of one call against the op table (the ops' own checks add the shape rules)."""
+    for spec in abi.OP_SPECS[op].args:
+        v = kwargs.get(spec.name)
+        if spec.is_array:
+            for i, t in enumerate(v or ()):
+                if t is not None and (not isinstance(t, Tensor) or t.buffer is not None):
+                    check_arg(op, spec.name, t, f"{spec.name}[{i}]")
+        else:
+            check_arg(op, spec.name, v)
 
 
 def span_bytes(t: Tensor) -> int:

@@ -5,7 +5,7 @@ import numpy as np
 
 from deepinfer.tensor import Tensor
 
-from .common import FLOAT, check_dim, check_shape, check_tensor, read, unsupported, write
+from .common import check_arg, check_dim, check_shape, read, unsupported, write
 from .quant import dequantize_array
 
 # activation formats of x: (q dtype, block) pairs, symmetric, f32 scales
@@ -21,14 +21,14 @@ def weight_values(op: str, name: str, w: Tensor) -> np.ndarray:
 
 def linear(x=None, w=None, bias=None, out=None) -> None:
     op = "linear"
-    check_tensor(op, "x", x, FLOAT, ndim=2, quant_ok=True)
-    check_tensor(op, "w", w, FLOAT, ndim=2, quant_ok=True)
-    check_tensor(op, "out", out, FLOAT, ndim=2)
+    check_arg(op, "x", x)
+    check_arg(op, "w", w)
+    check_arg(op, "out", out)
     (M, K), N = x.shape, w.shape[0]
     check_dim(op, "w.shape[1]", w.shape[1], K, "x.shape[1]")
     check_shape(op, "out", out, (M, N))
     if bias is not None:
-        check_tensor(op, "bias", bias, FLOAT, ndim=1)
+        check_arg(op, "bias", bias)
         check_dim(op, "bias.shape[0]", bias.shape[0], N, "w.shape[0]")
     if x.quant is not None:
         fmt = (x.dtype.name, tuple(int(b) for b in x.quant.block))

@@ -5,8 +5,8 @@ import numpy as np
 
 from deepinfer import abi
 
-from .common import (FLOAT, INDEX, check_dim, check_shape, check_tensor, f32, failed_precondition, i32, read,
-                     read_index, unsupported, write)
+from .common import (check_arg, check_dim, check_shape, f32, failed_precondition, i32, read, read_index, unsupported,
+                     write)
 from .elementwise import silu
 from .linear import weight_values
 
@@ -25,15 +25,15 @@ def top_indices(values: np.ndarray, k: int) -> np.ndarray:
 def moe_router(logits=None, bias=None, topk_ids=None, topk_weights=None, scoring=None, n_group=None,
                topk_group=None, group_score=None, norm_topk_prob=None, routed_scaling_factor=None) -> None:
     op = "moe_router"
-    check_tensor(op, "logits", logits, ("f32",), ndim=2)
-    check_tensor(op, "topk_ids", topk_ids, INDEX, ndim=2)
-    check_tensor(op, "topk_weights", topk_weights, ("f32",), ndim=2)
+    check_arg(op, "logits", logits)
+    check_arg(op, "topk_ids", topk_ids)
+    check_arg(op, "topk_weights", topk_weights)
     T, E = logits.shape
     K = topk_ids.shape[1]
     check_dim(op, "topk_ids.shape[0]", topk_ids.shape[0], T, "logits.shape[0]")
     check_shape(op, "topk_weights", topk_weights, (T, K))
     if bias is not None:
-        check_tensor(op, "bias", bias, ("f32",), ndim=1)
+        check_arg(op, "bias", bias)
         check_dim(op, "bias.shape[0]", bias.shape[0], E, "logits.shape[1]")
     scoring, group_score = i32(scoring, op, "scoring"), i32(group_score, op, "group_score")
     n_group, topk_group = i32(n_group, op, "n_group"), i32(topk_group, op, "topk_group")
@@ -94,10 +94,10 @@ def moe_experts(x=None, topk_ids=None, topk_weights=None, num_experts=None, accu
                 w_gate=None, w_up=None, w_down=None, out=None) -> None:
     """out[t] (+)= sum_k w[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]) for e = topk_ids[t, k] in [0, E)."""
     op = "moe_experts"
-    check_tensor(op, "x", x, FLOAT, ndim=2)
-    check_tensor(op, "topk_ids", topk_ids, INDEX, ndim=2)
-    check_tensor(op, "topk_weights", topk_weights, ("f32",), ndim=2)
-    check_tensor(op, "out", out, FLOAT, ndim=2)
+    check_arg(op, "x", x)
+    check_arg(op, "topk_ids", topk_ids)
+    check_arg(op, "topk_weights", topk_weights)
+    check_arg(op, "out", out)
     T, H = x.shape
     K = topk_ids.shape[1]
     check_dim(op, "topk_ids.shape[0]", topk_ids.shape[0], T, "x.shape[0]")
@@ -119,7 +119,7 @@ def moe_experts(x=None, topk_ids=None, topk_weights=None, num_experts=None, accu
         if not all(resident(w[e]) for w in (w_gate, w_up, w_down)):
             raise failed_precondition(op, f"expert {e} not resident")
         for name, w in (("w_gate", w_gate[e]), ("w_up", w_up[e]), ("w_down", w_down[e])):
-            check_tensor(op, f"{name}[{e}]", w, FLOAT, ndim=2, quant_ok=True)
+            check_arg(op, name, w, f"{name}[{e}]")
         I = w_gate[e].shape[0]
         check_shape(op, f"w_gate[{e}]", w_gate[e], (I, H))
         check_shape(op, f"w_up[{e}]", w_up[e], (I, H))

@@ -3,24 +3,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import FLOAT, check_dim, check_shape, check_tensor, f32, read, write
-
-
+from .common import check_arg, check_dim, check_shape, f32, read, write
 def rmsnorm(x=None, weight=None, residual=None, out=None, residual_out=None, eps=None) -> None:
     """s = x + residual (an f32 sum); residual_out = s; out = s * rsqrt(mean(s^2) + eps) * weight."""
     op = "rmsnorm"
-    check_tensor(op, "x", x, FLOAT, ndim=2)
-    check_tensor(op, "weight", weight, FLOAT, ndim=1)
-    check_tensor(op, "out", out, FLOAT, ndim=2)
+    check_arg(op, "x", x)
+    check_arg(op, "weight", weight)
+    check_arg(op, "out", out)
     eps = f32(eps, op, "eps")
     T, H = x.shape
     check_dim(op, "weight.shape[0]", weight.shape[0], H, "x.shape[1]")
     check_shape(op, "out", out, (T, H))
     if residual is not None:
-        check_tensor(op, "residual", residual, FLOAT, ndim=2)
+        check_arg(op, "residual", residual)
         check_shape(op, "residual", residual, (T, H))
     if residual_out is not None:
-        check_tensor(op, "residual_out", residual_out, FLOAT, ndim=2)
+        check_arg(op, "residual_out", residual_out)
         check_shape(op, "residual_out", residual_out, (T, H))
     if eps < 0:
         raise ValueError(f"{op}: eps={eps} is negative")

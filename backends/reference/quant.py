@@ -12,15 +12,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from deepinfer import abi
 from deepinfer import dtypes as D
 from deepinfer.tensor import Quant, Tensor
 
-from .common import FLOAT, cast, check_tensor, i32, read, unsupported, write
-
-Q_DTYPES = ("int4", "uint4", "int8", "uint8", "e4m3", "e5m2", "e2m1")
-SCALE_DTYPES = ("f32", "bf16", "f16", "e8m0", "e4m3")
-QUANTIZE_OUT_DTYPES = ("int8", "int4", "e4m3", "e2m1")   # the qmax list of the quantize op
-ASYMMETRIC_DTYPES = ("uint4", "uint8")
+from .common import cast, check_arg, check_tensor, i32, read, unsupported, write
+# the op table's sets (deepinfer_abi.h): quantized storage, scales, and the quantize op's outputs
+Q_DTYPES = tuple(sorted(abi.DTYPE_SETS["DI_DTS_WEIGHT_Q"]))
+SCALE_DTYPES = tuple(sorted(abi.DTYPE_SETS["DI_DTS_SCALES"]))
+QUANTIZE_OUT_DTYPES = tuple(sorted(abi.QMAX))     # DI_QMAX: the formats quantize writes, with their qmax
+ASYMMETRIC_DTYPES = tuple(sorted({f.q_dtype for f in abi.FORMATS if f.asymmetric} | {"uint8"}))
 
 
 @dataclass
@@ -118,8 +119,8 @@ def dequantize_array(t: Tensor, op: str = "dequantize", name: str = "x") -> np.n
 
 def dequantize(x=None, out=None) -> None:
     op = "dequantize"
-    check_tensor(op, "x", x, quant_ok=True)
-    check_tensor(op, "out", out, FLOAT)
+    check_arg(op, "x", x)
+    check_arg(op, "out", out)
     if x.quant is None:
         raise ValueError(f"{op}: x has no quantization descriptor (dtype {x.dtype.name})")
     if tuple(out.shape) != tuple(x.shape):
@@ -211,8 +212,8 @@ def quantize_array(x: np.ndarray, qdtype, block, scale_dtype, scale_pow2: bool =
 
 def quantize(x=None, out=None, scale_pow2=None) -> None:
     op = "quantize"
-    check_tensor(op, "x", x, FLOAT)
-    check_tensor(op, "out", out, quant_ok=True)
+    check_arg(op, "x", x)
+    check_arg(op, "out", out)
     pow2 = i32(scale_pow2, op, "scale_pow2") != 0
     if tuple(out.shape) != tuple(x.shape):
         raise ValueError(f"{op}: out.shape={list(out.shape)} != x.shape={list(x.shape)}")

@@ -10,8 +10,7 @@ import numpy as np
 
 from deepinfer import abi
 
-from .common import FLOAT, INDEX, check_dim, check_shape, check_tensor, f32, i32, read, read_index, unsupported, write
-
+from .common import check_arg, check_dim, check_shape, f32, i32, read, read_index, unsupported, write
 ROPE_NONE = abi.const("DI_ROPE_NONE")
 ROPE_YARN = abi.const("DI_ROPE_YARN")
 
@@ -41,9 +40,9 @@ def inv_freq(dim: int, theta: float, scaling: int = ROPE_NONE, factor: float = 1
 def rope(x=None, positions=None, out=None, interleaved=None, scaling=None, theta=None, factor=None,
          original_max_position=None, beta_fast=None, beta_slow=None, attn_factor=None) -> None:
     op = "rope"
-    check_tensor(op, "x", x, FLOAT, ndim=(2, 3))
-    check_tensor(op, "positions", positions, INDEX, ndim=1)
-    check_tensor(op, "out", out, FLOAT)
+    check_arg(op, "x", x)
+    check_arg(op, "positions", positions)
+    check_arg(op, "out", out)
     check_shape(op, "out", out, x.shape)
     check_dim(op, "positions.shape[0]", positions.shape[0], x.shape[0], "x.shape[0]")
     interleaved = i32(interleaved, op, "interleaved") != 0

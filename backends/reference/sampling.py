@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import check_dim, check_tensor, read, read_index, write
-
+from .common import check_arg, check_dim, read, read_index, write
 MASK64 = (1 << 64) - 1
 
 
@@ -41,11 +40,11 @@ def sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
 
 def sample(logits=None, temperature=None, top_k=None, top_p=None, seeds=None, out=None) -> None:
     op = "sample"
-    check_tensor(op, "logits", logits, ("f32",), ndim=2)
+    check_arg(op, "logits", logits)
     B, V = logits.shape
     for name, t, dt in (("temperature", temperature, "f32"), ("top_k", top_k, "int32"), ("top_p", top_p, "f32"),
                         ("seeds", seeds, "uint64"), ("out", out, "int32")):
-        check_tensor(op, name, t, (dt,), ndim=1)
+        check_arg(op, name, t)
         check_dim(op, f"{name}.shape[0]", t.shape[0], B, "logits.shape[0]")
     if V == 0 and B > 0:
         raise ValueError(f"{op}: logits.shape[1]=0: nothing to sample from")

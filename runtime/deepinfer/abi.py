@@ -6,7 +6,9 @@ args struct are all read from it here, never restated by hand.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import cffi
 
@@ -67,22 +69,142 @@ SUPPORT_NO = const("DI_SUPPORT_NO")
 SUPPORT_YES = const("DI_SUPPORT_YES")
 SUPPORT_SLOW = const("DI_SUPPORT_SLOW")
 
+# ---------------------------------------------------------------------------- the op table
+# DI_OPS and DI_ARGS_<op> (after DI_CDEF_END) are the one statement of every op's arguments; the
+# same lines drive deepinfer_abi_check.h in C. Parsed here, cross-checked against the cdef.
+
+DT_ID_NAMES = {  # enum DI_DTypeId -> the runtime's dtype names (deepinfer.dtypes)
+    "F32": "f32", "F16": "f16", "BF16": "bf16", "E4M3": "e4m3", "E5M2": "e5m2", "E8M0": "e8m0",
+    "E2M1": "e2m1", "I4": "int4", "U4": "uint4", "I8": "int8", "U8": "uint8", "I32": "int32",
+    "I64": "int64", "U64": "uint64",
+}
+DTYPE_IDS = {DT_ID_NAMES[k]: const("DI_DT_" + k) for k in DT_ID_NAMES}
+
+
+@dataclass(frozen=True)
+class ArgSpec:
+    """One row of DI_ARGS_<op>: a DI_Tensor field (or an array of them) and what it may hold."""
+
+    name: str
+    role: str               # "in", "out", "inout"
+    optional: bool
+    ndim: tuple             # (lo, hi)
+    plain: frozenset        # dtype names without a quant descriptor (empty: must be quantized)
+    quant: frozenset        # storage dtype names with one (empty: plain values only)
+    count: Optional[str] = None   # arrays: the int field holding the number of descriptors
+
+    @property
+    def is_array(self) -> bool:
+        return self.count is not None
+
+    @property
+    def written(self) -> bool:
+        return self.role in ("out", "inout")
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    id: int
+    name: str
+    struct: str
+    since_minor: int
+    args: tuple             # ArgSpec rows in field order
+
+    def arg(self, name: str) -> ArgSpec:
+        for a in self.args:
+            if a.name == name:
+                return a
+        raise KeyError(f"{self.name} has no tensor argument {name!r}")
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """One row of DI_FORMATS: a named block-quantization format of abi/README.md section 5."""
+
+    name: str
+    q_dtype: str
+    block_rows: int         # 0: the whole dimension
+    block_cols: int         # 0: the whole dimension; -1: any of GROUP_SIZES
+    scale_dtypes: frozenset
+    asymmetric: bool
+    use: str                # "W" weights, "A" activations
+
+
+def _optable_text(text: str) -> str:
+    m = re.search(r"/\* DI_OPTABLE_BEGIN(.*)/\* DI_OPTABLE_END \*/", text, re.S)
+    if not m:
+        raise RuntimeError("deepinfer_abi.h lacks the DI_OPTABLE_BEGIN/END block")
+    return m.group(1)
+
+
+def _dtype_sets(block: str) -> dict[str, frozenset]:
+    sets = {}
+    for name, body in re.findall(r"#define (DI_DTS_\w+)\s+(.*)", block):
+        sets[name] = frozenset(DT_ID_NAMES[d] for d in re.findall(r"DI_DT_(\w+)", body))
+    return sets
+
+
+def _parse_optable(text: str):
+    block = _optable_text(text)
+    sets = _dtype_sets(block)
+    ops = []
+    for enum, name, struct, minor in re.findall(r"^\s*X\((DI_OP_\w+), (\w+), (\w+), (\d+)\)", block, re.M):
+        m = re.search(rf"#define DI_ARGS_{name}\(T, A, S\)((?:\s*\\\n\s*[TA]\(S,[^)]*\))+)", block)
+        if not m:
+            raise RuntimeError(f"deepinfer_abi.h: no DI_ARGS_{name}(T, A, S) rows")
+        rows = []
+        for kind, body in re.findall(r"([TA])\(S, ([^)]*)\)", m.group(1)):
+            f = [x.strip() for x in body.split(",")]
+            rows.append(ArgSpec(name=f[0], role=f[1].lower(), optional=f[2] == "OPT", ndim=(int(f[3]), int(f[4])),
+                                plain=sets[f[5]], quant=sets[f[6]], count=f[7] if kind == "A" else None))
+        ops.append(OpSpec(const(enum), name, struct, int(minor), tuple(rows)))
+    formats = []
+    for row in re.findall(r"^\s*F\((\w+), DI_DT_(\w+), (-?\d+), (-?\d+), (DI_DTS_\w+), ([01]), ([WA])\)", block, re.M):
+        formats.append(QuantFormat(row[0], DT_ID_NAMES[row[1]], int(row[2]), int(row[3]), sets[row[4]],
+                                   row[5] == "1", row[6]))
+    qmax = {DT_ID_NAMES[d]: float(v) for d, v in re.findall(r"^\s*Q\(DI_DT_(\w+), (\d+)\)", block, re.M)}
+    groups = tuple(int(g) for g in re.findall(r"G\((\d+)\)", re.search(r"#define DI_GROUP_SIZES\(G\)(.*)", block).group(1)))
+    return ops, sets, formats, qmax, groups
+
+
+_OPSPECS, DTYPE_SETS, FORMATS, QMAX, GROUP_SIZES = _parse_optable(HEADER_TEXT)
+OP_SPECS: dict[str, OpSpec] = {o.name: o for o in _OPSPECS}
+
 _API_FIELDS = [name for name, _ in ffi.typeof("DI_Api").fields]
 _FIRST_OP = _API_FIELDS.index("embedding")
+_LAST_OP = _FIRST_OP + len(_OPSPECS)
 
 # op name -> (op id, args struct C name, [(field name, ctype), ...] without the header)
 OPS: dict[str, tuple[int, str, list]] = {}
-for _i, (_name, _field) in enumerate(ffi.typeof("DI_Api").fields[_FIRST_OP:]):
-    _args_ptr = _field.type.args[1]
-    _struct = _args_ptr.item
-    _fields = [(fn, ff.type) for fn, ff in _struct.fields if fn != "header"]
+for _i, (_name, _field) in enumerate(ffi.typeof("DI_Api").fields[_FIRST_OP:_LAST_OP]):
+    _spec = _OPSPECS[_i]
+    if _spec.name != _name or _spec.id != _i:
+        raise RuntimeError(f"deepinfer_abi.h: DI_OPS row {_i} is {_spec.name} (id {_spec.id}) but DI_Api entry "
+                           f"{_FIRST_OP + _i} is {_name}")
+    _struct = _field.type.args[1].item
+    if _struct.cname != _spec.struct:
+        raise RuntimeError(f"deepinfer_abi.h: DI_OPS says {_name} takes {_spec.struct}, DI_Api says {_struct.cname}")
+    # named `reserved` fields are padding made explicit (always zero): not arguments
+    _fields = [(fn, ff.type) for fn, ff in _struct.fields if fn != "header" and not fn.startswith("reserved")]
     OPS[_name] = (_i, _struct.cname, _fields)
     _enum_name = "DI_OP_" + _name.upper()
     if const(_enum_name) != _i:
         raise RuntimeError(f"{_enum_name} does not match the order of DI_Api in deepinfer_abi.h")
+    _tensor_fields = [fn for fn, ft in _fields if ft.cname == "DI_Tensor" or
+                      (ft.kind == "pointer" and ft.item.cname == "DI_Tensor")]
+    if _tensor_fields != [a.name for a in _spec.args]:
+        raise RuntimeError(f"deepinfer_abi.h: DI_ARGS_{_name} rows {[a.name for a in _spec.args]} do not match the "
+                           f"DI_Tensor fields of {_struct.cname} {_tensor_fields}")
 
 OP_NAMES = list(OPS)
-API_NON_OP_FIELDS = _API_FIELDS[4:_FIRST_OP]
+API_NON_OP_FIELDS = _API_FIELDS[4:_FIRST_OP] + _API_FIELDS[_LAST_OP:]
+# entries appended in 1.1 (a 1.0 library's table ends before them)
+API_V1_1_FIELDS = _API_FIELDS[_LAST_OP:]
+
+
+def output_fields(op: str) -> list[str]:
+    """Tensor fields the op writes (role OUT or INOUT)."""
+    return [a.name for a in OP_SPECS[op].args if a.written]
 
 
 def op_fields(op: str) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -23,6 +24,7 @@ from .tensor import DeviceBuffer, Quant, Tensor
 log = logging.getLogger("deepinfer")
 
 ffi = abi.ffi
+_DESC_SIZE = ffi.sizeof("DI_Tensor")
 
 
 @dataclass
@@ -104,6 +106,128 @@ class Backend:
     def close(self) -> None:
         pass
 
+    # ------------------------------------------------------------------ streams, events, host memory (ABI 1.1)
+    # A host backend runs every op to completion before returning, so its streams are names, its
+    # events are reached the moment they are recorded and every copy is done when it returns.
+    def create_stream(self) -> "Stream":
+        return Stream(self, None)
+
+    def create_event(self) -> "Event":
+        return Event(self, None)
+
+    def host_empty(self, shape, dtype) -> Tensor:
+        """Host memory the device copies from asynchronously (pinned where the backend has it)."""
+        return Tensor.empty(shape, dtype)
+
+    def register_host(self, arr: np.ndarray) -> "HostRegistration":
+        """Lets the device copy from an existing host range (an mmap'd checkpoint) asynchronously."""
+        return HostRegistration(self, arr, None)
+
+    def copy_async(self, dst: Tensor, src: Tensor, stream: Optional["Stream"] = None) -> None:
+        """Copy src into dst (same bytes, both contiguous) on `stream`; returns at once. Both must stay
+        alive and unchanged until an event recorded after it on that stream is reached."""
+        _check_copy(dst, src)
+        dst.numpy()[...] = src.numpy()
+
+    def device_count(self) -> int:
+        return 1
+
+    def memory_info(self) -> tuple[int, int]:
+        """(free, total) bytes of the memory this backend allocates from."""
+        from .precision import memory_budget  # /proc/meminfo
+        free, _ = memory_budget(None)
+        return free, free
+
+
+def _check_copy(dst: Tensor, src: Tensor) -> None:
+    if not (dst.is_contiguous() and src.is_contiguous()) or dst.nbytes != src.nbytes:
+        raise ValueError(f"copy_async: {src!r} -> {dst!r} needs two contiguous tensors of the same size")
+
+
+class Stream:
+    """A backend's stream (handle None: the default stream)."""
+
+    def __init__(self, backend: "Backend", handle):
+        self.backend, self.handle = backend, handle
+
+    def synchronize(self) -> None:
+        if self.handle is not None:
+            self.backend._stream_sync(self.handle)
+
+    def wait(self, event: "Event") -> None:
+        """Work issued on this stream after this call starts only once `event` is reached."""
+        if event.handle is not None:
+            self.backend._stream_wait(self.handle, event.handle)
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.backend._stream_destroy(self.handle)
+            self.handle = None
+
+
+class Event:
+    """A point in a stream's work: record it, make other streams wait for it, or test it."""
+
+    def __init__(self, backend: "Backend", handle):
+        self.backend, self.handle = backend, handle
+
+    def record(self, stream: Optional[Stream] = None) -> None:
+        if self.handle is not None:
+            self.backend._event_record(self.handle, stream.handle if stream else None)
+
+    def query(self) -> bool:
+        return True if self.handle is None else self.backend._event_query(self.handle)
+
+    def synchronize(self) -> None:
+        if self.handle is not None:
+            self.backend._event_sync(self.handle)
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.backend._event_destroy(self.handle)
+            self.handle = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class HostRegistration:
+    """A host range registered with a backend; unregistered by close() or on leaving a `with` block."""
+
+    def __init__(self, backend: "Backend", arr: np.ndarray, ptr):
+        self.backend, self.array, self.ptr = backend, arr, ptr
+
+    def close(self) -> None:
+        if self.ptr is not None:
+            self.backend._host_unregister(self.ptr)
+            self.ptr = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class HostBuffer:
+    """Pinned host memory from host_alloc (the numpy view of a host_empty tensor keeps it alive)."""
+
+    __slots__ = ("ptr", "nbytes", "backend", "__weakref__")
+
+    def __init__(self, ptr: int, nbytes: int, backend):
+        self.ptr, self.nbytes, self.backend = ptr, nbytes, backend
+
+    def __del__(self):
+        if self.backend is not None and self.ptr:
+            try:
+                self.backend._host_free(self.ptr)
+            except Exception:
+                pass
+            self.ptr = 0
+
 
 # ====================================================================== native (ABI) backends
 
@@ -123,6 +247,10 @@ class NativeBackend(Backend):
         ctx = ffi.new("DI_Context**")
         self._check("context_create", api.context_create(opts, ctx), ctx=ffi.NULL)
         self._ctx = ctx[0]
+        self._device_id = device_id
+        # marshalled descriptors of long-lived tensors (weights): filled once, shared by every plan
+        self._desc_cache: "weakref.WeakKeyDictionary[Tensor, tuple]" = weakref.WeakKeyDictionary()
+        self._array_cache: dict = {}
         self._device_type = abi.const("DI_DEVICE_CPU") if info.device == "cpu" else None
         self._workspace: Optional[DeviceBuffer] = None
         info.attributes = self.attributes()
@@ -156,7 +284,7 @@ class NativeBackend(Backend):
             return out
         buf = ffi.new("char[]", 512)
         for key in ("name", "version", "abi.version", "device.type", "device.name", "device.sm_count", "device.memory_bytes",
-                    "device.arch", "cpu.features", "threads"):
+                    "device.memory_free_bytes", "device.memory_total_bytes", "device.arch", "cpu.features", "threads"):
             if self._api.get_attribute(self._ctx, key.encode(), buf, 512) == abi.OK:
                 out[key] = ffi.string(buf).decode("utf-8", "replace")
         return out
@@ -229,6 +357,105 @@ class NativeBackend(Backend):
         if self._has("stream_synchronize"):
             self._check("stream_synchronize", self._api.stream_synchronize(self._ctx, ffi.NULL))
 
+    # -- streams, events, host memory, async copies (ABI 1.1)
+    def _need(self, *entries: str) -> None:
+        missing = [e for e in entries if not self._has(e)]
+        if missing:
+            raise UnsupportedOpError(missing[0], abi.UNIMPLEMENTED, "UNIMPLEMENTED",
+                                     f"backend {self.name!r} (ABI {self.info.abi_version}) lacks {', '.join(missing)}")
+
+    def create_stream(self) -> Stream:
+        self._need("stream_create", "stream_destroy")
+        p = ffi.new("DI_Stream*")
+        self._check("stream_create", self._api.stream_create(self._ctx, p))
+        return Stream(self, p[0])
+
+    def _stream_sync(self, h) -> None:
+        self._check("stream_synchronize", self._api.stream_synchronize(self._ctx, h))
+
+    def _stream_destroy(self, h) -> None:
+        if self._ctx is not None:
+            self._check("stream_destroy", self._api.stream_destroy(self._ctx, h))
+
+    def _stream_wait(self, h, ev) -> None:
+        self._check("stream_wait_event", self._api.stream_wait_event(self._ctx, h, ev))
+
+    def create_event(self) -> Event:
+        self._need("event_create", "event_destroy", "event_record", "stream_wait_event", "event_query",
+                   "event_synchronize")
+        p = ffi.new("DI_Event*")
+        self._check("event_create", self._api.event_create(self._ctx, p))
+        return Event(self, p[0])
+
+    def _event_record(self, ev, stream) -> None:
+        self._check("event_record", self._api.event_record(self._ctx, ev, stream if stream is not None else ffi.NULL))
+
+    def _event_query(self, ev) -> bool:
+        done = ffi.new("int32_t*")
+        self._check("event_query", self._api.event_query(self._ctx, ev, done))
+        return bool(done[0])
+
+    def _event_sync(self, ev) -> None:
+        self._check("event_synchronize", self._api.event_synchronize(self._ctx, ev))
+
+    def _event_destroy(self, ev) -> None:
+        if self._ctx is not None:
+            self._check("event_destroy", self._api.event_destroy(self._ctx, ev))
+
+    def host_empty(self, shape, dtype) -> Tensor:
+        """Pinned host memory (host_alloc); freed when the last view of it goes."""
+        self._need("host_alloc", "host_free")
+        t = Tensor(None, shape, dtype)
+        n = max(t.nbytes, 1)
+        p = ffi.new("void**")
+        self._check("host_alloc", self._api.host_alloc(self._ctx, n, p))
+        api, me = self._api, self
+
+        def free(ptr):
+            if me._ctx is not None:
+                api.host_free(me._ctx, ptr)
+
+        owned = ffi.gc(ffi.cast("char*", p[0]), free)
+        raw = np.frombuffer(ffi.buffer(owned, n), np.uint8)   # the buffer keeps `owned` alive
+        t.buffer = raw
+        return t
+
+    def register_host(self, arr: np.ndarray) -> HostRegistration:
+        self._need("host_register", "host_unregister")
+        if not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous:
+            raise ValueError("register_host needs a contiguous NumPy array")
+        ptr = ffi.cast("void*", arr.ctypes.data)
+        self._check("host_register", self._api.host_register(self._ctx, ptr, max(arr.nbytes, 1)))
+        return HostRegistration(self, arr, ptr)
+
+    def _host_unregister(self, ptr) -> None:
+        if self._ctx is not None:
+            self._check("host_unregister", self._api.host_unregister(self._ctx, ptr))
+
+    def copy_async(self, dst: Tensor, src: Tensor, stream: Optional[Stream] = None) -> None:
+        _check_copy(dst, src)
+        kind = {(True, False): "DI_COPY_HOST_TO_DEVICE", (False, True): "DI_COPY_DEVICE_TO_HOST",
+                (False, False): "DI_COPY_DEVICE_TO_DEVICE", (True, True): "DI_COPY_HOST_TO_HOST"}[
+            (src.on_host, dst.on_host)]
+        h = stream.handle if stream is not None and stream.handle is not None else ffi.NULL
+        entry = "mem_copy_async" if self._has("mem_copy_async") else "mem_copy"
+        self._check(entry, getattr(self._api, entry)(
+            self._ctx, ffi.cast("void*", dst.data_ptr + dst.offset), ffi.cast("void*", src.data_ptr + src.offset),
+            dst.nbytes, abi.const(kind), h))
+
+    def device_count(self) -> int:
+        if not self._has("device_count"):
+            return 1
+        n = ffi.new("int32_t*")
+        self._check("device_count", self._api.device_count(n), ctx=ffi.NULL)
+        return int(n[0])
+
+    def memory_info(self) -> tuple[int, int]:
+        a = self.attributes()
+        total = int(a.get("device.memory_total_bytes", a.get("device.memory_bytes", 0)))
+        free = int(a.get("device.memory_free_bytes", total))
+        return free, total
+
     def close(self) -> None:
         if getattr(self, "_ctx", None) is not None:
             self._workspace = None
@@ -247,11 +474,52 @@ class NativeBackend(Backend):
             return  # ffi.new zero-fills: data NULL = absent
         if not isinstance(t, Tensor):
             raise TypeError(f"{what} must be a deepinfer Tensor, got {type(t).__name__}")
+        # every tensor's descriptor is filled once for its life (tensors are immutable views): a plan
+        # for a new batch shape copies the weights' descriptors instead of marshalling them again
+        hit = self.descriptor(t, what)
+        ffi.memmove(ffi.addressof(c), hit[0], _DESC_SIZE)
+        keep.append(hit)
+
+    def descriptor(self, t: Tensor, what: str = "tensor"):
+        """(DI_Tensor*, keep) of a tensor, marshalled once and cached for the tensor's life."""
+        hit = self._desc_cache.get(t)
+        if hit is None:
+            d = ffi.new("DI_Tensor*")
+            keep: list = []
+            self._fill_new(d, t, keep, what)
+            hit = (d, keep)
+            self._desc_cache[t] = hit
+        return hit
+
+    def descriptor_array(self, ts: list, what: str):
+        """A DI_Tensor[] of many long-lived tensors (an op's per-expert weights), shared by every plan
+        that passes the same tensors; entries for None stay zero (data NULL: not resident)."""
+        key = tuple(id(t) for t in ts)
+        hit = self._array_cache.get(key)
+        if hit is not None and all(r() is t for r, t in zip(hit[2], ts) if t is not None):
+            return hit
+        arr = ffi.new("DI_Tensor[]", max(len(ts), 1))
+        keep: list = [arr]
+        refs = []
+        for i, t in enumerate(ts):
+            refs.append(weakref.ref(t) if t is not None else (lambda: None))
+            if t is None:
+                continue
+            d = self.descriptor(t, f"{what}[{i}]")
+            ffi.memmove(ffi.addressof(arr, i), d[0], _DESC_SIZE)
+            keep.append(d)
+        hit = (arr, keep, refs)
+        if len(self._array_cache) > 4096:   # stale keys of freed models: start over
+            self._array_cache.clear()
+        self._array_cache[key] = hit
+        return hit
+
+    def _fill_new(self, c, t: Tensor, keep: list, what: str) -> None:
         if t.ndim > abi.MAX_DIMS:
             raise ValueError(f"{what} has {t.ndim} dims; the ABI allows {abi.MAX_DIMS}")
         c.data = ffi.cast("void*", t.data_ptr)
         c.device_type = abi.const("DI_DEVICE_CPU") if t.on_host else self._device_type
-        c.device_id = 0
+        c.device_id = 0 if t.on_host else self._device_id
         c.ndim = t.ndim
         c.dtype.code, c.dtype.bits, c.dtype.lanes = t.dtype.code, t.dtype.bits, 1
         for i, (n, s) in enumerate(zip(t.shape, t.strides)):
@@ -264,8 +532,9 @@ class NativeBackend(Backend):
             q.scheme = abi.const("DI_QUANT_BLOCK")
             q.block_rows, q.block_cols = t.quant.block
             q.nibble_order = abi.const("DI_NIBBLE_LOW_FIRST")
-            self._fill_tensor(q.scales, t.quant.scales, keep, what + ".scales")
-            self._fill_tensor(q.zeros, t.quant.zeros, keep, what + ".zeros")
+            self._fill_new(q.scales, t.quant.scales, keep, what + ".scales")
+            if t.quant.zeros is not None:
+                self._fill_new(q.zeros, t.quant.zeros, keep, what + ".zeros")
             c.quant = q
 
     def _marshal(self, op: str, kwargs: dict):
@@ -280,11 +549,12 @@ class NativeBackend(Backend):
             elif ctype.kind == "pointer" and ctype.item.cname == "DI_Tensor":
                 if v is None:
                     continue
-                arr = ffi.new("DI_Tensor[]", max(len(v), 1))
-                keep.append(arr)
                 for i, t in enumerate(v):
-                    self._fill_tensor(arr[i], t, keep, f"{name}[{i}]")
-                setattr(args, name, arr)
+                    if t is not None and not isinstance(t, Tensor):
+                        raise TypeError(f"{name}[{i}] must be a deepinfer Tensor, got {type(t).__name__}")
+                hit = self.descriptor_array(list(v), name)
+                keep.append(hit)
+                setattr(args, name, hit[0])
             elif v is not None:
                 setattr(args, name, v)
         if op == "moe_experts" and "num_experts" not in kwargs and kwargs.get("w_gate") is not None:
@@ -334,8 +604,8 @@ class NativeBackend(Backend):
         def run(_keep=keep):  # _keep holds the structs and buffers the args point into
             with lock:
                 status = fn(ctx, args)
-            if status:
-                check(op, status)
+                if status:
+                    check(op, status)   # under the lock: the message is read before another call runs
 
         return run
 

@@ -39,12 +39,14 @@ from typing import Callable, Optional
 import ml_dtypes
 import numpy as np
 
+from . import abi
 from . import dtypes as D
 from .errors import CheckpointError
 from .tensor import Quant, Tensor
 
-FP8_BLOCK = (128, 128)
-GROUP_SIZES = (32, 64, 128)
+# from the format table of deepinfer_abi.h (DI_FORMATS, DI_GROUP_SIZES)
+FP8_BLOCK = next((f.block_rows, f.block_cols) for f in abi.FORMATS if f.name == "fp8_block")
+GROUP_SIZES = abi.GROUP_SIZES
 FORMATS = ("int8", "int4", "fp8")
 
 # Linear layers of attention, MLP / experts and the MTP projection; everything else stays high precision.

@@ -87,7 +87,8 @@ def codes_to_dtype(codes: np.ndarray, dtype: DType) -> np.ndarray:
 class Tensor:
     """A strided view of a buffer, plus an optional Quant. Shapes and strides are in elements."""
 
-    __slots__ = ("buffer", "shape", "dtype", "strides", "offset", "quant")
+    # __weakref__: backends cache a tensor's marshalled C descriptor for as long as the tensor lives
+    __slots__ = ("buffer", "shape", "dtype", "strides", "offset", "quant", "__weakref__")
 
     def __init__(self, buffer, shape, dtype, strides=None, offset: int = 0, quant: Optional[Quant] = None):
         self.buffer = buffer

@@ -13,20 +13,24 @@ from pathlib import Path
 
 import pytest
 
-from plugin_build import PLUGINS, ROOT, c_compiler, compile_shared, find_cpu_lib
+from plugin_build import ABI_DIR, ABI_V1_0_DIR, PLUGINS, ROOT, c_compiler, compile_shared, find_cpu_lib
 
 
 @pytest.fixture(scope="session")
 def plugin_factory(cc, tmp_path_factory):
-    """plugin_factory(filename, **defines) -> path of a compiled variant of plugins/tiny_plugin.c."""
+    """plugin_factory(filename, abi="1.0", **defines) -> path of a compiled variant of plugins/tiny_plugin.c.
+
+    abi="1.0" (the default) builds against the frozen 1.0 header: every library shipped before 1.1
+    must keep loading and passing. abi="current" builds against abi/deepinfer_abi.h."""
     base = tmp_path_factory.mktemp("plugins")
     made: dict = {}
 
-    def make(filename: str, src: str = "tiny_plugin.c", **defines) -> Path:
-        key = (filename, src, tuple(sorted(defines.items())))
+    def make(filename: str, src: str = "tiny_plugin.c", abi: str = "1.0", **defines) -> Path:
+        key = (filename, src, abi, tuple(sorted(defines.items())))
         if key not in made:
             d = base / f"v{len(made)}"
-            made[key] = compile_shared(cc, PLUGINS / src, d / filename, defines)
+            made[key] = compile_shared(cc, PLUGINS / src, d / filename, defines,
+                                       abi_dir=ABI_V1_0_DIR if abi == "1.0" else ABI_DIR)
         return made[key]
 
     return make

@@ -10,6 +10,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 ABI_DIR = ROOT / "abi"
+# a frozen copy of the 1.0 header: plugins built against it stand for every 1.0 library already shipped
+ABI_V1_0_DIR = Path(__file__).resolve().parent / "abi_v1_0"
 PLUGINS = Path(__file__).resolve().parent / "plugins"
 THOROUGH = os.environ.get("DEEPINFER_CONFORMANCE_THOROUGH", "") not in ("", "0")
 PROFILE = "thorough" if THOROUGH else "quick"
@@ -22,11 +24,12 @@ def c_compiler() -> str | None:
     return None
 
 
-def compile_shared(cc: str, src: Path, out: Path, defines: dict | None = None, extra: list | None = None) -> Path:
-    """cc -shared -fPIC from one C file and the ABI header only."""
+def compile_shared(cc: str, src: Path, out: Path, defines: dict | None = None, extra: list | None = None,
+                   abi_dir: Path = ABI_DIR) -> Path:
+    """cc -shared -fPIC from one C file and the ABI header only (abi_dir: which version of it)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [cc, "-shared", "-fPIC", "-O1", "-std=c11", "-Wall", "-Werror", "-I", str(ABI_DIR), str(src), "-o", str(out),
-           "-lm"]
+    cmd = [cc, "-shared", "-fPIC", "-O1", "-std=c11", "-Wall", "-Werror", "-I", str(abi_dir), str(src), "-o", str(out),
+           "-lm", "-lpthread"]
     for k, v in (defines or {}).items():
         cmd.insert(1, f"-D{k}" if v is None else f"-D{k}={v}")
     cmd += extra or []

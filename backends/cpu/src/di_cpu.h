@@ -23,7 +23,8 @@ enum {
     DT_COUNT
 };
 #define DTM(d) (1u << (d))
-#define DTM_FLOAT_ACT (DTM(DT_F32) | DTM(DT_BF16) | DTM(DT_F16))
+/* float activations of the ABI (DI_DTS_FLOAT); f16 is not one (embedding tables may be f16) */
+#define DTM_FLOAT_ACT (DTM(DT_F32) | DTM(DT_BF16))
 #define DTM_SCALES (DTM(DT_F32) | DTM(DT_BF16) | DTM(DT_F16) | DTM(DT_E8M0) | DTM(DT_E4M3))
 #define DTM_ANY_NUM (((1u << DT_COUNT) - 1u) & ~1u)
 
@@ -58,7 +59,6 @@ struct DI_Context {
     uint32_t magic;
     int      num_threads;
     DI_Pool* pool;
-    char     err[DI_ERR_LEN];
 };
 
 /* Records a message for ctx (or the global fallback when ctx is NULL) and returns status. */
@@ -172,23 +172,10 @@ DI_HIDDEN DI_Status lin_f32(DI_Context* ctx, const char* op, const float* X, int
 DI_HIDDEN DI_Status check_weight(VC* v, const DI_Tensor* w, const char* name, int64_t N, int64_t K);
 
 /* ------------------------------------------------------------------ ops */
-#define DI_OP_DECL(fn, T) DI_HIDDEN DI_Status fn(DI_Context* ctx, const T* args, int query)
-DI_OP_DECL(op_embedding, DI_EmbeddingArgs);
-DI_OP_DECL(op_rmsnorm, DI_RMSNormArgs);
-DI_OP_DECL(op_linear, DI_LinearArgs);
-DI_OP_DECL(op_quantize, DI_QuantizeArgs);
-DI_OP_DECL(op_dequantize, DI_DequantizeArgs);
-DI_OP_DECL(op_rope, DI_RopeArgs);
-DI_OP_DECL(op_mla_cache_write, DI_MLACacheWriteArgs);
-DI_OP_DECL(op_mla_prefill, DI_MLAPrefillArgs);
-DI_OP_DECL(op_mla_decode, DI_MLADecodeArgs);
-DI_OP_DECL(op_moe_router, DI_MoERouterArgs);
-DI_OP_DECL(op_moe_experts, DI_MoEExpertsArgs);
-DI_OP_DECL(op_add, DI_BinaryArgs);
-DI_OP_DECL(op_mul, DI_BinaryArgs);
-DI_OP_DECL(op_silu_mul, DI_SiluMulArgs);
-DI_OP_DECL(op_concat, DI_ConcatArgs);
-DI_OP_DECL(op_sample, DI_SampleArgs);
+/* one body per row of the header's op table */
+#define DI_OP_DECL(id, name, T, minor) DI_HIDDEN DI_Status op_##name(DI_Context* ctx, const T* args, int query);
+DI_OPS(DI_OP_DECL)
+#undef DI_OP_DECL
 
 /* returned by an op in query mode only: supported, but by a fallback (op_query says SLOW) */
 #define DI_QUERY_SLOW 1000

@@ -49,7 +49,7 @@ DI_Status op_embedding(DI_Context* ctx, const DI_EmbeddingArgs* a, int query) {
     VC v = {ctx, "embedding", query};
     DI_Status st;
     if ((st = check_tensor(&v, &a->ids, "ids", 1, 1, DTM(DT_I32), 0))) return st;
-    if ((st = check_tensor(&v, &a->table, "table", 2, 2, DTM_FLOAT_ACT, 0))) return st;
+    if ((st = check_tensor(&v, &a->table, "table", 2, 2, DTM_FLOAT_ACT | DTM(DT_F16), 0))) return st;
     if ((st = check_tensor(&v, &a->out, "out", 2, 2, DTM_FLOAT_ACT, 0))) return st;
     int64_t T = a->ids.shape[0], V = a->table.shape[0], H = a->table.shape[1];
     if ((st = check_dim(&v, &a->out, "out", 0, T))) return st;

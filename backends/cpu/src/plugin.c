@@ -43,19 +43,28 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "deepinfer_abi_check.h"
 #include "di_cpu.h"
+
+/* the CPU backend's dtype ids are the ABI's (DI_DTypeId), so op-table dtype sets index them directly */
+_Static_assert((int)DT_F32 == (int)DI_DT_F32 && (int)DT_BF16 == (int)DI_DT_BF16 && (int)DT_E2M1 == (int)DI_DT_E2M1 && (int)DT_I4 == (int)DI_DT_I4 &&
+               (int)DT_U64 == (int)DI_DT_U64 && (int)DT_COUNT == (int)DI_DT_COUNT, "CPU dtype ids must equal DI_DTypeId");
 
 #define CTX_MAGIC 0x44494350u    /* "DICP" */
 #define STREAM_MAGIC 0x44495354u /* "DIST" */
 
 /* ------------------------------------------------------------------ errors */
+/* One message per thread (ABI 1.1): two threads using one context never overwrite each other's
+ * message; last_error(ctx) returns the calling thread's last message, whatever the context. */
 static _Thread_local char g_err[DI_ERR_LEN];
 
 DI_Status di_fail(DI_Context* ctx, DI_Status status, const char* fmt, ...) {
-    char* buf = ctx ? ctx->err : g_err;
+    (void)ctx;
+    char* buf = g_err;
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(buf, DI_ERR_LEN, fmt, ap);
@@ -63,13 +72,13 @@ DI_Status di_fail(DI_Context* ctx, DI_Status status, const char* fmt, ...) {
     return status;
 }
 
-void di_clear(DI_Context* ctx) { (ctx ? ctx->err : g_err)[0] = 0; }
+void di_clear(DI_Context* ctx) { (void)ctx; g_err[0] = 0; }
 
 void* di_malloc(size_t n) { return malloc(n ? n : 1); }
 
 static int ctx_ok(DI_Context* ctx) { return ctx && ctx->magic == CTX_MAGIC; }
 
-static const char* api_last_error(DI_Context* ctx) { return ctx_ok(ctx) ? ctx->err : g_err; }
+static const char* api_last_error(DI_Context* ctx) { (void)ctx; return g_err; }
 
 /* ------------------------------------------------------------------ struct_size rules */
 static DI_Status check_size(DI_Context* ctx, const char* what, const void* s, uint32_t given, uint32_t mine,
@@ -206,12 +215,10 @@ static DI_Status check_quant(VC* v, const DI_Tensor* t, const char* name, int dt
     int64_t nrb = (R + br - 1) / br, ncb = (C + bc - 1) / bc;
     char sn[96];
     snprintf(sn, sizeof sn, "%s.quant.scales", name);
-    /* scales has the tensor's rank; a 1-d tensor (one row) may also give [1, ncb] */
-    int sd = q->scales.ndim;
+    /* scales have the tensor's rank (abi/README.md section 5) */
     if (v->query ? q->scales.ndim == 0 : !q->scales.data)
         return di_fail(c, DI_INVALID_ARGUMENT, "%s is absent; block quantization needs scales", sn);
     int want_nd = t->ndim;
-    if (t->ndim == 1 && sd == 2) want_nd = 2;
     st = check_tensor(v, &q->scales, sn, want_nd, want_nd, DTM_SCALES, 0);
     if (st) return st;
     int lead = t->ndim - 2;
@@ -306,6 +313,20 @@ static void cpu_model_name(char* buf, size_t n) {
     fclose(f);
 }
 
+/* MemAvailable of /proc/meminfo (what can be allocated without swapping), else free pages */
+static long long mem_available(void) {
+    FILE* f = fopen("/proc/meminfo", "r");
+    if (f) {
+        char line[256];
+        long long kb = -1;
+        while (fgets(line, sizeof line, f))
+            if (sscanf(line, "MemAvailable: %lld kB", &kb) == 1) break;
+        fclose(f);
+        if (kb >= 0) return kb * 1024;
+    }
+    return (long long)sysconf(_SC_AVPHYS_PAGES) * (long long)sysconf(_SC_PAGESIZE);
+}
+
 static DI_Status api_get_attribute(DI_Context* ctx, const char* key, char* buf, uint64_t size) {
     NEED_CTX(ctx, "get_attribute");
     if (!key) return di_fail(ctx, DI_INVALID_ARGUMENT, "get_attribute: key is NULL");
@@ -318,8 +339,9 @@ static DI_Status api_get_attribute(DI_Context* ctx, const char* key, char* buf, 
     else if (!strcmp(key, "device.arch")) snprintf(val, sizeof val, "%s", kernels()->name);
     else if (!strcmp(key, "cpu.features")) snprintf(val, sizeof val, "%s", cpu_features());
     else if (!strcmp(key, "threads")) snprintf(val, sizeof val, "%d", ctx->num_threads);
-    else if (!strcmp(key, "device.memory_bytes"))
+    else if (!strcmp(key, "device.memory_bytes") || !strcmp(key, "device.memory_total_bytes"))
         snprintf(val, sizeof val, "%lld", (long long)sysconf(_SC_PHYS_PAGES) * (long long)sysconf(_SC_PAGESIZE));
+    else if (!strcmp(key, "device.memory_free_bytes")) snprintf(val, sizeof val, "%lld", mem_available());
     else return di_fail(ctx, DI_UNIMPLEMENTED, "get_attribute: unknown key '%s'", key);
     size_t l = strlen(val);
     if (size < l + 1)
@@ -403,26 +425,152 @@ static DI_Status api_stream_synchronize(DI_Context* ctx, DI_Stream stream) {
     return DI_OK;
 }
 
+/* ------------------------------------------------------------------ events, host memory (ABI 1.1) */
+/* Every op and copy has finished when it returns, so an event is reached the moment it is recorded
+ * and waiting on one never blocks. The handles still exist and are checked, so that code written
+ * against a device library runs unchanged (and its mistakes are caught) here. */
+#define EVENT_MAGIC 0x44494556u /* "DIEV" */
+typedef struct { uint32_t magic; int recorded; } CpuEvent;
+
+static DI_Status need_event(DI_Context* ctx, DI_Event e, const char* what, CpuEvent** out) {
+    CpuEvent* ev = (CpuEvent*)e;
+    if (!ev || ev->magic != EVENT_MAGIC)
+        return di_fail(ctx, DI_INVALID_ARGUMENT, "%s: event is NULL or not a live event of this library", what);
+    *out = ev;
+    return DI_OK;
+}
+
+static DI_Status need_stream(DI_Context* ctx, DI_Stream s, const char* what) {
+    if (s && ((CpuStream*)s)->magic != STREAM_MAGIC)
+        return di_fail(ctx, DI_INVALID_ARGUMENT, "%s: not a stream of this library", what);
+    return DI_OK;
+}
+
+static DI_Status api_event_create(DI_Context* ctx, DI_Event* out) {
+    NEED_CTX(ctx, "event_create");
+    if (!out) return di_fail(ctx, DI_INVALID_ARGUMENT, "event_create: out is NULL");
+    CpuEvent* e = malloc(sizeof *e);
+    if (!e) return di_fail(ctx, DI_RESOURCE_EXHAUSTED, "event_create: out of host memory");
+    e->magic = EVENT_MAGIC;
+    e->recorded = 0;
+    *out = e;
+    return DI_OK;
+}
+
+static DI_Status api_event_destroy(DI_Context* ctx, DI_Event event) {
+    NEED_CTX(ctx, "event_destroy");
+    CpuEvent* e = NULL;
+    DI_Status st = need_event(ctx, event, "event_destroy", &e);
+    if (st) return st;
+    e->magic = 0;
+    free(e);
+    return DI_OK;
+}
+
+static DI_Status api_event_record(DI_Context* ctx, DI_Event event, DI_Stream stream) {
+    NEED_CTX(ctx, "event_record");
+    CpuEvent* e = NULL;
+    DI_Status st = need_event(ctx, event, "event_record", &e);
+    if (!st) st = need_stream(ctx, stream, "event_record");
+    if (st) return st;
+    e->recorded = 1;
+    return DI_OK;
+}
+
+static DI_Status api_stream_wait_event(DI_Context* ctx, DI_Stream stream, DI_Event event) {
+    NEED_CTX(ctx, "stream_wait_event");
+    CpuEvent* e = NULL;
+    DI_Status st = need_event(ctx, event, "stream_wait_event", &e);
+    if (!st) st = need_stream(ctx, stream, "stream_wait_event");
+    return st;
+}
+
+static DI_Status api_event_query(DI_Context* ctx, DI_Event event, int32_t* done) {
+    NEED_CTX(ctx, "event_query");
+    if (!done) return di_fail(ctx, DI_INVALID_ARGUMENT, "event_query: done is NULL");
+    CpuEvent* e = NULL;
+    DI_Status st = need_event(ctx, event, "event_query", &e);
+    if (st) return st;
+    *done = 1;  /* recorded work is finished; an event never recorded counts as reached (CUDA's rule) */
+    return DI_OK;
+}
+
+static DI_Status api_event_synchronize(DI_Context* ctx, DI_Event event) {
+    NEED_CTX(ctx, "event_synchronize");
+    CpuEvent* e = NULL;
+    return need_event(ctx, event, "event_synchronize", &e);
+}
+
+/* Host memory is what this library allocates anyway; host_alloc is mem_alloc. Registrations are
+ * kept so that unregistering a range that was never registered is the error it is on a GPU. */
+#define MAX_REGISTERED 4096
+static struct { void* ptr; uint64_t bytes; } g_reg[MAX_REGISTERED];
+static int g_nreg;
+static pthread_mutex_t g_reg_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static DI_Status api_host_alloc(DI_Context* ctx, uint64_t bytes, void** out) { return api_mem_alloc(ctx, bytes, out); }
+static DI_Status api_host_free(DI_Context* ctx, void* ptr) { return api_mem_free(ctx, ptr); }
+
+static DI_Status api_host_register(DI_Context* ctx, void* ptr, uint64_t bytes) {
+    NEED_CTX(ctx, "host_register");
+    if (!ptr || !bytes) return di_fail(ctx, DI_INVALID_ARGUMENT, "host_register: %s", ptr ? "0 bytes" : "ptr is NULL");
+    DI_Status st = DI_OK;
+    pthread_mutex_lock(&g_reg_lock);
+    for (int i = 0; i < g_nreg; i++) {
+        char* a = (char*)g_reg[i].ptr;
+        if ((char*)ptr < a + g_reg[i].bytes && a < (char*)ptr + bytes) {
+            st = di_fail(ctx, DI_INVALID_ARGUMENT, "host_register: [%p, +%llu) overlaps a registered range", ptr,
+                         (unsigned long long)bytes);
+            break;
+        }
+    }
+    if (!st && g_nreg == MAX_REGISTERED)
+        st = di_fail(ctx, DI_RESOURCE_EXHAUSTED, "host_register: %d ranges are registered already", MAX_REGISTERED);
+    if (!st) {
+        g_reg[g_nreg].ptr = ptr;
+        g_reg[g_nreg].bytes = bytes;
+        g_nreg++;
+    }
+    pthread_mutex_unlock(&g_reg_lock);
+    return st;
+}
+
+static DI_Status api_host_unregister(DI_Context* ctx, void* ptr) {
+    NEED_CTX(ctx, "host_unregister");
+    int found = 0;
+    pthread_mutex_lock(&g_reg_lock);
+    for (int i = 0; i < g_nreg; i++)
+        if (g_reg[i].ptr == ptr) {
+            g_reg[i] = g_reg[--g_nreg];
+            found = 1;
+            break;
+        }
+    pthread_mutex_unlock(&g_reg_lock);
+    if (!found) return di_fail(ctx, DI_INVALID_ARGUMENT, "host_unregister: %p was not registered", ptr);
+    return DI_OK;
+}
+
+static DI_Status api_mem_copy_async(DI_Context* ctx, void* dst, const void* src, uint64_t bytes, int32_t kind,
+                                    DI_Stream stream) {
+    NEED_CTX(ctx, "mem_copy_async");
+    DI_Status st = need_stream(ctx, stream, "mem_copy_async");
+    if (st) return st;
+    return api_mem_copy(ctx, dst, src, bytes, kind, stream);
+}
+
+static DI_Status api_device_count(int32_t* out) {
+    di_clear(NULL);
+    if (!out) return di_fail(NULL, DI_INVALID_ARGUMENT, "device_count: out is NULL");
+    *out = 1;
+    return DI_OK;
+}
+
 /* ------------------------------------------------------------------ op dispatch */
+/* One row per op of the header's op table (DI_OPS): name, args struct, its size and the body. */
 typedef DI_Status (*op_impl)(DI_Context*, const void*, int);
-static const struct { const char* name; const char* sname; uint32_t size; op_impl fn; } k_ops[DI_OP_COUNT_V1_0] = {
-#define E(name, T, fn) {#name, #T, (uint32_t)sizeof(T), (op_impl)fn}
-    E(embedding, DI_EmbeddingArgs, op_embedding),
-    E(rmsnorm, DI_RMSNormArgs, op_rmsnorm),
-    E(linear, DI_LinearArgs, op_linear),
-    E(quantize, DI_QuantizeArgs, op_quantize),
-    E(dequantize, DI_DequantizeArgs, op_dequantize),
-    E(rope, DI_RopeArgs, op_rope),
-    E(mla_cache_write, DI_MLACacheWriteArgs, op_mla_cache_write),
-    E(mla_prefill, DI_MLAPrefillArgs, op_mla_prefill),
-    E(mla_decode, DI_MLADecodeArgs, op_mla_decode),
-    E(moe_router, DI_MoERouterArgs, op_moe_router),
-    E(moe_experts, DI_MoEExpertsArgs, op_moe_experts),
-    E(add, DI_BinaryArgs, op_add),
-    E(mul, DI_BinaryArgs, op_mul),
-    E(silu_mul, DI_SiluMulArgs, op_silu_mul),
-    E(concat, DI_ConcatArgs, op_concat),
-    E(sample, DI_SampleArgs, op_sample),
+static const struct { const char* name; const char* sname; uint32_t size; op_impl fn; } k_ops[DI_OP_COUNT_V1_1] = {
+#define E(id, name, T, minor) [id] = {#name, #T, (uint32_t)sizeof(T), (op_impl)op_##name},
+    DI_OPS(E)
 #undef E
 };
 
@@ -434,6 +582,9 @@ static DI_Status run_op(DI_Context* ctx, int op, const void* args, int query) {
     VC v = {ctx, name, query};
     DI_Status st = check_header(&v, args, k_ops[op].size, k_ops[op].sname);
     if (st) return st;
+    /* every tensor argument against the op table first: the op bodies add the shape relations */
+    st = di_check_op_args(op, args, DI_DEVICE_CPU, query, 0, g_err, sizeof g_err);
+    if (st) return st;
     return k_ops[op].fn(ctx, args, query);
 }
 
@@ -444,8 +595,8 @@ static DI_Status api_op_query(DI_Context* ctx, int32_t op, const void* args, DI_
     if (st) return st;
     out->support = DI_SUPPORT_NO;
     out->workspace_size = 0;
-    if (op < 0 || op >= DI_OP_COUNT_V1_0) {
-        di_fail(ctx, DI_OK, "op_query: op %d is not a v1.0 op", op);
+    if (op < 0 || op >= DI_OP_COUNT_V1_1) {
+        di_fail(ctx, DI_OK, "op_query: op %d is not an op of ABI 1.%d", op, DI_ABI_MINOR);
         return DI_OK;
     }
     if (!args) return di_fail(ctx, DI_INVALID_ARGUMENT, "op_query(%s): args is NULL", k_ops[op].name);
@@ -460,24 +611,10 @@ static DI_Status api_op_query(DI_Context* ctx, int32_t op, const void* args, DI_
     return DI_OK;
 }
 
-#define WRAP(name, T, id) \
+#define WRAP(id, name, T, minor) \
     static DI_Status api_##name(DI_Context* ctx, const T* args) { return run_op(ctx, id, args, 0); }
-WRAP(embedding, DI_EmbeddingArgs, DI_OP_EMBEDDING)
-WRAP(rmsnorm, DI_RMSNormArgs, DI_OP_RMSNORM)
-WRAP(linear, DI_LinearArgs, DI_OP_LINEAR)
-WRAP(quantize, DI_QuantizeArgs, DI_OP_QUANTIZE)
-WRAP(dequantize, DI_DequantizeArgs, DI_OP_DEQUANTIZE)
-WRAP(rope, DI_RopeArgs, DI_OP_ROPE)
-WRAP(mla_cache_write, DI_MLACacheWriteArgs, DI_OP_MLA_CACHE_WRITE)
-WRAP(mla_prefill, DI_MLAPrefillArgs, DI_OP_MLA_PREFILL)
-WRAP(mla_decode, DI_MLADecodeArgs, DI_OP_MLA_DECODE)
-WRAP(moe_router, DI_MoERouterArgs, DI_OP_MOE_ROUTER)
-WRAP(moe_experts, DI_MoEExpertsArgs, DI_OP_MOE_EXPERTS)
-WRAP(add, DI_BinaryArgs, DI_OP_ADD)
-WRAP(mul, DI_BinaryArgs, DI_OP_MUL)
-WRAP(silu_mul, DI_SiluMulArgs, DI_OP_SILU_MUL)
-WRAP(concat, DI_ConcatArgs, DI_OP_CONCAT)
-WRAP(sample, DI_SampleArgs, DI_OP_SAMPLE)
+DI_OPS(WRAP)
+#undef WRAP
 
 /* ------------------------------------------------------------------ the tables */
 static const DI_Api k_api = {
@@ -512,6 +649,18 @@ static const DI_Api k_api = {
     .silu_mul = api_silu_mul,
     .concat = api_concat,
     .sample = api_sample,
+    .event_create = api_event_create,
+    .event_destroy = api_event_destroy,
+    .event_record = api_event_record,
+    .stream_wait_event = api_stream_wait_event,
+    .event_query = api_event_query,
+    .event_synchronize = api_event_synchronize,
+    .host_alloc = api_host_alloc,
+    .host_free = api_host_free,
+    .host_register = api_host_register,
+    .host_unregister = api_host_unregister,
+    .mem_copy_async = api_mem_copy_async,
+    .device_count = api_device_count,
 };
 
 static const DI_Api* get_api(uint32_t major) { return major == DI_ABI_MAJOR ? &k_api : NULL; }

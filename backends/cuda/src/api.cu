@@ -5,6 +5,7 @@
 #include <new>
 
 #include "common.cuh"
+#include "deepinfer_abi_check.h"
 
 using namespace di;
 
@@ -55,7 +56,6 @@ static DI_Status context_create(const DI_ContextOptions* o, DI_Context** out) {
     DI_Context* c = new (std::nothrow) DI_Context();
     if (!c) return set_error(nullptr, DI_RESOURCE_EXHAUSTED, "context_create: host out of memory");
     c->device = o->device_id;
-    c->err[0] = 0;
     DI_Status st = cuda_status(nullptr, cudaSetDevice(c->device), "context_create: cudaSetDevice");
     if (st == DI_OK) st = cuda_status(nullptr, cudaGetDeviceProperties(&c->prop, c->device), "context_create");
     if (st != DI_OK) {
@@ -74,7 +74,11 @@ static DI_Status context_destroy(DI_Context* ctx) {
     return DI_OK;
 }
 
-static const char* last_error(DI_Context* ctx) { return ctx ? ctx->err : global_error(); }
+// One message per thread (ABI 1.1), whatever the context: two threads never see each other's.
+static const char* last_error(DI_Context* ctx) {
+    (void)ctx;
+    return global_error();
+}
 
 static DI_Status put_str(DI_Context* ctx, const char* key, const char* v, char* buf, uint64_t size) {
     size_t n = strlen(v);
@@ -97,12 +101,19 @@ static DI_Status get_attribute(DI_Context* ctx, const char* key, char* buf, uint
         return put_str(ctx, key, tmp, buf, size);
     }
     bool device_key = !strcmp(key, "device.name") || !strcmp(key, "device.sm_count") ||
-                      !strcmp(key, "device.memory_bytes") || !strcmp(key, "device.arch");
+                      !strcmp(key, "device.memory_bytes") || !strcmp(key, "device.arch") ||
+                      !strcmp(key, "device.memory_free_bytes") || !strcmp(key, "device.memory_total_bytes");
     if (!device_key) return set_error(ctx, DI_UNIMPLEMENTED, "get_attribute: unknown key '%s'", key);
     if (!ctx) return set_error(nullptr, DI_INVALID_ARGUMENT, "get_attribute(%s): needs a context", key);
     if (!strcmp(key, "device.name")) return put_str(ctx, key, ctx->prop.name, buf, size);
     if (!strcmp(key, "device.sm_count")) snprintf(tmp, sizeof(tmp), "%d", ctx->sm_count);
     else if (!strcmp(key, "device.memory_bytes")) snprintf(tmp, sizeof(tmp), "%zu", ctx->prop.totalGlobalMem);
+    else if (!strcmp(key, "device.memory_free_bytes") || !strcmp(key, "device.memory_total_bytes")) {
+        DI_TRY(use_device(ctx));
+        size_t fr = 0, tot = 0;
+        DI_TRY(cuda_status(ctx, cudaMemGetInfo(&fr, &tot), "get_attribute: cudaMemGetInfo"));
+        snprintf(tmp, sizeof(tmp), "%zu", !strcmp(key, "device.memory_free_bytes") ? fr : tot);
+    }
     else snprintf(tmp, sizeof(tmp), "sm_%d%d", ctx->prop.major, ctx->prop.minor);
     return put_str(ctx, key, tmp, buf, size);
     DI_GUARD_END(ctx)
@@ -234,34 +245,32 @@ static DI_Status graph_destroy(DI_Context* ctx, DI_Graph* g) {
 }
 
 // ---------------------------------------------------------------------------------------- ops
-// Each op entry: context and device checks, then the shared implementation with launch on.
-#define DI_OP_ENTRY(name, Args)                                                     \
+// Every tensor argument is first checked against the header's op table (deepinfer_abi_check.h); the
+// op's own function then adds its shape rules and what this library implements. moe_experts checks
+// its per-expert descriptor arrays itself (take_expert), once per expert, with names formatted lazily.
+static DI_Status check_args(DI_Context* ctx, int32_t op, const void* a, bool query) {
+    const DI_OpInfo* info = di_op_info(op);
+    DI_TRY(check_header(ctx, info->name, a, info->struct_size, info->struct_name));
+    char msg[512];
+    DI_Status st = di_check_op_args(op, a, DI_DEVICE_CUDA, query ? 1 : 0, DI_CHECK_SKIP_ARRAYS, msg, sizeof(msg));
+    if (st != DI_OK) return set_error(ctx, st, "%s", msg);
+    return DI_OK;
+}
+
+// Each op entry: context and device checks, the table check, then the shared implementation.
+#define DI_OP_ENTRY(id, name, Args, minor)                                          \
     static DI_Status api_##name(DI_Context* ctx, const Args* a) {                   \
         NEED_CTX(ctx, #name);                                                       \
         if (!a) return set_error(ctx, DI_INVALID_ARGUMENT, #name ": args is NULL"); \
         DI_GUARD_BEGIN                                                              \
         DI_TRY(use_device(ctx));                                                    \
-        OpMode m{true, true, DI_SUPPORT_YES, 0};                                          \
+        DI_TRY(check_args(ctx, id, a, false));                                      \
+        OpMode m{true, true, DI_SUPPORT_YES, 0};                                    \
         return op_##name(ctx, a, &m);                                               \
         DI_GUARD_END(ctx)                                                           \
     }
-
-DI_OP_ENTRY(embedding, DI_EmbeddingArgs)
-DI_OP_ENTRY(rmsnorm, DI_RMSNormArgs)
-DI_OP_ENTRY(linear, DI_LinearArgs)
-DI_OP_ENTRY(quantize, DI_QuantizeArgs)
-DI_OP_ENTRY(dequantize, DI_DequantizeArgs)
-DI_OP_ENTRY(rope, DI_RopeArgs)
-DI_OP_ENTRY(mla_cache_write, DI_MLACacheWriteArgs)
-DI_OP_ENTRY(mla_prefill, DI_MLAPrefillArgs)
-DI_OP_ENTRY(mla_decode, DI_MLADecodeArgs)
-DI_OP_ENTRY(moe_router, DI_MoERouterArgs)
-DI_OP_ENTRY(moe_experts, DI_MoEExpertsArgs)
-DI_OP_ENTRY(add, DI_BinaryArgs)
-DI_OP_ENTRY(mul, DI_BinaryArgs)
-DI_OP_ENTRY(silu_mul, DI_SiluMulArgs)
-DI_OP_ENTRY(concat, DI_ConcatArgs)
-DI_OP_ENTRY(sample, DI_SampleArgs)
+DI_OPS(DI_OP_ENTRY)
+#undef DI_OP_ENTRY
 
 static DI_Status op_query(DI_Context* ctx, int32_t op, const void* args, DI_OpQuery* out) {
     NEED_CTX(ctx, "op_query");
@@ -269,32 +278,19 @@ static DI_Status op_query(DI_Context* ctx, int32_t op, const void* args, DI_OpQu
     out->support = DI_SUPPORT_NO;
     out->workspace_size = 0;
     if (op < 0) return set_error(ctx, DI_INVALID_ARGUMENT, "op_query: op id %d is negative", op);
-    if (op >= DI_OP_COUNT_V1_0) return DI_OK;  // an op from a newer ABI: not supported here
+    if (op >= DI_OP_COUNT_V1_1) return DI_OK;  // an op from a newer ABI: not supported here
     if (!args) return set_error(ctx, DI_INVALID_ARGUMENT, "op_query: args is NULL");
     DI_GUARD_BEGIN
     OpMode m{false, false, DI_SUPPORT_YES, 0};
-    DI_Status st;
-    switch (op) {
-#define Q(id, name, Args) \
+    DI_Status st = check_args(ctx, op, args, true);
+    if (st == DI_OK) {
+        switch (op) {
+#define Q(id, name, Args, minor) \
     case id: st = op_##name(ctx, static_cast<const Args*>(args), &m); break;
-        Q(DI_OP_EMBEDDING, embedding, DI_EmbeddingArgs)
-        Q(DI_OP_RMSNORM, rmsnorm, DI_RMSNormArgs)
-        Q(DI_OP_LINEAR, linear, DI_LinearArgs)
-        Q(DI_OP_QUANTIZE, quantize, DI_QuantizeArgs)
-        Q(DI_OP_DEQUANTIZE, dequantize, DI_DequantizeArgs)
-        Q(DI_OP_ROPE, rope, DI_RopeArgs)
-        Q(DI_OP_MLA_CACHE_WRITE, mla_cache_write, DI_MLACacheWriteArgs)
-        Q(DI_OP_MLA_PREFILL, mla_prefill, DI_MLAPrefillArgs)
-        Q(DI_OP_MLA_DECODE, mla_decode, DI_MLADecodeArgs)
-        Q(DI_OP_MOE_ROUTER, moe_router, DI_MoERouterArgs)
-        Q(DI_OP_MOE_EXPERTS, moe_experts, DI_MoEExpertsArgs)
-        Q(DI_OP_ADD, add, DI_BinaryArgs)
-        Q(DI_OP_MUL, mul, DI_BinaryArgs)
-        Q(DI_OP_SILU_MUL, silu_mul, DI_SiluMulArgs)
-        Q(DI_OP_CONCAT, concat, DI_ConcatArgs)
-        Q(DI_OP_SAMPLE, sample, DI_SampleArgs)
+            DI_OPS(Q)
 #undef Q
-        default: st = DI_UNIMPLEMENTED;
+            default: st = DI_UNIMPLEMENTED;
+        }
     }
     if (st == DI_UNIMPLEMENTED) {  // well-formed but not supported: answer NO, not an error
         clear_error(ctx);
@@ -307,17 +303,185 @@ static DI_Status op_query(DI_Context* ctx, int32_t op, const void* args, DI_OpQu
     DI_GUARD_END(ctx)
 }
 
+// ---------------------------------------------------------------------------------------- v1.1
+// Events order work across streams (an expert upload on a copy stream, the layer that needs it on
+// the compute stream) without blocking the host. Timing is off: they are for ordering only.
+static DI_Status event_create(DI_Context* ctx, DI_Event* out) {
+    NEED_CTX(ctx, "event_create");
+    if (!out) return set_error(ctx, DI_INVALID_ARGUMENT, "event_create: out is NULL");
+    *out = nullptr;
+    DI_TRY(use_device(ctx));
+    cudaEvent_t e = nullptr;
+    DI_TRY(cuda_status(ctx, cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "event_create"));
+    *out = e;
+    return DI_OK;
+}
+
+static DI_Status event_destroy(DI_Context* ctx, DI_Event ev) {
+    NEED_CTX(ctx, "event_destroy");
+    if (!ev) return set_error(ctx, DI_INVALID_ARGUMENT, "event_destroy: event is NULL");
+    DI_TRY(use_device(ctx));
+    return cuda_status(ctx, cudaEventDestroy(static_cast<cudaEvent_t>(ev)), "event_destroy");
+}
+
+static DI_Status event_record(DI_Context* ctx, DI_Event ev, DI_Stream stream) {
+    NEED_CTX(ctx, "event_record");
+    if (!ev) return set_error(ctx, DI_INVALID_ARGUMENT, "event_record: event is NULL");
+    DI_TRY(use_device(ctx));
+    return cuda_status(ctx, cudaEventRecord(static_cast<cudaEvent_t>(ev), static_cast<cudaStream_t>(stream)),
+                       "event_record");
+}
+
+static DI_Status stream_wait_event(DI_Context* ctx, DI_Stream stream, DI_Event ev) {
+    NEED_CTX(ctx, "stream_wait_event");
+    if (!ev) return set_error(ctx, DI_INVALID_ARGUMENT, "stream_wait_event: event is NULL");
+    DI_TRY(use_device(ctx));
+    return cuda_status(ctx, cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(ev), 0),
+                       "stream_wait_event");
+}
+
+static DI_Status event_query(DI_Context* ctx, DI_Event ev, int32_t* done) {
+    NEED_CTX(ctx, "event_query");
+    if (!ev || !done) return set_error(ctx, DI_INVALID_ARGUMENT, "event_query: %s is NULL", ev ? "done" : "event");
+    DI_TRY(use_device(ctx));
+    cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(ev));
+    if (e == cudaErrorNotReady) {
+        (void)cudaGetLastError();
+        *done = 0;
+        return DI_OK;
+    }
+    DI_TRY(cuda_status(ctx, e, "event_query"));
+    *done = 1;
+    return DI_OK;
+}
+
+static DI_Status event_synchronize(DI_Context* ctx, DI_Event ev) {
+    NEED_CTX(ctx, "event_synchronize");
+    if (!ev) return set_error(ctx, DI_INVALID_ARGUMENT, "event_synchronize: event is NULL");
+    DI_TRY(use_device(ctx));
+    return cuda_status(ctx, cudaEventSynchronize(static_cast<cudaEvent_t>(ev)), "event_synchronize");
+}
+
+// Pinned host memory: the only kind a cudaMemcpyAsync really overlaps with compute.
+static DI_Status host_alloc(DI_Context* ctx, uint64_t bytes, void** out) {
+    NEED_CTX(ctx, "host_alloc");
+    if (!out) return set_error(ctx, DI_INVALID_ARGUMENT, "host_alloc: out is NULL");
+    *out = nullptr;
+    DI_TRY(use_device(ctx));
+    void* p = nullptr;
+    cudaError_t e = cudaHostAlloc(&p, bytes ? bytes : 256, cudaHostAllocPortable);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return set_error(ctx, DI_RESOURCE_EXHAUSTED, "host_alloc: cannot pin %llu bytes of host memory: %s",
+                         (unsigned long long)bytes, cudaGetErrorString(e));
+    }
+    *out = p;
+    return DI_OK;
+}
+
+static DI_Status host_free(DI_Context* ctx, void* ptr) {
+    NEED_CTX(ctx, "host_free");
+    if (!ptr) return DI_OK;
+    return cuda_status(ctx, cudaFreeHost(ptr), "host_free: cudaFreeHost");
+}
+
+// Registers an existing range (an mmap'd safetensors file is mapped read-only: CUDA then needs the
+// read-only flag, so that is the retry).
+static DI_Status host_register(DI_Context* ctx, void* ptr, uint64_t bytes) {
+    NEED_CTX(ctx, "host_register");
+    if (!ptr || !bytes)
+        return set_error(ctx, DI_INVALID_ARGUMENT, "host_register: %s", ptr ? "0 bytes" : "ptr is NULL");
+    DI_TRY(use_device(ctx));
+    cudaError_t e = cudaHostRegister(ptr, bytes, cudaHostRegisterPortable);
+    if (e != cudaSuccess && e != cudaErrorHostMemoryAlreadyRegistered) {
+        (void)cudaGetLastError();
+        e = cudaHostRegister(ptr, bytes, cudaHostRegisterPortable | cudaHostRegisterReadOnly);
+    }
+    if (e == cudaErrorHostMemoryAlreadyRegistered) {
+        (void)cudaGetLastError();
+        return set_error(ctx, DI_INVALID_ARGUMENT, "host_register: [%p, +%llu) overlaps a registered range", ptr,
+                         (unsigned long long)bytes);
+    }
+    return cuda_status(ctx, e, "host_register: cudaHostRegister");
+}
+
+static DI_Status host_unregister(DI_Context* ctx, void* ptr) {
+    NEED_CTX(ctx, "host_unregister");
+    DI_TRY(use_device(ctx));
+    cudaError_t e = cudaHostUnregister(ptr);
+    if (e == cudaErrorHostMemoryNotRegistered || e == cudaErrorInvalidValue) {
+        (void)cudaGetLastError();
+        return set_error(ctx, DI_INVALID_ARGUMENT, "host_unregister: %p was not registered", ptr);
+    }
+    return cuda_status(ctx, e, "host_unregister: cudaHostUnregister");
+}
+
+// mem_copy already enqueues with cudaMemcpyAsync; the difference is the contract: the caller keeps
+// both buffers alive and unchanged until the stream reaches the copy (pinned memory: a true DMA).
+static DI_Status mem_copy_async(DI_Context* ctx, void* dst, const void* src, uint64_t bytes, int32_t kind,
+                                DI_Stream stream) {
+    if (kind == DI_COPY_HOST_TO_HOST) {
+        NEED_CTX(ctx, "mem_copy_async");
+        // ordered after the stream's earlier work, like every other copy on it
+        DI_TRY(use_device(ctx));
+        DI_TRY(cuda_status(ctx, cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "mem_copy_async"));
+    }
+    return mem_copy(ctx, dst, src, bytes, kind, stream);
+}
+
+static DI_Status device_count(int32_t* out) {
+    clear_error(nullptr);
+    if (!out) return set_error(nullptr, DI_INVALID_ARGUMENT, "device_count: out is NULL");
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        n = 0;  // no driver or no device: zero devices, not an error
+    }
+    *out = n;
+    return DI_OK;
+}
+
 // ---------------------------------------------------------------------------------------- tables
-static const DI_Api g_api = {
-    sizeof(DI_Api), DI_ABI_MAJOR, DI_ABI_MINOR, 0,
-    context_create, context_destroy, last_error, get_attribute,
-    mem_alloc, mem_free, mem_copy, stream_create, stream_destroy, stream_synchronize,
-    op_query,
-    graph_begin, graph_end, graph_launch, graph_destroy,
-    api_embedding, api_rmsnorm, api_linear, api_quantize, api_dequantize, api_rope,
-    api_mla_cache_write, api_mla_prefill, api_mla_decode, api_moe_router, api_moe_experts,
-    api_add, api_mul, api_silu_mul, api_concat, api_sample,
-};
+static DI_Api make_api() {
+    DI_Api a;
+    memset(&a, 0, sizeof(a));
+    a.struct_size = sizeof(DI_Api);
+    a.abi_major = DI_ABI_MAJOR;
+    a.abi_minor = DI_ABI_MINOR;
+    a.context_create = context_create;
+    a.context_destroy = context_destroy;
+    a.last_error = last_error;
+    a.get_attribute = get_attribute;
+    a.mem_alloc = mem_alloc;
+    a.mem_free = mem_free;
+    a.mem_copy = mem_copy;
+    a.stream_create = stream_create;
+    a.stream_destroy = stream_destroy;
+    a.stream_synchronize = stream_synchronize;
+    a.op_query = op_query;
+    a.graph_begin = graph_begin;
+    a.graph_end = graph_end;
+    a.graph_launch = graph_launch;
+    a.graph_destroy = graph_destroy;
+#define SET(id, name, Args, minor) a.name = api_##name;
+    DI_OPS(SET)
+#undef SET
+    a.event_create = event_create;
+    a.event_destroy = event_destroy;
+    a.event_record = event_record;
+    a.stream_wait_event = stream_wait_event;
+    a.event_query = event_query;
+    a.event_synchronize = event_synchronize;
+    a.host_alloc = host_alloc;
+    a.host_free = host_free;
+    a.host_register = host_register;
+    a.host_unregister = host_unregister;
+    a.mem_copy_async = mem_copy_async;
+    a.device_count = device_count;
+    return a;
+}
+static const DI_Api g_api = make_api();
 
 static const DI_Api* get_api(uint32_t major) { return major == DI_ABI_MAJOR ? &g_api : nullptr; }
 

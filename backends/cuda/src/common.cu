@@ -6,12 +6,19 @@
 
 namespace di {
 
-// Library-global fallback for errors that have no context (ctx == NULL).
+// The backend's dtype ids are the ABI's (DI_DTypeId), so the op table's DI_DTS_* sets index them.
+static_assert((int)DT_F32 == (int)DI_DT_F32 && (int)DT_BF16 == (int)DI_DT_BF16 && (int)DT_E2M1 == (int)DI_DT_E2M1 &&
+                  (int)DT_I4 == (int)DI_DT_I4 && (int)DT_U64 == (int)DI_DT_U64,
+              "CUDA dtype ids must equal DI_DTypeId");
+
+// The calling thread's last message (ABI 1.1: per thread, not per context, so two threads sharing
+// a context never overwrite each other's).
 static thread_local char g_err[1024];
 
 DI_Status set_error(DI_Context* ctx, DI_Status st, const char* fmt, ...) {
-    char* buf = ctx ? ctx->err : g_err;
-    size_t n = ctx ? sizeof(ctx->err) : sizeof(g_err);
+    (void)ctx;
+    char* buf = g_err;
+    size_t n = sizeof(g_err);
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(buf, n, fmt, ap);
@@ -20,8 +27,8 @@ DI_Status set_error(DI_Context* ctx, DI_Status st, const char* fmt, ...) {
 }
 
 void clear_error(DI_Context* ctx) {
-    if (ctx) ctx->err[0] = 0;
-    else g_err[0] = 0;
+    (void)ctx;
+    g_err[0] = 0;
 }
 
 const char* global_error() { return g_err; }
@@ -215,7 +222,7 @@ DI_Status take_tensor(DI_Context* ctx, const OpMode* mode, const char* op, const
         snprintf(sname, sizeof(sname), "%s.quant->scales", name);
         return take_plain(ctx, mode, op, sname, q.scales, t.ndim, true, &v->s);
     }
-    if (!dt_is_scale(v->s.dt))
+    if (!(DI_DTS_SCALES & DI_DTM(v->s.dt)))   // the op table's scale dtypes
         return set_error(ctx, DI_UNIMPLEMENTED, "%s: scales of dtype %s are not supported", W(), dt_name(v->s.dt));
     int64_t expect[DI_MAX_DIMS];
     for (int d = 0; d < t.ndim; ++d) expect[d] = t.shape[d];
@@ -235,7 +242,7 @@ DI_Status take_tensor(DI_Context* ctx, const OpMode* mode, const char* op, const
             if (v->z.shape[d] != expect[d])
                 return set_error(ctx, DI_INVALID_ARGUMENT, "%s: zeros.shape[%d]=%lld, expected %lld (scales' shape)",
                                  W(), d, (long long)v->z.shape[d], (long long)expect[d]);
-        if (v->z.dt == DT_E8M0 || dt_is_packed(v->z.dt) || v->z.dt == DT_U64)
+        if (!(DI_DTS_ZEROS & DI_DTM(v->z.dt)))   // the op table's zero-point dtypes
             return set_error(ctx, DI_UNIMPLEMENTED, "%s: zeros of dtype %s are not supported", W(), dt_name(v->z.dt));
         v->mode = 2;
     }

@@ -19,7 +19,6 @@ struct DI_Context {
     int32_t        device;
     int32_t        sm_count;
     cudaDeviceProp prop;
-    char           err[1024];
 };
 
 namespace di {
@@ -38,9 +37,6 @@ const char* dt_name(int dt);
 int         dt_bits(int dt);
 inline bool dt_is_packed(int dt) { return dt == DT_E2M1 || dt == DT_I4 || dt == DT_U4; }
 inline bool dt_is_act_float(int dt) { return dt == DT_F32 || dt == DT_BF16 || dt == DT_F16; }
-inline bool dt_is_scale(int dt) {
-    return dt == DT_F32 || dt == DT_BF16 || dt == DT_F16 || dt == DT_E8M0 || dt == DT_E4M3;
-}
 inline bool dt_is_int(int dt) {
     return dt == DT_I4 || dt == DT_U4 || dt == DT_I8 || dt == DT_U8 || dt == DT_I32 || dt == DT_I64 ||
            dt == DT_U64;
@@ -147,21 +143,6 @@ inline unsigned grid_for(int64_t n, int threads, int64_t cap = 1 << 20) {
 
 // ---------------------------------------------------------------------------------------- ops
 // One per DI_Api op entry; defined in ops_*.cu.
-#define DI_OP_DECL(fn, Args) DI_Status fn(DI_Context* ctx, const Args* a, di::OpMode* mode);
-DI_OP_DECL(op_embedding, DI_EmbeddingArgs)
-DI_OP_DECL(op_rmsnorm, DI_RMSNormArgs)
-DI_OP_DECL(op_linear, DI_LinearArgs)
-DI_OP_DECL(op_quantize, DI_QuantizeArgs)
-DI_OP_DECL(op_dequantize, DI_DequantizeArgs)
-DI_OP_DECL(op_rope, DI_RopeArgs)
-DI_OP_DECL(op_mla_cache_write, DI_MLACacheWriteArgs)
-DI_OP_DECL(op_mla_prefill, DI_MLAPrefillArgs)
-DI_OP_DECL(op_mla_decode, DI_MLADecodeArgs)
-DI_OP_DECL(op_moe_router, DI_MoERouterArgs)
-DI_OP_DECL(op_moe_experts, DI_MoEExpertsArgs)
-DI_OP_DECL(op_add, DI_BinaryArgs)
-DI_OP_DECL(op_mul, DI_BinaryArgs)
-DI_OP_DECL(op_silu_mul, DI_SiluMulArgs)
-DI_OP_DECL(op_concat, DI_ConcatArgs)
-DI_OP_DECL(op_sample, DI_SampleArgs)
+#define DI_OP_DECL(id, name, Args, minor) DI_Status op_##name(DI_Context* ctx, const Args* a, di::OpMode* mode);
+DI_OPS(DI_OP_DECL)
 #undef DI_OP_DECL

@@ -97,7 +97,7 @@ __global__ __launch_bounds__(128) void k_mla_prefill(DTensor q, DTensor kv, DTen
     }
 }
 
-#define FLOATS DT_F32, DT_BF16, DT_F16
+#define FLOATS DT_F32, DT_BF16   // DI_DTS_FLOAT of the op table
 
 DI_Status op_mla_prefill(DI_Context* ctx, const DI_MLAPrefillArgs* a, OpMode* mode) {
     const char* op = "mla_prefill";
@@ -112,7 +112,7 @@ DI_Status op_mla_prefill(DI_Context* ctx, const DI_MLAPrefillArgs* a, OpMode* mo
     DI_NEED_DT(ctx, op, "kv", kv.q.dt, FLOATS);
     DI_NEED_DT(ctx, op, "k_pe", kpe.q.dt, FLOATS);
     DI_NEED_DT(ctx, op, "out", out.q.dt, FLOATS);
-    DI_NEED_DT(ctx, op, "cu_seqlens", cu.q.dt, DT_I32, DT_I64);
+    DI_NEED_DT(ctx, op, "cu_seqlens", cu.q.dt, DT_I32);
     const int64_t T = q.q.shape[0], H = q.q.shape[1], Dq = q.q.shape[2], Dv = out.q.shape[2];
     const int64_t Dn = kv.q.shape[2] - Dv, Dr = kpe.q.shape[1];
     DI_TRY(need_shape(ctx, op, "kv", kv.q, 0, T, "q.shape[0]"));
@@ -337,10 +337,10 @@ DI_Status op_mla_decode(DI_Context* ctx, const DI_MLADecodeArgs* a, OpMode* mode
     DI_TRY(take_tensor(ctx, mode, op, "out", a->out, 3, 0, &out));
     DI_NEED_DT(ctx, op, "q", q.q.dt, FLOATS);
     DI_NEED_DT(ctx, op, "wkv_b", w.q.dt, FLOATS);
-    DI_NEED_DT(ctx, op, "cache", cache.q.dt, FLOATS, DT_E4M3, DT_E5M2);
-    DI_NEED_DT(ctx, op, "block_table", btab.q.dt, DT_I32, DT_I64);
-    DI_NEED_DT(ctx, op, "token_seq", seq.q.dt, DT_I32, DT_I64);
-    DI_NEED_DT(ctx, op, "kv_len", kvl.q.dt, DT_I32, DT_I64);
+    DI_NEED_DT(ctx, op, "cache", cache.q.dt, FLOATS);
+    DI_NEED_DT(ctx, op, "block_table", btab.q.dt, DT_I32);
+    DI_NEED_DT(ctx, op, "token_seq", seq.q.dt, DT_I32);
+    DI_NEED_DT(ctx, op, "kv_len", kvl.q.dt, DT_I32);
     DI_NEED_DT(ctx, op, "out", out.q.dt, FLOATS);
     DecodeDims d{};
     d.T = q.q.shape[0];

@@ -4,7 +4,7 @@
 
 using namespace di;
 
-#define FLOATS DT_F32, DT_BF16, DT_F16
+#define FLOATS DT_F32, DT_BF16   // DI_DTS_FLOAT of the op table
 
 // ---------------------------------------------------------------------------------------- embedding
 __global__ void k_embedding(DTensor ids, DTensor table, DTensor out, int64_t T, int64_t H) {
@@ -26,8 +26,8 @@ DI_Status op_embedding(DI_Context* ctx, const DI_EmbeddingArgs* a, OpMode* mode)
     DI_TRY(take_tensor(ctx, mode, op, "ids", a->ids, 1, 0, &ids));
     DI_TRY(take_tensor(ctx, mode, op, "table", a->table, 2, 0, &table));
     DI_TRY(take_tensor(ctx, mode, op, "out", a->out, 2, 0, &out));
-    DI_NEED_DT(ctx, op, "ids", ids.q.dt, DT_I32, DT_I64);
-    DI_NEED_DT(ctx, op, "table", table.q.dt, FLOATS);
+    DI_NEED_DT(ctx, op, "ids", ids.q.dt, DT_I32);
+    DI_NEED_DT(ctx, op, "table", table.q.dt, FLOATS, DT_F16);
     DI_NEED_DT(ctx, op, "out", out.q.dt, FLOATS);
     DI_TRY(need_shape(ctx, op, "out", out.q, 0, ids.q.shape[0], "ids.shape[0]"));
     DI_TRY(need_shape(ctx, op, "out", out.q, 1, table.q.shape[1], "table.shape[1]"));
@@ -137,7 +137,7 @@ DI_Status op_rope(DI_Context* ctx, const DI_RopeArgs* a, OpMode* mode) {
         return set_error(ctx, DI_INVALID_ARGUMENT, "%s: x.ndim=%d, expected 2 ([T, D]) or 3 ([T, H, D])", op, x.q.ndim);
     DI_NEED_DT(ctx, op, "x", x.q.dt, FLOATS);
     DI_NEED_DT(ctx, op, "out", out.q.dt, FLOATS);
-    DI_NEED_DT(ctx, op, "positions", pos.q.dt, DT_I32, DT_I64);
+    DI_NEED_DT(ctx, op, "positions", pos.q.dt, DT_I32);
     DI_TRY(same_shape(ctx, op, "x", x.q, "out", out.q));
     DI_TRY(need_shape(ctx, op, "positions", pos.q, 0, x.q.shape[0], "x.shape[0]"));
     int64_t D = x.q.shape[x.q.ndim - 1];
@@ -202,8 +202,8 @@ DI_Status op_mla_cache_write(DI_Context* ctx, const DI_MLACacheWriteArgs* a, OpM
     DI_TRY(take_tensor(ctx, mode, op, "cache", a->cache, 3, 0, &cache));
     DI_NEED_DT(ctx, op, "latent", lat.q.dt, FLOATS);
     DI_NEED_DT(ctx, op, "k_pe", kpe.q.dt, FLOATS);
-    DI_NEED_DT(ctx, op, "slots", slots.q.dt, DT_I32, DT_I64);
-    DI_NEED_DT(ctx, op, "cache", cache.q.dt, FLOATS, DT_E4M3, DT_E5M2);
+    DI_NEED_DT(ctx, op, "slots", slots.q.dt, DT_I32);
+    DI_NEED_DT(ctx, op, "cache", cache.q.dt, FLOATS);
     int64_t T = lat.q.shape[0], Dc = lat.q.shape[1], Dr = kpe.q.shape[1];
     DI_TRY(need_shape(ctx, op, "k_pe", kpe.q, 0, T, "latent.shape[0]"));
     DI_TRY(need_shape(ctx, op, "slots", slots.q, 0, T, "latent.shape[0]"));

@@ -112,7 +112,7 @@ __global__ void k_gemv_reduce(const float* part, int splits, int64_t M, int64_t 
 }
 
 // ---------------------------------------------------------------------------------------- linear
-#define WEIGHT_DTYPES DT_F32, DT_BF16, DT_F16, DT_E4M3, DT_E5M2, DT_I8, DT_I4, DT_U4, DT_E2M1
+#define WEIGHT_DTYPES DT_F32, DT_BF16, DT_E4M3, DT_E5M2, DT_I8, DT_I4, DT_U4, DT_E2M1
 
 DI_Status di::check_weight(DI_Context* ctx, const char* op, const char* name, const QTensor& w) {
     DI_NEED_DT(ctx, op, name, w.q.dt, WEIGHT_DTYPES);
@@ -132,20 +132,20 @@ DI_Status op_linear(DI_Context* ctx, const DI_LinearArgs* a, OpMode* mode) {
     DI_TRY(take_tensor(ctx, mode, op, "bias", a->bias, 1, T_OPTIONAL, &bias));
     DI_TRY(take_tensor(ctx, mode, op, "out", a->out, 2, 0, &out));
     if (x.mode == 0) {
-        DI_NEED_DT(ctx, op, "x", x.q.dt, DT_F32, DT_BF16, DT_F16);
+        DI_NEED_DT(ctx, op, "x", x.q.dt, DT_F32, DT_BF16);
     } else {
         DI_NEED_DT(ctx, op, "x (activation-quantized)", x.q.dt, DT_I8, DT_E4M3);
         if (x.mode == 2)
             return set_error(ctx, DI_UNIMPLEMENTED, "%s: asymmetric activation quantization (x zeros) is not supported", op);
     }
     DI_TRY(check_weight(ctx, op, "w", w));
-    DI_NEED_DT(ctx, op, "out", out.q.dt, DT_F32, DT_BF16, DT_F16);
+    DI_NEED_DT(ctx, op, "out", out.q.dt, DT_F32, DT_BF16);
     const int64_t M = x.q.shape[0], K = x.q.shape[1], N = w.q.shape[0];
     DI_TRY(need_shape(ctx, op, "w", w.q, 1, K, "x.shape[1]"));
     DI_TRY(need_shape(ctx, op, "out", out.q, 0, M, "x.shape[0]"));
     DI_TRY(need_shape(ctx, op, "out", out.q, 1, N, "w.shape[0]"));
     if (bias.q.base || (!mode->launch && a->bias.ndim == 1)) {
-        DI_NEED_DT(ctx, op, "bias", bias.q.dt, DT_F32, DT_BF16, DT_F16);
+        DI_NEED_DT(ctx, op, "bias", bias.q.dt, DT_F32, DT_BF16);
         DI_TRY(need_shape(ctx, op, "bias", bias.q, 0, N, "w.shape[0]"));
     }
     bool gemv = M <= 8 && gemv_ok(w, K, mode->launch);

@@ -533,11 +533,11 @@ DI_Status op_moe_experts(DI_Context* ctx, const DI_MoEExpertsArgs* a, OpMode* mo
     DI_TRY(take_tensor(ctx, mode, op, "topk_ids", a->topk_ids, 2, 0, &c.ids));
     DI_TRY(take_tensor(ctx, mode, op, "topk_weights", a->topk_weights, 2, 0, &c.tw));
     DI_TRY(take_tensor(ctx, mode, op, "out", a->out, 2, 0, &c.out));
-    if (c.x.mode == 0) DI_NEED_DT(ctx, op, "x", c.x.q.dt, DT_F32, DT_BF16, DT_F16);
+    if (c.x.mode == 0) DI_NEED_DT(ctx, op, "x", c.x.q.dt, DT_F32, DT_BF16);
     else DI_NEED_DT(ctx, op, "x (activation-quantized)", c.x.q.dt, DT_I8, DT_E4M3);
-    DI_NEED_DT(ctx, op, "topk_ids", c.ids.q.dt, DT_I32, DT_I64);
-    DI_NEED_DT(ctx, op, "topk_weights", c.tw.q.dt, DT_F32, DT_BF16, DT_F16);
-    DI_NEED_DT(ctx, op, "out", c.out.q.dt, DT_F32, DT_BF16, DT_F16);
+    DI_NEED_DT(ctx, op, "topk_ids", c.ids.q.dt, DT_I32);
+    DI_NEED_DT(ctx, op, "topk_weights", c.tw.q.dt, DT_F32);
+    DI_NEED_DT(ctx, op, "out", c.out.q.dt, DT_F32, DT_BF16);
     c.T = c.x.q.shape[0];
     c.H = c.x.q.shape[1];
     c.Ktop = c.ids.q.shape[1];

@@ -29,8 +29,8 @@ DI_Status op_dequantize(DI_Context* ctx, const DI_DequantizeArgs* a, OpMode* mod
     QTensor x, out;
     DI_TRY(take_tensor(ctx, mode, op, "x", a->x, -1, T_ALLOW_Q, &x));
     DI_TRY(take_tensor(ctx, mode, op, "out", a->out, -1, 0, &out));
-    DI_NEED_DT(ctx, op, "out", out.q.dt, DT_F32, DT_BF16, DT_F16);
-    DI_NEED_DT(ctx, op, "x", x.q.dt, DT_F32, DT_BF16, DT_F16, DT_E4M3, DT_E5M2, DT_E2M1, DT_I4, DT_U4, DT_I8, DT_U8);
+    DI_NEED_DT(ctx, op, "out", out.q.dt, DT_F32, DT_BF16);
+    DI_NEED_DT(ctx, op, "x", x.q.dt, DT_E4M3, DT_E5M2, DT_E2M1, DT_I4, DT_U4, DT_I8, DT_U8);
     if (x.q.ndim < 1) return set_error(ctx, DI_INVALID_ARGUMENT, "%s: x.ndim must be >= 1", op);
     DI_TRY(same_shape(ctx, op, "x", x.q, "out", out.q));
     if (!mode->launch) return DI_OK;
@@ -148,7 +148,7 @@ DI_Status op_quantize(DI_Context* ctx, const DI_QuantizeArgs* a, OpMode* mode) {
     QTensor x, o;
     DI_TRY(take_tensor(ctx, mode, op, "x", a->x, -1, 0, &x));
     DI_TRY(take_tensor(ctx, mode, op, "out", a->out, -1, T_ALLOW_Q, &o));
-    DI_NEED_DT(ctx, op, "x", x.q.dt, DT_F32, DT_BF16, DT_F16);
+    DI_NEED_DT(ctx, op, "x", x.q.dt, DT_F32, DT_BF16);
     DI_NEED_DT(ctx, op, "out", o.q.dt, DT_I8, DT_I4, DT_E4M3, DT_E2M1);
     if (x.q.ndim < 1) return set_error(ctx, DI_INVALID_ARGUMENT, "%s: x.ndim must be >= 1", op);
     DI_TRY(same_shape(ctx, op, "x", x.q, "out", o.q));

@@ -139,14 +139,14 @@ DI_Status op_moe_router(DI_Context* ctx, const DI_MoERouterArgs* a, OpMode* mode
     DI_TRY(take_tensor(ctx, mode, op, "bias", a->bias, 1, T_OPTIONAL, &bias));
     DI_TRY(take_tensor(ctx, mode, op, "topk_ids", a->topk_ids, 2, 0, &ids));
     DI_TRY(take_tensor(ctx, mode, op, "topk_weights", a->topk_weights, 2, 0, &wts));
-    DI_NEED_DT(ctx, op, "logits", lg.q.dt, DT_F32, DT_BF16, DT_F16);
+    DI_NEED_DT(ctx, op, "logits", lg.q.dt, DT_F32);
     DI_NEED_DT(ctx, op, "topk_ids", ids.q.dt, DT_I32);
     DI_NEED_DT(ctx, op, "topk_weights", wts.q.dt, DT_F32);
     RouterP p{};
     p.T = lg.q.shape[0];
     const int64_t E = lg.q.shape[1], K = ids.q.shape[1];
     if (bias.q.base) {
-        DI_NEED_DT(ctx, op, "bias", bias.q.dt, DT_F32, DT_BF16, DT_F16);
+        DI_NEED_DT(ctx, op, "bias", bias.q.dt, DT_F32);
         DI_TRY(need_shape(ctx, op, "bias", bias.q, 0, E, "logits.shape[1]"));
     }
     DI_TRY(need_shape(ctx, op, "topk_ids", ids.q, 0, p.T, "logits.shape[0]"));
@@ -321,11 +321,11 @@ DI_Status op_sample(DI_Context* ctx, const DI_SampleArgs* a, OpMode* mode) {
     DI_TRY(take_tensor(ctx, mode, op, "top_p", a->top_p, 1, 0, &topp));
     DI_TRY(take_tensor(ctx, mode, op, "seeds", a->seeds, 1, 0, &seeds));
     DI_TRY(take_tensor(ctx, mode, op, "out", a->out, 1, 0, &out));
-    DI_NEED_DT(ctx, op, "logits", lg.q.dt, DT_F32, DT_BF16, DT_F16);
+    DI_NEED_DT(ctx, op, "logits", lg.q.dt, DT_F32);
     DI_NEED_DT(ctx, op, "temperature", temp.q.dt, DT_F32);
     DI_NEED_DT(ctx, op, "top_k", topk.q.dt, DT_I32);
     DI_NEED_DT(ctx, op, "top_p", topp.q.dt, DT_F32);
-    DI_NEED_DT(ctx, op, "seeds", seeds.q.dt, DT_U64, DT_I64);
+    DI_NEED_DT(ctx, op, "seeds", seeds.q.dt, DT_U64);
     DI_NEED_DT(ctx, op, "out", out.q.dt, DT_I32);
     SampleP p{lg.q.shape[0], lg.q.shape[1]};
     DI_TRY(need_shape(ctx, op, "temperature", temp.q, 0, p.B, "logits.shape[0]"));

@@ -31,10 +31,6 @@ class CheckFailed(Exception):
     pass
 
 
-# ops whose first input the README defines as plain values only (a quantized one is a format the op
-# does not implement: UNIMPLEMENTED); linear, dequantize, moe_experts and quantize take quantized data
-PLAIN_ONLY = ("rmsnorm", "rope", "mla_cache_write", "mla_prefill", "mla_decode", "moe_router", "add", "mul",
-              "silu_mul", "concat", "sample")
 
 
 def _name(status: int) -> str:
@@ -120,6 +116,7 @@ class L0:
             self.check("*", "mem_alloc / mem_copy / mem_free, alignment, out of memory", self.c_memory)
             self.check("*", "streams", self.c_streams)
             self.check("*", "op_query: every op id, unknown op id, NULL out, struct_size", self.c_op_query)
+            self.v11_checks()
             for op in abi.OP_NAMES:
                 if self.has(op):
                     self.op_checks(op)
@@ -312,6 +309,208 @@ class L0:
             notes.append("stream_synchronize")
         return ", ".join(notes) or "no stream entries"
 
+    # ------------------------------------------------------------------ ABI 1.1 entries
+    def v11_checks(self):
+        """Events, host memory, async copies, device_count, memory attributes, per-thread errors. A 1.0
+        library's table ends before these entries: each check then passes with that note."""
+        if self.info.abi_minor < 1:
+            self.check("*", "1.1 entries: not offered by a 1.0 library", lambda: f"ABI 1.{self.info.abi_minor}")
+            return
+        self.check("*", "1.1 entry groups: events all six or none, host memory all four or none", self.c_v11_groups)
+        self.check("*", "events: create, record, wait, query, synchronize, destroy, NULLs", self.c_events)
+        self.check("*", "host_alloc / host_free: alignment, host access, NULL out, out of memory", self.c_host_alloc)
+        self.check("*", "host_register / host_unregister: overlap and double unregister rejected", self.c_host_register)
+        self.check("*", "mem_copy_async: host -> device -> host through pinned memory on a stream", self.c_copy_async)
+        self.check("*", "device_count", self.c_device_count)
+        self.check("*", "device.memory_free_bytes / device.memory_total_bytes", self.c_memory_attributes)
+        self.check("*", "last_error is per thread: two threads failing on one context keep their own message",
+                   self.c_thread_errors)
+
+    EVENT_ENTRIES = ("event_create", "event_destroy", "event_record", "stream_wait_event", "event_query",
+                     "event_synchronize")
+    HOST_ENTRIES = ("host_alloc", "host_free", "host_register", "host_unregister")
+
+    def c_v11_groups(self):
+        notes = []
+        for group, entries in (("events", self.EVENT_ENTRIES), ("host memory", self.HOST_ENTRIES)):
+            have = [self.has(e) for e in entries]
+            if any(have) and not all(have):
+                missing = [e for e, h in zip(entries, have) if not h]
+                raise CheckFailed(f"{group}: {', '.join(missing)} NULL while others are set (all or none)")
+            notes.append(f"{group} {'yes' if all(have) else 'no'}")
+        for e in ("mem_copy_async", "device_count"):
+            notes.append(f"{e} {'yes' if self.has(e) else 'no'}")
+        return ", ".join(notes)
+
+    def _stream(self):
+        if not self.has("stream_create"):
+            return ffi.NULL
+        s = ffi.new("DI_Stream*")
+        self.expect(self.api.stream_create(self.be._ctx, s), abi.OK, "stream_create", self.be._ctx)
+        return s[0]
+
+    def _drop_stream(self, s):
+        if s != ffi.NULL and self.has("stream_destroy"):
+            self.api.stream_destroy(self.be._ctx, s)
+
+    def c_events(self):
+        if not self.has("event_create"):
+            return "no events"
+        api, ctx = self.api, self.be._ctx
+        self.expect(api.event_create(ctx, ffi.NULL), INVALID, "event_create(out=NULL)", ctx)
+        self.expect(api.event_create(ffi.NULL, ffi.new("DI_Event*")), INVALID, "event_create(ctx=NULL)", None)
+        e = ffi.new("DI_Event*")
+        self.expect(api.event_create(ctx, e), abi.OK, "event_create", ctx)
+        done = ffi.new("int32_t*")
+        s = self._stream()
+        try:
+            self.expect(api.event_query(ctx, e[0], done), abi.OK, "event_query before any record", ctx)
+            if done[0] != 1:
+                raise CheckFailed("event_query of an event never recorded said not reached (it has nothing to wait for)")
+            for stream, what in ((ffi.NULL, "the default stream"), (s, "a created stream")):
+                self.expect(api.event_record(ctx, e[0], stream), abi.OK, f"event_record on {what}", ctx)
+                self.expect(api.stream_wait_event(ctx, stream, e[0]), abi.OK, f"stream_wait_event on {what}", ctx)
+                self.expect(api.event_synchronize(ctx, e[0]), abi.OK, "event_synchronize", ctx)
+                done[0] = -1
+                self.expect(api.event_query(ctx, e[0], done), abi.OK, "event_query after event_synchronize", ctx)
+                if done[0] != 1:
+                    raise CheckFailed(f"event_query after event_synchronize wrote {done[0]}, expected 1")
+            self.expect(api.event_query(ctx, e[0], ffi.NULL), INVALID, "event_query(done=NULL)", ctx)
+            for name, st in (("event_record(NULL)", api.event_record(ctx, ffi.NULL, ffi.NULL)),
+                             ("event_query(NULL)", api.event_query(ctx, ffi.NULL, done)),
+                             ("event_synchronize(NULL)", api.event_synchronize(ctx, ffi.NULL)),
+                             ("stream_wait_event(event=NULL)", api.stream_wait_event(ctx, ffi.NULL, ffi.NULL)),
+                             ("event_destroy(NULL)", api.event_destroy(ctx, ffi.NULL))):
+                self.expect(st, INVALID, name, ctx)
+        finally:
+            self.expect(api.event_destroy(ctx, e[0]), abi.OK, "event_destroy", ctx)
+            self._drop_stream(s)
+        return "record / wait / query / synchronize on the default and a created stream"
+
+    def c_host_alloc(self):
+        if not self.has("host_alloc"):
+            return "no host memory entries"
+        api, ctx = self.api, self.be._ctx
+        p = ffi.new("void**")
+        self.expect(api.host_alloc(ctx, 4096, p), abi.OK, "host_alloc(4096)", ctx)
+        addr = int(ffi.cast("uintptr_t", p[0]))
+        try:
+            if addr == 0 or addr % 256:
+                raise CheckFailed(f"host_alloc returned {addr:#x}, not 256-byte aligned")
+            view = np.frombuffer(ffi.buffer(ffi.cast("char*", p[0]), 4096), np.uint8)
+            view[:] = np.arange(4096) % 251          # the host reads and writes it directly
+            if not np.array_equal(view, np.arange(4096) % 251):
+                raise CheckFailed("host_alloc memory did not keep what the host wrote")
+        finally:
+            self.expect(api.host_free(ctx, p[0]), abi.OK, "host_free", ctx)
+        self.expect(api.host_free(ctx, ffi.NULL), abi.OK, "host_free(NULL)", ctx)
+        self.expect(api.host_alloc(ctx, 64, ffi.NULL), INVALID, "host_alloc(out=NULL)", ctx)
+        self.expect(api.host_alloc(ctx, 1 << 62, p), abi.RESOURCE_EXHAUSTED, "host_alloc(2^62 bytes)", ctx)
+
+    def c_host_register(self):
+        if not self.has("host_register"):
+            return "no host memory entries"
+        api, ctx = self.api, self.be._ctx
+        buf = np.zeros(1 << 16, np.uint8)
+        ptr = ffi.cast("void*", buf.ctypes.data)
+        self.expect(api.host_register(ctx, ptr, buf.nbytes), abi.OK, "host_register(64 KiB)", ctx)
+        try:
+            self.expect(api.host_register(ctx, ptr, buf.nbytes), INVALID, "host_register of a registered range", ctx)
+        finally:
+            self.expect(api.host_unregister(ctx, ptr), abi.OK, "host_unregister", ctx)
+        self.expect(api.host_unregister(ctx, ptr), INVALID, "host_unregister of a range no longer registered", ctx)
+        self.expect(api.host_register(ctx, ffi.NULL, 64), INVALID, "host_register(NULL)", ctx)
+
+    def c_copy_async(self):
+        if not self.has("mem_copy_async"):
+            return "no mem_copy_async"
+        api, ctx = self.api, self.be._ctx
+        n = 1 << 20
+        src = np.random.default_rng(7).integers(0, 256, n, dtype=np.uint8)
+        back = np.zeros(n, np.uint8)
+        dev = ffi.new("void**")
+        s = self._stream()
+        regs = []
+        try:
+            if self.has("mem_alloc"):
+                self.expect(api.mem_alloc(ctx, n, dev), abi.OK, "mem_alloc", ctx)
+            else:
+                dev[0] = ffi.cast("void*", np.zeros(n, np.uint8).ctypes.data)
+            if self.has("host_register"):
+                for a in (src, back):
+                    self.expect(api.host_register(ctx, ffi.cast("void*", a.ctypes.data), n), abi.OK, "host_register",
+                                ctx)
+                    regs.append(a)
+            h2d, d2h = abi.const("DI_COPY_HOST_TO_DEVICE"), abi.const("DI_COPY_DEVICE_TO_HOST")
+            self.expect(api.mem_copy_async(ctx, dev[0], ffi.cast("void*", src.ctypes.data), n, h2d, s), abi.OK,
+                        "mem_copy_async host->device", ctx)
+            self.expect(api.mem_copy_async(ctx, ffi.cast("void*", back.ctypes.data), dev[0], n, d2h, s), abi.OK,
+                        "mem_copy_async device->host", ctx)
+            self.expect(api.stream_synchronize(ctx, s), abi.OK, "stream_synchronize", ctx)
+            if not np.array_equal(src, back):
+                raise CheckFailed("a host -> device -> host round trip of mem_copy_async changed the bytes")
+            self.expect(api.mem_copy_async(ctx, dev[0], ffi.cast("void*", src.ctypes.data), 16, 99, s), INVALID,
+                        "mem_copy_async with kind=99", ctx)
+        finally:
+            for a in regs:
+                api.host_unregister(ctx, ffi.cast("void*", a.ctypes.data))
+            if self.has("mem_alloc") and dev[0] != ffi.NULL:
+                api.mem_free(ctx, dev[0])
+            self._drop_stream(s)
+        return f"{n >> 20} MiB round trip" + (" from registered host memory" if regs else "")
+
+    def c_device_count(self):
+        if not self.has("device_count"):
+            return "no device_count"
+        n = ffi.new("int32_t*")
+        self.expect(self.api.device_count(n), abi.OK, "device_count", None)
+        if n[0] < 1:
+            raise CheckFailed(f"device_count said {n[0]} although a context was created")
+        self.expect(self.api.device_count(ffi.NULL), INVALID, "device_count(NULL)", None)
+        return f"{n[0]} device(s)"
+
+    def c_memory_attributes(self):
+        api, ctx = self.api, self.be._ctx
+        buf = ffi.new("char[]", 64)
+        got = {}
+        for key in ("device.memory_free_bytes", "device.memory_total_bytes"):
+            self.expect(api.get_attribute(ctx, key.encode(), buf, 64), abi.OK, f"get_attribute({key!r})", ctx)
+            text = ffi.string(buf).decode()
+            if not text.isdigit():
+                raise CheckFailed(f"{key} = {text!r} is not a decimal byte count")
+            got[key] = int(text)
+        free, total = got["device.memory_free_bytes"], got["device.memory_total_bytes"]
+        if not 0 < total or not 0 <= free <= total:
+            raise CheckFailed(f"free {free} / total {total} bytes is not a plausible pair")
+        return f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free"
+
+    def c_thread_errors(self):
+        import threading
+        api, ctx = self.api, self.be._ctx
+        first_failed, second_failed = threading.Event(), threading.Event()
+        seen: dict = {}
+
+        def one():
+            api.get_attribute(ctx, b"thread.one.key", ffi.new("char[]", 8), 8)     # UNIMPLEMENTED
+            first_failed.set()
+            second_failed.wait(30)
+            seen["one"] = self.err(ctx)
+
+        def two():
+            first_failed.wait(30)
+            api.get_attribute(ctx, b"thread.two.key", ffi.new("char[]", 8), 8)
+            seen["two"] = self.err(ctx)
+            second_failed.set()
+
+        ts = [threading.Thread(target=one), threading.Thread(target=two)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        if "thread.one.key" not in seen.get("one", "") or "thread.two.key" not in seen.get("two", ""):
+            raise CheckFailed(f"each thread must read its own last error; thread one read {seen.get('one')!r}, "
+                              f"thread two {seen.get('two')!r}")
+
     def c_op_query(self):
         api, ctx = self.api, self.be._ctx
         if not self.has("op_query"):
@@ -472,7 +671,7 @@ class L0:
             self.check(op, f"{x}: a negative stride -> INVALID_ARGUMENT",
                        lambda: self._expect_rejected(op, tensor_mut(x, lambda t: t.strides.__setitem__(0, -t.strides[0])),
                                                      INVALID, f"{x} with a negative stride"))
-        if op in PLAIN_ONLY:
+        if not abi.OP_SPECS[op].arg(x).quant:   # the op table says plain values only
             self.check(op, f"{x}: a quantized operand where the op takes plain values -> UNIMPLEMENTED",
                        lambda: self._expect_rejected(op, self._attach_quant(x), UNIMPL, f"a quantized {x}"))
         if op == "mla_cache_write":

@@ -64,7 +64,7 @@ class Case:
 
 # ====================================================================== value helpers
 
-QMAX = {"int8": 127, "int4": 7, "e4m3": 448.0, "e2m1": 6.0}
+QMAX = abi.QMAX   # DI_QMAX of deepinfer_abi.h
 
 
 def np_dtype(name: str) -> np.dtype:

@@ -85,9 +85,11 @@ class L3:
         be = load_library(self.path)
         try:
             graphs = all(_has(be, e) for e in ("graph_begin", "graph_end", "graph_launch", "graph_destroy"))
-            if not graphs and be.device == "cpu":
+            events = all(_has(be, e) for e in ("event_create", "event_record", "stream_wait_event",
+                                                "event_synchronize", "event_destroy", "mem_copy_async"))
+            if not graphs and not events and be.device == "cpu":
                 o = Outcome("*", "L3", "*", "skipped",
-                            "host CPU library without graph_* entries: streams and graphs do not apply")
+                            "host CPU library without graph_* or event entries: streams and graphs do not apply")
                 self.results.append(o)
                 self.rec.done(o)
                 return self.results
@@ -100,6 +102,11 @@ class L3:
                 self.check("*", "graph entries reject NULLs", lambda: self.graph_nulls(be))
             if ops:
                 self.check(ops[0], "two contexts from two threads at once", lambda: self.two_threads(ops[0]))
+            if events and _has(be, "stream_create"):
+                op = next((o for o in ops if o in ("add", "mul", "silu_mul", "rmsnorm")), None)
+                if op:
+                    self.check(op, "an event orders an async upload on one stream before an op on another",
+                               lambda: self.event_order(be, op))
         finally:
             be.close()
         return self.results
@@ -186,6 +193,56 @@ class L3:
             if stream != ffi.NULL and _has(be, "stream_destroy"):
                 api.stream_destroy(ctx, stream)
         return f"{len(cases)} op(s) captured, replayed 3 times"
+
+    def event_order(self, be, op):
+        """Stream A uploads new input values from pinned memory (mem_copy_async) and records an event;
+        stream B waits for it and runs the op. B must see the new values: the wait orders the streams,
+        and nothing synchronizes the host in between. Repeated, so a missing wait shows as a race."""
+        api, ctx = be._api, be._ctx
+        rng = np.random.default_rng(3)
+        sa, sb, ev = ffi.new("DI_Stream*"), ffi.new("DI_Stream*"), ffi.new("DI_Event*")
+        self.expect(be, api.stream_create(ctx, sa), "stream_create")
+        self.expect(be, api.stream_create(ctx, sb), "stream_create")
+        self.expect(be, api.event_create(ctx, ev), "event_create")
+        pinned = None
+        try:
+            for rep in range(8):
+                case = C.a_valid_case(op)
+                first = next(n for n, sp in case.tensors.items() if isinstance(sp, C.TSpec) and not sp.out
+                             and not sp.alias and sp.values is not None and not sp.quant)
+                spec = case.tensors[first]
+                m = Materialized(be, case)
+                new = (rng.standard_normal(spec.shape) * 4).astype(np.asarray(spec.values).dtype)
+                c2 = C.a_valid_case(op)
+                c2.tensors[first] = C.TSpec(spec.dtype, spec.shape, new)
+                want = self._eager(be, op, c2)
+                held = m.held[first]
+                raw = np.ascontiguousarray(new).view(np.uint8).reshape(-1)
+                if pinned is None and _has(be, "host_alloc"):
+                    pinned = be.host_empty((raw.nbytes,), "uint8")
+                src = raw if pinned is None else pinned.numpy()[: raw.nbytes]
+                src[...] = raw
+                dst = held.base.buffer.ptr if not held.base.on_host else held.base.data_ptr
+                dst += held.base.offset
+                _poison_outputs(be, m)
+                self.expect(be, api.mem_copy_async(ctx, ffi.cast("void*", dst), ffi.cast("void*", src.ctypes.data),
+                                                   raw.nbytes, abi.const("DI_COPY_HOST_TO_DEVICE" if not held.base.on_host
+                                                                         else "DI_COPY_HOST_TO_HOST"), sa[0]),
+                            "mem_copy_async on stream A")
+                self.expect(be, api.event_record(ctx, ev[0], sa[0]), "event_record on stream A")
+                self.expect(be, api.stream_wait_event(ctx, sb[0], ev[0]), "stream_wait_event on stream B")
+                args, keep = be._marshal(op, m.kwargs)
+                args.header.stream = sb[0]
+                self.expect(be, getattr(api, op)(ctx, args), f"{op} on stream B")
+                self.expect(be, api.stream_synchronize(ctx, sb[0]), "stream_synchronize(B)")
+                if _outputs(m) != want:
+                    raise CheckFailed(f"round {rep}: {op} on stream B did not see the values uploaded on stream A "
+                                      f"before the event it waited for")
+        finally:
+            api.event_destroy(ctx, ev[0])
+            api.stream_destroy(ctx, sa[0])
+            api.stream_destroy(ctx, sb[0])
+        return "8 rounds" + (", from pinned host memory" if pinned is not None else "")
 
     def graph_nulls(self, be):
         api, ctx = be._api, be._ctx

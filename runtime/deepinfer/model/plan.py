@@ -25,8 +25,9 @@ from .. import dtypes as D
 from ..tensor import Quant, Tensor
 
 ALIGN = 256
-# fields that ops write; a symbol first seen in any other field is read before it was written
-OUTPUT_FIELDS = {"out", "residual_out", "topk_ids", "topk_weights", "cache"}
+# fields that ops write (role OUT or INOUT in the op table); a symbol first seen in any other field
+# is read before it was written
+OUTPUT_FIELDS = {op: frozenset(abi.output_fields(op)) for op in abi.OP_NAMES}
 
 
 class SymBuf:
@@ -92,7 +93,7 @@ class Tracer:
                 if isinstance(t.buffer, SymBuf):
                     sb = t.buffer
                     if sb.kind == "act" and sb.first < 0:
-                        if k not in OUTPUT_FIELDS:
+                        if k not in OUTPUT_FIELDS[op]:
                             raise RuntimeError(f"plan: {op}.{k} reads {sb.name} before any op wrote it")
                         sb.first = i
                     sb.last = i
