@@ -395,7 +395,12 @@ def test_linear_validation():
         ref.linear(x=x, w=f32(np.ones((5, 96))), out=Tensor.empty((3, 4), "f32"))
     with pytest.raises(ValueError, match="linear: w is required"):
         ref.linear(x=x, out=Tensor.empty((3, 4), "f32"))
+    # int4 is no activation storage dtype of linear.x in the op table; int8 with a (1, 32) block is one,
+    # but not an activation format
     xq = quantize_array(np.ones((3, 96), np.float32), "int4", (1, 32), "f32")
+    with pytest.raises(UnsupportedOpError, match="x: quantized storage dtype int4 is not a format of this argument"):
+        run_linear(xq, f32(np.ones((5, 96))))
+    xq = quantize_array(np.ones((3, 96), np.float32), "int8", (1, 32), "f32")
     with pytest.raises(UnsupportedOpError, match="activation format"):
         run_linear(xq, f32(np.ones((5, 96))))
     with pytest.raises(TypeError, match="linear: x.dtype=int32"):

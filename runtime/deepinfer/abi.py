@@ -170,31 +170,47 @@ def _parse_optable(text: str):
 _OPSPECS, DTYPE_SETS, FORMATS, QMAX, GROUP_SIZES = _parse_optable(HEADER_TEXT)
 OP_SPECS: dict[str, OpSpec] = {o.name: o for o in _OPSPECS}
 
+def bind_ops(the_ffi, specs: list) -> dict:
+    """op name -> (op id, args struct C name, [(field, ctype), ...]) from DI_Api, checked row by row
+    against the op table: same order, same ids, same args structs, and one table row per DI_Tensor
+    field of each struct. Any disagreement raises (the header is inconsistent)."""
+    api_fields = [name for name, _ in the_ffi.typeof("DI_Api").fields]
+    first = api_fields.index("embedding")
+    entries = the_ffi.typeof("DI_Api").fields[first:first + len(specs)]
+    if len(entries) != len(specs):
+        raise RuntimeError(f"deepinfer_abi.h: DI_OPS has {len(specs)} rows but DI_Api only {len(entries)} op entries")
+    ops = {}
+    for i, (name, field) in enumerate(entries):
+        spec = specs[i]
+        if spec.name != name or spec.id != i:
+            raise RuntimeError(f"deepinfer_abi.h: DI_OPS row {i} is {spec.name} (id {spec.id}) but DI_Api entry "
+                               f"{first + i} is {name}")
+        struct = field.type.args[1].item
+        if struct.cname != spec.struct:
+            raise RuntimeError(f"deepinfer_abi.h: DI_OPS says {name} takes {spec.struct}, DI_Api says {struct.cname}")
+        # named `reserved` fields are padding made explicit (always zero): not arguments
+        fields = [(fn, ff.type) for fn, ff in struct.fields if fn != "header" and not fn.startswith("reserved")]
+        tensor_fields = [fn for fn, ft in fields if ft.cname == "DI_Tensor" or
+                         (ft.kind == "pointer" and ft.item.cname == "DI_Tensor")]
+        if tensor_fields != [a.name for a in spec.args]:
+            raise RuntimeError(f"deepinfer_abi.h: DI_ARGS_{name} rows {[a.name for a in spec.args]} do not match the "
+                               f"DI_Tensor fields of {struct.cname} {tensor_fields}")
+        for a in spec.args:
+            is_array = dict(fields)[a.name].kind == "pointer"
+            if is_array != a.is_array:
+                raise RuntimeError(f"deepinfer_abi.h: DI_ARGS_{name}: {a.name} is {'an array' if is_array else 'a tensor'}"
+                                   f" in {struct.cname} but a{'n A' if a.is_array else ' T'} row in the table")
+        ops[name] = (i, struct.cname, fields)
+    return ops
+
+
+OPS: dict[str, tuple[int, str, list]] = bind_ops(ffi, _OPSPECS)
+for _name, (_i, _s, _f) in OPS.items():
+    if const("DI_OP_" + _name.upper()) != _i:
+        raise RuntimeError(f"DI_OP_{_name.upper()} does not match the order of DI_Api in deepinfer_abi.h")
 _API_FIELDS = [name for name, _ in ffi.typeof("DI_Api").fields]
 _FIRST_OP = _API_FIELDS.index("embedding")
 _LAST_OP = _FIRST_OP + len(_OPSPECS)
-
-# op name -> (op id, args struct C name, [(field name, ctype), ...] without the header)
-OPS: dict[str, tuple[int, str, list]] = {}
-for _i, (_name, _field) in enumerate(ffi.typeof("DI_Api").fields[_FIRST_OP:_LAST_OP]):
-    _spec = _OPSPECS[_i]
-    if _spec.name != _name or _spec.id != _i:
-        raise RuntimeError(f"deepinfer_abi.h: DI_OPS row {_i} is {_spec.name} (id {_spec.id}) but DI_Api entry "
-                           f"{_FIRST_OP + _i} is {_name}")
-    _struct = _field.type.args[1].item
-    if _struct.cname != _spec.struct:
-        raise RuntimeError(f"deepinfer_abi.h: DI_OPS says {_name} takes {_spec.struct}, DI_Api says {_struct.cname}")
-    # named `reserved` fields are padding made explicit (always zero): not arguments
-    _fields = [(fn, ff.type) for fn, ff in _struct.fields if fn != "header" and not fn.startswith("reserved")]
-    OPS[_name] = (_i, _struct.cname, _fields)
-    _enum_name = "DI_OP_" + _name.upper()
-    if const(_enum_name) != _i:
-        raise RuntimeError(f"{_enum_name} does not match the order of DI_Api in deepinfer_abi.h")
-    _tensor_fields = [fn for fn, ft in _fields if ft.cname == "DI_Tensor" or
-                      (ft.kind == "pointer" and ft.item.cname == "DI_Tensor")]
-    if _tensor_fields != [a.name for a in _spec.args]:
-        raise RuntimeError(f"deepinfer_abi.h: DI_ARGS_{_name} rows {[a.name for a in _spec.args]} do not match the "
-                           f"DI_Tensor fields of {_struct.cname} {_tensor_fields}")
 
 OP_NAMES = list(OPS)
 API_NON_OP_FIELDS = _API_FIELDS[4:_FIRST_OP] + _API_FIELDS[_LAST_OP:]

@@ -58,8 +58,15 @@ static _Thread_local char g_error[512] = "";
 
 static DI_Status fail(DI_Context* ctx, DI_Status st, const char* fmt, ...) __attribute__((format(printf, 3, 4)));
 
+/* ABI 1.1 asks for one message per thread; a 1.0 build keeps the 1.0 per-context buffer */
+#if DI_ABI_MINOR >= 1
+#define ERRBUF(ctx) ((void)(ctx), g_error)
+#else
+#define ERRBUF(ctx) ((ctx) ? (ctx)->error : g_error)
+#endif
+
 static DI_Status fail(DI_Context* ctx, DI_Status st, const char* fmt, ...) {
-    char* buf = ctx ? ctx->error : g_error;
+    char* buf = ERRBUF(ctx);
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(buf, 512, fmt, ap);
@@ -68,7 +75,7 @@ static DI_Status fail(DI_Context* ctx, DI_Status st, const char* fmt, ...) {
 }
 
 static DI_Status ok(DI_Context* ctx) {
-    ctx->error[0] = '\0';
+    ERRBUF(ctx)[0] = '\0';
     return DI_OK;
 }
 
@@ -383,7 +390,7 @@ static DI_Status tiny_context_destroy(DI_Context* ctx) {
     return DI_OK;
 }
 
-static const char* tiny_last_error(DI_Context* ctx) { return ctx ? ctx->error : g_error; }
+static const char* tiny_last_error(DI_Context* ctx) { return ERRBUF(ctx); }
 
 static DI_Status tiny_get_attribute(DI_Context* ctx, const char* key, char* buf, uint64_t size) {
     if (!ctx)
@@ -396,6 +403,11 @@ static DI_Status tiny_get_attribute(DI_Context* ctx, const char* key, char* buf,
     else if (!strcmp(key, "version")) v = "0.0.1";
     else if (!strcmp(key, "abi.version")) { snprintf(tmp, sizeof tmp, "%d.%d", TEST_ABI_MAJOR, DI_ABI_MINOR); v = tmp; }
     else if (!strcmp(key, "device.name")) v = "host CPU (tiny test plugin)";
+#if DI_ABI_MINOR >= 1
+    /* required from 1.1 on; a test plugin may answer with any plausible pair */
+    else if (!strcmp(key, "device.memory_total_bytes")) v = "1073741824";
+    else if (!strcmp(key, "device.memory_free_bytes")) v = "536870912";
+#endif
     if (!v)
         return fail(ctx, DI_UNIMPLEMENTED, "get_attribute: unknown key '%s'", key);
     if (strlen(v) + 1 > size)
