@@ -128,3 +128,31 @@ def test_score_chunks_match_one_pass(v3_model):
     assert one.shape == (20, 256)
     assert np.abs(one - chunked).max() < 1e-4 * max(1, np.abs(one).max())
     assert v3_model.kv.num_free_blocks == v3_model.kv.num_blocks
+
+
+def test_a_new_batch_shape_marshals_no_weight_descriptor_again(tiny_checkpoint, cpu_backend):
+    """Each tensor's C descriptor is filled once for its life (ABI 1.1 work): a plan for a new batch
+    shape fills only its own activation and input views, never a weight or an expert array again."""
+    path, _, _ = tiny_checkpoint("v3")
+    be = cpu_backend
+    m = DeepseekModel(path, be, max_batch=4, max_seq_len=64, block_size=4)
+    filled: list = []
+    real = be._fill_new
+    be._fill_new = lambda c, t, keep, what: filled.append(t) or real(c, t, keep, what)
+    try:
+        def prepare(T):
+            filled.clear()
+            p = m.plan("main", "decode", T, T)
+            for op, kw in p.bound:
+                be.prepare(op, **kw)
+            return list(filled)
+
+        first, second = prepare(1), prepare(3)
+        weights = {id(t) for t in first} - {id(t) for t in second}
+        assert weights, "the first plan filled no weight descriptor"
+        assert not {id(t) for t in first} & {id(t) for t in second}, "a tensor was marshalled twice"
+        # what the second plan filled lives in the plan's arena or input store, not in a weight
+        stores = {id(m.arena.tensor.buffer)} | {id(getattr(p, "_input_store").buffer) for p in m.plans.values()}
+        assert all(id(t.buffer) in stores for t in second if t.buffer is not None and not t.quant), second[:3]
+    finally:
+        be._fill_new = real
