@@ -512,24 +512,6 @@ def test_tiny_fp8_checkpoint_requantized(tmp_path):
     assert n_fp8 > 0 and not any(n.endswith("_scale_inv") for n in out.names())
 
 
-def test_convert_weight_for_engine_precisions():
-    rng = np.random.default_rng(11)
-    w = rng.standard_normal((20, 70)).astype(np.float32)
-    plain = Tensor.from_numpy(w.astype(ml_dtypes.bfloat16))
-    for prec, dt in (("f32", "f32"), ("bf16", "bf16"), ("int8", "int8"), ("w8a8", "int8"), ("int4", "int4"),
-                     ("w4a8", "int4"), ("fp8", "e4m3")):
-        t = Q.convert_weight(plain, prec, group_size=32)
-        assert t.dtype.name == dt and t.shape == (20, 70)
-        assert np.linalg.norm(Q.dequantize(t) - w) / np.linalg.norm(w) < 0.15
-    q4 = Q.quantize_weight(w, QF.make_scheme("int4", 64))
-    assert Q.convert_weight(q4, "int4") is q4            # never re-rounded
-    asym = Q.quantize_weight(w, QF.make_scheme("int4", 64, symmetric=False))
-    assert Q.convert_weight(asym, "int4") is asym
-    assert Q.convert_weight(asym, "w4a8").dtype.name == "int4"   # integer paths need symmetric weights
-    with pytest.raises(ConfigError, match="precision"):
-        Q.convert_weight(plain, "int3")
-
-
 def test_logical_shapes_of_a_quantized_checkpoint(src, tmp_path):
     sdir, tensors = src
     dst = tmp_path / "q"

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from deepinfer import abi
 from deepinfer.tensor import Tensor
 
 from .common import check_arg, check_dim, check_shape, read, unsupported, write
 from .quant import dequantize_array
 
-# activation formats of x: (q dtype, block) pairs, symmetric, f32 scales
-X_FORMATS = {("int8", (1, 0)), ("e4m3", (1, 128))}
+# activation formats of x: (q dtype, block) pairs, symmetric; the "A" rows of DI_FORMATS in the header
+X_FORMATS = {(f.q_dtype, (f.block_rows, f.block_cols)) for f in abi.FORMATS if f.use == "A"}
 
 
 def weight_values(op: str, name: str, w: Tensor) -> np.ndarray:

@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Optional
 
 from .errors import ConfigError
+from .quant_formats import PRECISION_PATHS
 
-PRECISIONS = ("auto", "fastest", "bf16", "f32", "fp8", "int8", "int4", "w8a8", "w4a8")
+PRECISIONS = ("auto", "fastest") + tuple(PRECISION_PATHS)
 
 
 @dataclass

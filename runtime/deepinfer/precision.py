@@ -51,7 +51,7 @@ SPEED_ORDER = {
 }
 GENERIC_ORDER = ("fp8", "int4", "int8", "bf16", "f32")
 VNNI_ONLY = ("w4a8", "w8a8")       # without int8 dot-product instructions these lose to int4 / int8
-ALL_PRECISIONS = ("f32", "bf16", "fp8", "int8", "int4", "w8a8", "w4a8")
+ALL_PRECISIONS = tuple(QF.PRECISION_PATHS)
 POLICIES = ("auto", "fastest")
 # The measured accuracy of each path (tools/accuracy_table.py writes it from
 # benchmarks/results/accuracy_nano.json): held-out perplexity change and top-1 agreement against
@@ -247,7 +247,7 @@ def accuracy_order(precisions, group_size: int = 64, table: Optional[dict] = Non
     """Most accurate first: by measured top-1 agreement, then perplexity change, then more bytes
     per weight (f32 before bf16, which the bf16-stored reference model cannot tell apart);
     unmeasured precisions last, widest first."""
-    width = {"f32": 4, "bf16": 2, "fp8": 1, "int8": 1, "w8a8": 1, "int4": 0.5, "w4a8": 0.5}
+    width = {n: p.bytes_per_weight for n, p in QF.PRECISION_PATHS.items()}
 
     def key(p):
         r = accuracy_cost(p, group_size, table)

@@ -49,6 +49,37 @@ FP8_BLOCK = next((f.block_rows, f.block_cols) for f in abi.FORMATS if f.name == 
 GROUP_SIZES = abi.GROUP_SIZES
 FORMATS = ("int8", "int4", "fp8")
 
+
+@dataclass(frozen=True)
+class PrecisionPath:
+    """One precision the engine runs: how its quantizable linears store weights and take activations."""
+
+    name: str
+    weights: str             # f32, bf16, fp8, int8, int4
+    activations: str         # "float" (the model's f32/bf16) or "int8" (quantized per token at run time)
+    bytes_per_weight: float  # of the quantizable weights, scales aside
+
+
+# The one registry of precision names (EngineConfig.precision, precision.resolve, the model loader).
+PRECISION_PATHS: dict[str, PrecisionPath] = {p.name: p for p in (
+    PrecisionPath("f32", "f32", "float", 4),
+    PrecisionPath("bf16", "bf16", "float", 2),
+    PrecisionPath("fp8", "fp8", "float", 1),
+    PrecisionPath("int8", "int8", "float", 1),
+    PrecisionPath("int4", "int4", "float", 0.5),
+    PrecisionPath("w8a8", "int8", "int8", 1),
+    PrecisionPath("w4a8", "int4", "int8", 0.5),
+)}
+
+
+def weight_format_of(precision: Optional[str]) -> Optional[str]:
+    """The weight storage of a precision path (None: as stored); a bare format name maps to itself."""
+    if precision is None:
+        return None
+    p = PRECISION_PATHS.get(precision)
+    return p.weights if p is not None else precision
+
+
 # Linear layers of attention, MLP / experts and the MTP projection; everything else stays high precision.
 QUANTIZED_LINEARS = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
                      "gate_proj", "up_proj", "down_proj", "eh_proj")
@@ -380,7 +411,7 @@ def weight_nbytes(shape, format: str, group_size: int = 64, symmetric: bool = Tr
     """Bytes one [N, K] linear weight occupies in `format` (precisions of EngineConfig included:
     w8a8 / w4a8 store the same weights as int8 / int4)."""
     n, k = (int(s) for s in shape)
-    fmt = {"w8a8": "int8", "w4a8": "int4"}.get(format, format)
+    fmt = weight_format_of(format)
     if fmt in ("f32",):
         return 4 * n * k
     if fmt in ("bf16", "f16"):

@@ -32,6 +32,7 @@ from typing import Iterable, Optional
 import ml_dtypes
 import numpy as np
 
+from . import abi
 from . import dtypes as D
 from . import quant_formats as QF
 from .errors import CheckpointError, ConfigError
@@ -116,7 +117,7 @@ def quantize_groups(w, group: int, symmetric: bool, bits: int, scale_dtype: str 
     ratios = [float(r) for r in ratios] or [1.0]
     if any(not 0 < r <= 1 for r in ratios):
         raise ValueError(f"clip ratios must lie in (0, 1], got {ratios}")
-    qmax = float(2 ** (bits - 1) - 1)       # 7 / 127
+    qmax = abi.QMAX[{4: "int4", 8: "int8"}[bits]]   # 7 / 127 (DI_QMAX)
     levels = float(2 ** bits - 1)           # 15 / 255
     imp = None
     if importance is not None:
@@ -201,7 +202,8 @@ def quantize_weight(w, scheme: QF.QuantScheme, clip_search: bool = True,
 
 
 def _quantize_fp8(w: np.ndarray, block) -> Tensor:
-    """DeepSeek's recipe: scale = amax / 448 per block, e4m3 round-to-nearest-even, saturating."""
+    """DeepSeek's recipe: scale = amax / 448 (DI_QMAX of e4m3) per block, e4m3 round-to-nearest-even, saturating."""
+    qmax = np.float32(abi.QMAX["e4m3"])
     n, k = w.shape
     br, bc = block
     nr, nc = -(-n // br), -(-k // bc)
@@ -209,31 +211,19 @@ def _quantize_fp8(w: np.ndarray, block) -> Tensor:
     pad[:n, :k] = w
     blocks = pad.reshape(nr, br, nc, bc)
     amax = np.max(np.abs(blocks), axis=(1, 3))
-    scale = np.where(amax == 0, np.float32(1), (amax / np.float32(448.0)).astype(np.float32)).astype(np.float32)
+    scale = np.where(amax == 0, np.float32(1), (amax / qmax).astype(np.float32)).astype(np.float32)
     v = blocks / scale[:, None, :, None]
-    q = np.clip(v, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn).reshape(nr * br, nc * bc)[:n, :k]
+    q = np.clip(v, -qmax, qmax).astype(ml_dtypes.float8_e4m3fn).reshape(nr * br, nc * bc)[:n, :k]
     return Tensor.from_numpy(np.ascontiguousarray(q), "e4m3", quant=Quant(Tensor.from_numpy(scale), (br, bc)))
 
 
 def dequantize(t: Tensor) -> np.ndarray:
-    """f32 values of a plain or quantized host weight: (q - zero) * scale, in f32."""
+    """f32 values of a plain or quantized host weight: the reference's dequantization (the definition)."""
     if t.quant is None:
         return np.asarray(t.numpy(), dtype=np.float32)
-    try:  # the reference is the definition; use it when it is importable
-        from deepinfer.reference.quant import dequantize_array
-    except ImportError:  # pragma: no cover - the reference ships with the package
-        dequantize_array = None
-    if dequantize_array is not None:
-        return dequantize_array(t)
-    n, k = t.shape
-    br, bc = t.quant.block
-    br, bc = br or n, bc or k
-    q = np.asarray(t.numpy(), np.float32)
-    s = np.asarray(t.quant.scales.numpy(), np.float32)
-    full = lambda a: np.repeat(np.repeat(a, br, 0), bc, 1)[:n, :k]  # noqa: E731
-    if t.quant.zeros is not None:
-        q = q - full(np.asarray(t.quant.zeros.numpy(), np.float32))
-    return q * full(s)
+    from deepinfer.reference.quant import dequantize_array
+
+    return dequantize_array(t)
 
 
 def weighted_error(w, t: Tensor, importance: Optional[np.ndarray] = None) -> float:
@@ -243,39 +233,6 @@ def weighted_error(w, t: Tensor, importance: Optional[np.ndarray] = None) -> flo
     if importance is not None:
         d = d * np.asarray(importance, np.float64)[None, :]
     return float(d.sum())
-
-
-WEIGHT_FORMAT_OF = {"f32": "f32", "bf16": "bf16", "fp8": "fp8", "int8": "int8", "w8a8": "int8",
-                    "int4": "int4", "w4a8": "int4"}
-
-
-def weight_format(t: Tensor) -> str:
-    """The precision family a loaded weight is in: f32, bf16, f16, fp8, int8, int4 (int4 and uint4)."""
-    if t.quant is None:
-        return t.dtype.name
-    return {"e4m3": "fp8", "int8": "int8", "int4": "int4", "uint4": "int4"}.get(t.dtype.name, t.dtype.name)
-
-
-def convert_weight(t: Tensor, precision: str, group_size: int = 64, clip_search: bool = False) -> Tensor:
-    """A loaded linear weight (plain or quantized, host) in the weight format of an engine
-    precision (EngineConfig.PRECISIONS): what the model loader calls after precision.resolve().
-
-    A weight already in that format is returned as is (a pre-quantized checkpoint is never
-    re-rounded); otherwise it is dequantized to f32 and quantized again. w4a8 needs symmetric
-    int4 weights (integer dot products have no zero point), so an asymmetric int4 weight is
-    re-quantized symmetric for it. Load-time quantization skips the clip search by default
-    (it costs ~10 passes over every weight; `deepinfer quantize` does it once, offline).
-    """
-    fmt = WEIGHT_FORMAT_OF.get(precision)
-    if fmt is None:
-        raise ConfigError(f"precision {precision!r} is not one of {sorted(WEIGHT_FORMAT_OF)}")
-    have = weight_format(t)
-    if have == fmt and not (precision == "w4a8" and t.dtype.name == "uint4"):
-        return t
-    w = dequantize(t)
-    if fmt in ("f32", "bf16"):
-        return Tensor.from_numpy(w.astype(np.float32) if fmt == "f32" else w.astype(ml_dtypes.bfloat16))
-    return quantize_weight(w, QF.make_scheme(fmt, group_size if fmt == "int4" else 64), clip_search=clip_search)
 
 
 @dataclass

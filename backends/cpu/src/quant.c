@@ -203,7 +203,13 @@ DI_Status op_quantize(DI_Context* ctx, const DI_QuantizeArgs* a, int query) {
     j.sdt = m.sdt;
     j.pow2 = a->scale_pow2;
     j.R = m.R; j.C = m.C; j.br = m.br; j.bc = m.bc; j.nrb = m.nrb; j.ncb = m.ncb;
-    j.qmax = j.qdt == DT_I8 ? 127.0f : j.qdt == DT_I4 ? 7.0f : j.qdt == DT_E4M3 ? 448.0f : 6.0f;
+    j.qmax = 0.0f;
+    switch (j.qdt) {   /* DI_QMAX of the header's format table */
+#define Q(dt, v) case dt: j.qmax = (float)(v); break;
+        DI_QMAX(Q)
+#undef Q
+        default: break;
+    }
     int64_t L = lead_count(&a->x);
     if (L == 0 || j.R == 0 || j.C == 0) return DI_OK;
     int nw = pool_size(ctx->pool);

@@ -156,7 +156,13 @@ DI_Status op_quantize(DI_Context* ctx, const DI_QuantizeArgs* a, OpMode* mode) {
         return set_error(ctx, DI_INVALID_ARGUMENT, "%s: out needs a quant descriptor (it receives the scales)", op);
     if (o.mode == 2)
         return set_error(ctx, DI_UNIMPLEMENTED, "%s: quantize is symmetric; out.quant->zeros must be absent", op);
-    float qmax = o.q.dt == DT_I8 ? 127.f : o.q.dt == DT_I4 ? 7.f : o.q.dt == DT_E4M3 ? 448.f : 6.f;
+    float qmax = 0.f;
+    switch (o.q.dt) {   // DI_QMAX of the header's format table
+#define Q(dt, v) case dt: qmax = (float)(v); break;
+        DI_QMAX(Q)
+#undef Q
+        default: break;
+    }
     if (!mode->launch) return DI_OK;
     int64_t L, R, C;
     rc_dims(x.q, &L, &R, &C);

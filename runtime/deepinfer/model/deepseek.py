@@ -36,6 +36,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .. import abi
+from .. import quant_formats as QF
 from ..errors import CheckpointError
 from ..tensor import Quant, Tensor
 from .checkpoint import Checkpoint
@@ -47,7 +48,7 @@ ROPE_NONE, ROPE_YARN = abi.const("DI_ROPE_NONE"), abi.const("DI_ROPE_YARN")
 SCORING = {"softmax": abi.const("DI_SCORING_SOFTMAX"), "sigmoid": abi.const("DI_SCORING_SIGMOID")}
 GROUP_MAX, GROUP_SUM_TOP2 = abi.const("DI_GROUP_SCORE_MAX"), abi.const("DI_GROUP_SCORE_SUM_TOP2")
 MAX_CACHED_PLANS = 64
-PRECISIONS = (None, "f32", "bf16", "fp8", "int8", "int4", "w8a8", "w4a8")
+PRECISIONS = (None,) + tuple(QF.PRECISION_PATHS)
 
 
 @dataclass
@@ -77,8 +78,8 @@ class DeepseekModel:
             raise ValueError(f"precision {precision!r} is not one of {PRECISIONS}")
         # weight format of the quantizable linears (None: as stored) and int8 activations for them
         self.precision = precision
-        self.weight_format = {"w8a8": "int8", "w4a8": "int4"}.get(precision, precision)
-        self.act_quant = precision in ("w8a8", "w4a8")
+        self.weight_format = QF.weight_format_of(precision)
+        self.act_quant = precision is not None and QF.PRECISION_PATHS[precision].activations == "int8"
         self.group_size = int(group_size)
         c = self.cfg
         self.max_batch = int(max_batch)
