@@ -51,6 +51,7 @@ class Candidate:
     ok: bool = False
     reason: str = ""
     ops: list = field(default_factory=list)
+    entries: list = field(default_factory=list)     # non-op DI_Api entries it fills
     attributes: dict = field(default_factory=dict)
     sha256: str = ""
 
@@ -215,6 +216,7 @@ def probe(path: Path, source: str = "explicit") -> Candidate:
         be = NativeBackend(lib, api, BackendInfo(c.name, c.version, c.device, str(path), c.abi_version))
         try:
             c.ops = be.ops()
+            c.entries = [e for e in abi.API_NON_OP_FIELDS if be._has(e)]
             c.attributes = be.info.attributes
         finally:
             be.close()

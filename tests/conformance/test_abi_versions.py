@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import cffi
 import numpy as np
+import pytest
 
 from deepinfer import abi
 from deepinfer.conformance import run_conformance, summary
@@ -113,3 +114,18 @@ def test_the_1_0_tiny_plugin_is_certified_without_1_1_checks(tiny_lib):
     cases = [r["case"] for r in cert["levels"]["L0"]["results"]]
     assert "1.1 entries: not offered by a 1.0 library" in cases
     assert not any(c.startswith("events:") for c in cases)
+
+
+def test_a_1_0_library_says_what_it_lacks(tiny_lib):
+    from deepinfer.errors import UnsupportedOpError
+    from deepinfer.loader import load_library
+
+    be = load_library(tiny_lib)
+    try:
+        with pytest.raises(UnsupportedOpError, match=r"ABI 1\.0\) lacks event_create"):
+            be.create_event()
+        with pytest.raises(UnsupportedOpError, match="lacks host_alloc"):
+            be.host_empty((4,), "f32")
+        assert be.device_count() == 1     # 1.0 had no device_count: the one device it runs on
+    finally:
+        be.close()

@@ -220,7 +220,9 @@ def _library_facts(lib_path: str) -> dict:
     c = probe(Path(lib_path))
     facts = {"path": str(Path(lib_path).resolve()), "sha256": file_sha256(lib_path) if Path(lib_path).is_file() else None,
              "name": c.name, "version": c.version, "abi_version": c.abi_version, "device": c.device,
-             "attributes": c.attributes, "ops_claimed": c.ops, "loadable": c.ok}
+             "attributes": c.attributes, "ops_claimed": c.ops, "loadable": c.ok,
+             # the non-op DI_Api entries the library fills (1.1: events, host memory, async copies, ...)
+             "entries": c.entries}
     if not c.ok:
         facts["load_error"] = c.reason
     return facts

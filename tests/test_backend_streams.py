@@ -1,0 +1,67 @@
+"""The runtime's side of ABI 1.1 streams, events, pinned / registered host memory and async copies:
+the same calls on the reference (host, trivially ordered), the CPU library (through the ABI), and a
+clear UNIMPLEMENTED from a 1.0 library that lacks them."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import deepinfer
+from deepinfer.errors import UnsupportedOpError
+from deepinfer.tensor import Tensor
+
+
+@pytest.fixture(params=["reference", "cpu"])
+def backend(request, cpu_backend):
+    return deepinfer.get_backend("reference") if request.param == "reference" else cpu_backend
+
+
+def test_upload_on_one_stream_then_compute_on_another(backend):
+    """Copy new values from pinned memory on stream A, record an event, make stream B wait, add on B."""
+    a_stream, b_stream = backend.create_stream(), backend.create_stream()
+    ev = backend.create_event()
+    try:
+        pinned = backend.host_empty((4, 8), "f32")
+        vals = np.arange(32, dtype=np.float32).reshape(4, 8)
+        pinned.numpy()[...] = vals
+        dst = backend.empty((4, 8), "f32")
+        backend.copy_async(dst, pinned, a_stream)
+        ev.record(a_stream)
+        b_stream.wait(ev)
+        out = backend.empty((4, 8), "f32", fill=np.nan)
+        backend.add(a=dst, b=dst, out=out)
+        b_stream.synchronize()
+        ev.synchronize()
+        assert ev.query()
+        np.testing.assert_array_equal(backend.to_numpy(out), 2 * vals)
+    finally:
+        ev.close()
+        a_stream.close()
+        b_stream.close()
+
+
+def test_registered_host_range_and_memory_info(backend):
+    arr = np.random.default_rng(1).standard_normal(1024).astype(np.float32)
+    with backend.register_host(arr):
+        dst = backend.empty((1024,), "f32")
+        backend.copy_async(dst, Tensor.from_numpy(arr))
+        backend.synchronize()
+        np.testing.assert_array_equal(backend.to_numpy(dst), arr)
+    free, total = backend.memory_info()
+    assert 0 < free <= total
+    assert backend.device_count() == 1
+
+
+def test_copy_async_checks_its_arguments(backend):
+    with pytest.raises(ValueError, match="same size"):
+        backend.copy_async(backend.empty((4,), "f32"), Tensor.from_numpy(np.zeros(5, np.float32)))
+
+
+def test_cpu_library_rejects_unregistering_twice(cpu_backend):
+    arr = np.zeros(256, np.uint8)
+    reg = cpu_backend.register_host(arr)
+    ptr = reg.ptr
+    reg.close()
+    reg.close()   # closing the handle twice is harmless on the runtime's side...
+    with pytest.raises(Exception, match="was not registered"):
+        cpu_backend._host_unregister(ptr)   # ...but the library refuses a range it no longer holds
