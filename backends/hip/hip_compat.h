@@ -123,7 +123,11 @@
 #define cudaFreeHost                         hipHostFree
 #define cudaHostRegister                     hipHostRegister
 #define cudaHostRegisterPortable             hipHostRegisterPortable
+#ifdef hipHostRegisterReadOnly   // ROCm 6
 #define cudaHostRegisterReadOnly             hipHostRegisterReadOnly
+#else                            // HIP 5.2 cannot register a read-only mapping: the retry is a plain one
+#define cudaHostRegisterReadOnly             0x0
+#endif
 #define cudaHostUnregister                   hipHostUnregister
 #define cudaErrorHostMemoryAlreadyRegistered hipErrorHostMemoryAlreadyRegistered
 #define cudaErrorHostMemoryNotRegistered     hipErrorHostMemoryNotRegistered
