@@ -65,3 +65,16 @@ def test_cpu_library_rejects_unregistering_twice(cpu_backend):
     reg.close()   # closing the handle twice is harmless on the runtime's side...
     with pytest.raises(Exception, match="was not registered"):
         cpu_backend._host_unregister(ptr)   # ...but the library refuses a range it no longer holds
+
+
+def test_descriptor_arrays_are_shared_and_never_stale(cpu_backend):
+    """Per-expert descriptor arrays are marshalled once and shared by every call that passes the same
+    tensors; replacing one tensor (an expert loaded or evicted) gives a fresh array."""
+    be = cpu_backend
+    ws = [Tensor.from_numpy(np.full((4, 8), i, np.float32)) for i in range(3)]
+    a1 = be.descriptor_array(ws, "w")
+    assert be.descriptor_array(list(ws), "w")[0] == a1[0]          # same tensors: the same C array
+    ws2 = [ws[0], Tensor.from_numpy(np.full((4, 8), 9, np.float32)), ws[2]]
+    a2 = be.descriptor_array(ws2, "w")
+    assert a2[0] != a1[0]
+    assert int(be.descriptor_array([ws[0], None, ws[2]], "w")[0][1].data == __import__("deepinfer").abi.ffi.NULL)

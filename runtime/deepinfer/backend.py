@@ -496,21 +496,22 @@ class NativeBackend(Backend):
         that passes the same tensors; entries for None stay zero (data NULL: not resident)."""
         key = tuple(id(t) for t in ts)
         hit = self._array_cache.get(key)
-        if hit is not None and all(r() is t for r, t in zip(hit[2], ts) if t is not None):
+        if hit is not None and all((r() if r is not None else None) is t for r, t in zip(hit[2], ts)):
             return hit
         arr = ffi.new("DI_Tensor[]", max(len(ts), 1))
         keep: list = [arr]
         refs = []
         for i, t in enumerate(ts):
-            refs.append(weakref.ref(t) if t is not None else (lambda: None))
+            refs.append(weakref.ref(t) if t is not None else None)
             if t is None:
                 continue
             d = self.descriptor(t, f"{what}[{i}]")
             ffi.memmove(ffi.addressof(arr, i), d[0], _DESC_SIZE)
             keep.append(d)
         hit = (arr, keep, refs)
-        if len(self._array_cache) > 4096:   # stale keys of freed models: start over
-            self._array_cache.clear()
+        if len(self._array_cache) >= 256:   # drop arrays of tensors that are gone (a model closed)
+            self._array_cache = {k: v for k, v in self._array_cache.items()
+                                 if all(r is None or r() is not None for r in v[2])}
         self._array_cache[key] = hit
         return hit
 
