@@ -133,10 +133,18 @@ class Backend:
         return 1
 
     def memory_info(self) -> tuple[int, int]:
-        """(free, total) bytes of the memory this backend allocates from."""
-        from .precision import memory_budget  # /proc/meminfo
-        free, _ = memory_budget(None)
-        return free, free
+        """(free, total) bytes of the memory this backend allocates from (host: MemAvailable, MemTotal)."""
+        found = {}
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    key, _, rest = line.partition(":")
+                    if key in ("MemAvailable", "MemTotal"):
+                        found[key] = int(rest.split()[0]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        total = found.get("MemTotal", 0)
+        return found.get("MemAvailable", total), total
 
 
 def _check_copy(dst: Tensor, src: Tensor) -> None:
@@ -163,6 +171,12 @@ class Stream:
         if self.handle is not None:
             self.backend._stream_destroy(self.handle)
             self.handle = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
 class Event:
@@ -210,23 +224,6 @@ class HostRegistration:
 
     def __exit__(self, *exc):
         self.close()
-
-
-class HostBuffer:
-    """Pinned host memory from host_alloc (the numpy view of a host_empty tensor keeps it alive)."""
-
-    __slots__ = ("ptr", "nbytes", "backend", "__weakref__")
-
-    def __init__(self, ptr: int, nbytes: int, backend):
-        self.ptr, self.nbytes, self.backend = ptr, nbytes, backend
-
-    def __del__(self):
-        if self.backend is not None and self.ptr:
-            try:
-                self.backend._host_free(self.ptr)
-            except Exception:
-                pass
-            self.ptr = 0
 
 
 # ====================================================================== native (ABI) backends

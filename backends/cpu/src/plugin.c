@@ -8,9 +8,9 @@
  * keep plugin.c's bootstrap and validation, and replace the op bodies.
  *
  * Layout of src/
- *   plugin.c          this file: deepinfer_plugin_info, the DI_Api table, contexts, per-context
- *                     errors, attributes, memory, streams, op_query, and the argument checks every
- *                     op shares (struct_size rules, tensor descriptors, quant descriptors).
+ *   plugin.c          this file: deepinfer_plugin_info, the DI_Api table, contexts, per-thread
+ *                     errors, attributes, memory, streams, events and host memory (1.1), op_query,
+ *                     and the argument checks every op shares.
  *   di_cpu.h          internal declarations (dtype ids, QMat view of quantized matrices, kernels).
  *   convert.c         dtype table and bit-exact scalar conversions (bf16, f16, e4m3, e2m1, e8m0).
  *   threadpool.c      persistent pthread pool; the caller thread is worker 0.
@@ -26,8 +26,12 @@
  *   attention.c       mla_prefill and mla_decode.
  *
  * Conventions
- *   - Every op is `op_x(ctx, args, query)`: it validates everything first and returns right after
- *     validation when query is 1, so op_query and the op share one set of checks.
+ *   - Dispatch (run_op) checks the header's struct_size rules and then every tensor argument against
+ *     the header's op table (deepinfer_abi_check.h: presence, rank, dtype, the quant descriptor).
+ *     Every op is `op_x(ctx, args, query)`: it adds its shape relations and what this library
+ *     implements, and returns right after validation when query is 1, so op_query and the op share
+ *     one set of checks. The op list, the dispatch table and the entry points come from DI_OPS.
+ *   - Errors are per thread (ABI 1.1): last_error returns the calling thread's last message.
  *   - Math is f32; results are rounded to the output dtype once. Ops run synchronously on the
  *     calling thread (plus the pool), so a stream is a dummy handle and synchronize is a no-op.
  *   - Scratch memory comes from malloc (host memory is what a CPU workspace would be anyway), so
