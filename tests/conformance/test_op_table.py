@@ -156,8 +156,11 @@ def _outside(a: abi.ArgSpec) -> list[str]:
     to check cannot be led past the end of a buffer)."""
     allowed = a.plain or a.quant
     width = min(D.get(d).bits for d in allowed)
-    return [d for d in ("f16", "bf16", "f32", "int8", "uint8", "int32", "e5m2") if d not in allowed and
-            D.get(d).bits <= width and not (a.quant and d in a.quant)]
+    out = [d for d in ("f16", "bf16", "f32", "int8", "uint8", "int32", "e5m2") if d not in allowed and
+           D.get(d).bits <= width and not (a.quant and d in a.quant)]
+    if allowed == {"int32"}:
+        out.append("int64")   # wider, but both sides must refuse it before reading (CUDA once took it)
+    return out
 
 
 def _with_dtype(t: Tensor, dtype: str) -> Tensor:
