@@ -567,7 +567,8 @@ class NativeBackend(Backend):
         args, _keep = self._marshal(op, kwargs)
         res = ffi.new("DI_OpQuery*")
         res.struct_size = ffi.sizeof("DI_OpQuery")
-        self._check(f"op_query({op})", self._api.op_query(self._ctx, abi.OPS[op][0], args, res))
+        with self._lock:   # a 1.0 library keeps one message per context: read it before another call
+            self._check(f"op_query({op})", self._api.op_query(self._ctx, abi.OPS[op][0], args, res))
         return res.support, res.workspace_size
 
     def _bind(self, op: str, kwargs: dict):
