@@ -152,11 +152,32 @@ def _check_copy(dst: Tensor, src: Tensor) -> None:
         raise ValueError(f"copy_async: {src!r} -> {dst!r} needs two contiguous tensors of the same size")
 
 
-class Stream:
-    """A backend's stream (handle None: the default stream)."""
+class _Handle:
+    """Something a backend created and must release once: on close(), or when it is collected."""
 
     def __init__(self, backend: "Backend", handle):
         self.backend, self.handle = backend, handle
+
+    def _release(self, handle) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self.handle is not None:
+            handle, self.handle = self.handle, None
+            self._release(handle)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Stream(_Handle):
+    """A backend's stream (handle None: the default stream)."""
+
+    def _release(self, handle) -> None:
+        self.backend._stream_destroy(handle)
 
     def synchronize(self) -> None:
         if self.handle is not None:
@@ -167,23 +188,12 @@ class Stream:
         if event.handle is not None:
             self.backend._stream_wait(self.handle, event.handle)
 
-    def close(self) -> None:
-        if self.handle is not None:
-            self.backend._stream_destroy(self.handle)
-            self.handle = None
 
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
-
-class Event:
+class Event(_Handle):
     """A point in a stream's work: record it, make other streams wait for it, or test it."""
 
-    def __init__(self, backend: "Backend", handle):
-        self.backend, self.handle = backend, handle
+    def _release(self, handle) -> None:
+        self.backend._event_destroy(handle)
 
     def record(self, stream: Optional[Stream] = None) -> None:
         if self.handle is not None:
@@ -196,28 +206,20 @@ class Event:
         if self.handle is not None:
             self.backend._event_sync(self.handle)
 
-    def close(self) -> None:
-        if self.handle is not None:
-            self.backend._event_destroy(self.handle)
-            self.handle = None
 
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
-
-class HostRegistration:
+class HostRegistration(_Handle):
     """A host range registered with a backend; unregistered by close() or on leaving a `with` block."""
 
     def __init__(self, backend: "Backend", arr: np.ndarray, ptr):
-        self.backend, self.array, self.ptr = backend, arr, ptr
+        super().__init__(backend, ptr)
+        self.array = arr
 
-    def close(self) -> None:
-        if self.ptr is not None:
-            self.backend._host_unregister(self.ptr)
-            self.ptr = None
+    @property
+    def ptr(self):
+        return self.handle
+
+    def _release(self, handle) -> None:
+        self.backend._host_unregister(handle)
 
     def __enter__(self):
         return self

@@ -4,33 +4,13 @@
 #include <math.h>
 #include <string.h>
 
+#include "deepinfer_abi_check.h"
 #include "di_cpu.h"
 
-static const struct { uint8_t code, bits; int dt; const char* name; } k_dtypes[] = {
-    {DI_DTYPE_FLOAT, 32, DT_F32, "f32"},        {DI_DTYPE_FLOAT, 16, DT_F16, "f16"},
-    {DI_DTYPE_BFLOAT, 16, DT_BF16, "bf16"},     {DI_DTYPE_F8_E4M3FN, 8, DT_E4M3, "e4m3"},
-    {DI_DTYPE_F8_E5M2, 8, DT_E5M2, "e5m2"},     {DI_DTYPE_F8_E8M0FNU, 8, DT_E8M0, "e8m0"},
-    {DI_DTYPE_F4_E2M1FN, 4, DT_E2M1, "e2m1"},   {DI_DTYPE_INT, 4, DT_I4, "int4"},
-    {DI_DTYPE_UINT, 4, DT_U4, "uint4"},         {DI_DTYPE_INT, 8, DT_I8, "int8"},
-    {DI_DTYPE_UINT, 8, DT_U8, "uint8"},         {DI_DTYPE_INT, 32, DT_I32, "int32"},
-    {DI_DTYPE_INT, 64, DT_I64, "int64"},        {DI_DTYPE_UINT, 64, DT_U64, "uint64"},
-};
-static const int k_bits[DT_COUNT] = {0, 32, 16, 16, 8, 8, 8, 4, 4, 4, 8, 8, 32, 64, 64};
-
-int dt_id(DI_DataType t) {
-    if (t.lanes != 1) return DT_INVALID;
-    for (size_t i = 0; i < sizeof(k_dtypes) / sizeof(k_dtypes[0]); i++)
-        if (k_dtypes[i].code == t.code && k_dtypes[i].bits == t.bits) return k_dtypes[i].dt;
-    return DT_INVALID;
-}
-
-const char* dt_name(int dt) {
-    for (size_t i = 0; i < sizeof(k_dtypes) / sizeof(k_dtypes[0]); i++)
-        if (k_dtypes[i].dt == dt) return k_dtypes[i].name;
-    return "invalid";
-}
-
-int dt_bits(int dt) { return (dt > 0 && dt < DT_COUNT) ? k_bits[dt] : 0; }
+/* the ABI's dtype table (deepinfer_abi_check.h): this library's dtype ids are DI_DTypeId */
+int dt_id(DI_DataType t) { return di_dtype_id(t); }
+const char* dt_name(int dt) { return di_dtype_name(dt); }
+int dt_bits(int dt) { return di_dtype_bits(dt); }
 
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }

@@ -85,9 +85,9 @@ typedef struct {
 DI_HIDDEN DI_Status check_header(VC* v, const void* args, uint32_t lib_size, const char* struct_name);
 DI_HIDDEN int tensor_present(const VC* v, const DI_Tensor* t);
 /*
- * Checks device, ndim in [nlo, nhi], dtype in mask, strides (last 1, others >= 0, even for
- * 4-bit), shape >= 0, and (unless query mode) a data pointer. quant_ok = 0 rejects a quant
- * descriptor; 1 validates it (block, scales and zeros shapes).
+ * What this library implements of an argument the op table has already validated at dispatch
+ * (run_op): ndim in [nlo, nhi], dtype in mask, and with quant_ok = 0 no quant descriptor (1: one
+ * whose storage dtype the kernels decode).
  */
 DI_HIDDEN DI_Status check_tensor(VC* v, const DI_Tensor* t, const char* name, int nlo, int nhi,
                                  uint32_t dtmask, int quant_ok);

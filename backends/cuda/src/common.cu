@@ -3,6 +3,7 @@
 #include <stdio.h>
 
 #include "common.cuh"
+#include "deepinfer_abi_check.h"
 
 namespace di {
 
@@ -55,39 +56,10 @@ DI_Status use_device(DI_Context* ctx) {
 }
 
 // ---------------------------------------------------------------------------------------- dtypes
-int dt_from_abi(DI_DataType d) {
-    if (d.lanes != 1) return DT_INVALID;
-    switch (d.code) {
-        case DI_DTYPE_FLOAT: return d.bits == 32 ? DT_F32 : d.bits == 16 ? DT_F16 : DT_INVALID;
-        case DI_DTYPE_BFLOAT: return d.bits == 16 ? DT_BF16 : DT_INVALID;
-        case DI_DTYPE_F8_E4M3FN: return d.bits == 8 ? DT_E4M3 : DT_INVALID;
-        case DI_DTYPE_F8_E5M2: return d.bits == 8 ? DT_E5M2 : DT_INVALID;
-        case DI_DTYPE_F8_E8M0FNU: return d.bits == 8 ? DT_E8M0 : DT_INVALID;
-        case DI_DTYPE_F4_E2M1FN: return d.bits == 4 ? DT_E2M1 : DT_INVALID;
-        case DI_DTYPE_INT:
-            return d.bits == 4 ? DT_I4 : d.bits == 8 ? DT_I8 : d.bits == 32 ? DT_I32 : d.bits == 64 ? DT_I64
-                                                                                                 : DT_INVALID;
-        case DI_DTYPE_UINT: return d.bits == 4 ? DT_U4 : d.bits == 8 ? DT_U8 : d.bits == 64 ? DT_U64 : DT_INVALID;
-        default: return DT_INVALID;
-    }
-}
-
-const char* dt_name(int dt) {
-    static const char* names[] = {"invalid", "f32", "f16", "bf16", "e4m3", "e5m2", "e8m0", "e2m1",
-                                  "int4",    "uint4", "int8", "uint8", "int32", "int64", "uint64"};
-    return (dt >= 0 && dt <= DT_U64) ? names[dt] : "invalid";
-}
-
-int dt_bits(int dt) {
-    switch (dt) {
-        case DT_F32: case DT_I32: return 32;
-        case DT_F16: case DT_BF16: return 16;
-        case DT_E4M3: case DT_E5M2: case DT_E8M0: case DT_I8: case DT_U8: return 8;
-        case DT_E2M1: case DT_I4: case DT_U4: return 4;
-        case DT_I64: case DT_U64: return 64;
-        default: return 0;
-    }
-}
+// The ABI's dtype table (deepinfer_abi_check.h): this backend's dtype ids are DI_DTypeId.
+int dt_from_abi(DI_DataType d) { return di_dtype_id(d); }
+const char* dt_name(int dt) { return di_dtype_name(dt); }
+int dt_bits(int dt) { return di_dtype_bits(dt); }
 
 // ---------------------------------------------------------------------------------------- sizes
 static bool tail_is_zero(const void* p, size_t from, size_t to) {
