@@ -62,9 +62,9 @@ def present(t) -> bool:
     return t is not None
 
 
-def check_tensor(op: str, name: str, t, dtypes: Optional[Iterable[str]] = None,
-                 ndim: Optional[Iterable[int] | int] = None, quant_ok: bool = False) -> Tensor:
-    """Checks one tensor argument the way the C ABI does (section 3 and 4 of the README)."""
+def check_tensor(op: str, name: str, t, ndim: Optional[Iterable[int] | int] = None, quant_ok: bool = False) -> Tensor:
+    """The layout rules every descriptor obeys (sections 3 and 4 of the README); dtypes are the op
+    table's business (check_arg)."""
     if t is None:
         raise ValueError(f"{op}: {name} is required")
     if not isinstance(t, Tensor):
@@ -92,13 +92,6 @@ def check_tensor(op: str, name: str, t, dtypes: Optional[Iterable[str]] = None,
                          f"reaches past the end of its {t.buffer.nbytes}-byte buffer")
     if t.quant is not None and not quant_ok:
         raise unsupported(op, f"{name} is quantized ({t.quant.describe(t.dtype)}); this argument takes plain values")
-    if dtypes is not None and t.quant is None:
-        allowed = tuple(dtypes)
-        if t.dtype.name not in allowed:
-            if t.dtype.is_float and any(D.get(a).is_float for a in allowed):
-                # a float format of the ABI that this op does not take: UNIMPLEMENTED, not malformed
-                raise unsupported(op, f"{name}.dtype={t.dtype.name} is not supported (takes {', '.join(allowed)})")
-            raise TypeError(f"{op}: {name}.dtype={t.dtype.name}, expected {' or '.join(allowed)}")
     return t
 
 
@@ -123,7 +116,7 @@ def check_arg(op: str, name: str, t, label: Optional[str] = None) -> Optional[Te
             return None
         raise ValueError(f"{op}: {label} is required")
     lo, hi = spec.ndim
-    check_tensor(op, label, t, None, ndim=range(lo, hi + 1), quant_ok=True)
+    check_tensor(op, label, t, ndim=range(lo, hi + 1), quant_ok=True)
     q = t.quant
     if q is None:
         if not spec.plain:
@@ -138,7 +131,7 @@ def check_arg(op: str, name: str, t, label: Optional[str] = None) -> Optional[Te
     for part, s, allowed in (("scales", q.scales, SCALE_DTYPES), ("zeros", q.zeros, ZERO_DTYPES)):
         if s is None:
             continue
-        check_tensor(op, f"{label}.{part}", s, None, ndim=t.ndim)
+        check_tensor(op, f"{label}.{part}", s, ndim=t.ndim)
         _check_dtype_in(op, f"{label}.{part}", s.dtype, allowed)
     return t
 
