@@ -2,7 +2,10 @@
 # Builds libdeepinfer_cuda.so with nvcc alone (no CMake): the CI compile check and the device build.
 #   backends/cuda/build.sh [OUT_DIR]            (default: backends/cuda/build)
 # Env: NVCC (default nvcc), DI_CUDA_ARCHS (default "90a 80"; "80" also embeds compute_80 PTX),
-#      JOBS (parallel compiles, default nproc), DI_CUDA_SANITIZE=1 (exact reads for compute-sanitizer).
+#      JOBS (parallel compiles, default nproc), DI_CUDA_SANITIZE=1 (exact reads for compute-sanitizer),
+#      CUTLASS_INCLUDE (CUTLASS headers; default: those of the installed nvidia-cutlass wheel).
+# The sm_90a GEMM (src/gemm_sm90_*.cu) needs CUTLASS and 90a in DI_CUDA_ARCHS; without either it
+# compiles to stubs and linear uses its other paths.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
@@ -22,13 +25,34 @@ done
 EXTRA=()
 # DI_CUDA_SANITIZE=1: exact-size element reads so compute-sanitizer memcheck runs clean (src/device.cuh)
 [[ "${DI_CUDA_SANITIZE:-0}" == 1 ]] && EXTRA+=(-DDI_EXACT_LOADS -lineinfo)
-FLAGS=(-std=c++17 -O3 ${EXTRA[@]+"${EXTRA[@]}"} -Xcompiler=-fPIC,-fvisibility=hidden,-Wall,-Wextra,-Wno-unused-parameter
-       -Werror=all-warnings -I"$ROOT/abi" "${GENCODE[@]}")
+# CUTLASS: the nvidia-cutlass wheel ships the headers under cutlass_library/source/include
+CUTLASS_INCLUDE="${CUTLASS_INCLUDE:-$(python3 -c 'import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include"))' 2>/dev/null || true)}"
+HAVE_CUTLASS=0
+if [[ " $ARCHS " == *" 90a "* && -n "$CUTLASS_INCLUDE" && -f "$CUTLASS_INCLUDE/cutlass/cutlass.h" ]]; then
+  HAVE_CUTLASS=1
+  echo "build.sh: sm_90a GEMM with CUTLASS from $CUTLASS_INCLUDE"
+else
+  echo "build.sh: no CUTLASS headers (pip install nvidia-cutlass) or no 90a arch: sm_90a GEMM not built"
+fi
+EXTRA+=(-DDI_HAVE_CUTLASS=$HAVE_CUTLASS)
+
+BASE=(-std=c++17 -O3 ${EXTRA[@]+"${EXTRA[@]}"} -Xcompiler=-fPIC,-fvisibility=hidden,-Wall,-Wextra,-Wno-unused-parameter
+      -Werror=all-warnings -I"$ROOT/abi")
+FLAGS=("${BASE[@]}" "${GENCODE[@]}")
 
 pids=()
 for src in "$HERE"/src/*.cu; do
   obj="$OUT/obj/$(basename "${src%.cu}").o"
-  "$NVCC" "${FLAGS[@]}" -c "$src" -o "$obj" &
+  case "$(basename "$src")" in
+    gemm_sm90_*.cu)  # CUTLASS kernels: sm_90a only (wgmma / TMA), its headers as system headers
+      if (( HAVE_CUTLASS )); then
+        "$NVCC" "${BASE[@]}" --expt-relaxed-constexpr -isystem "$CUTLASS_INCLUDE" \
+            -gencode=arch=compute_90a,code=sm_90a -c "$src" -o "$obj" &
+      else
+        "$NVCC" "${FLAGS[@]}" -c "$src" -o "$obj" &
+      fi ;;
+    *) "$NVCC" "${FLAGS[@]}" -c "$src" -o "$obj" & ;;
+  esac
   pids+=($!)
   while (( $(jobs -rp | wc -l) >= JOBS )); do sleep 0.2; done
 done

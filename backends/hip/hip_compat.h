@@ -118,6 +118,7 @@
 #define cudaStreamWaitEvent                  hipStreamWaitEvent
 #define cudaErrorNotReady                    hipErrorNotReady
 #define cudaErrorInvalidValue                hipErrorInvalidValue
+#define cudaErrorNotSupported hipErrorNotSupported
 #define cudaHostAlloc                        hipHostMalloc
 #define cudaHostAllocPortable                hipHostMallocPortable
 #define cudaFreeHost                         hipHostFree

@@ -145,11 +145,23 @@ def test_cases_cover_the_edge_shapes():
     assert any("T=0" in n or "M=0" in n or "shape=[0" in n or "B=0" in n or "seqlens=[0]" in n for n in names)
     assert any("view" in n for n in names)
     assert any("routing=one" in n for n in names) and any("routing=skip" in n for n in names)
-    # K is never a multiple of the group in the quantized linear cases
-    for c in C.cases_for("linear", "default"):
+    # every quantized weight format meets a K that is not a multiple of its group (the tails), and
+    # the tensor-core shapes: K a multiple of 128 at the decode widths, a batch, split K and a GEMM
+    linear = C.cases_for("linear", "default")
+    tails, aligned = set(), {}
+    for c in linear:
         w = c.tensors["w"]
         if w.quant is not None and w.quant.block[1]:
-            assert w.shape[1] % w.quant.block[1] != 0 or w.shape[1] < w.quant.block[1], c.name
+            if w.shape[1] % w.quant.block[1] != 0 or w.shape[1] < w.quant.block[1]:
+                tails.add(c.fmt.split(" w=")[1])
+        if c.tensors["x"].dtype == "bf16" and w.shape[1] % 128 == 0:
+            aligned.setdefault(c.fmt.split(" w=")[1], set()).add(c.tensors["x"].shape[0])
+    grouped = {name for name, f in C.WEIGHT_FORMATS.items() if f.block and f.block[1]}
+    assert tails >= grouped, grouped - tails
+    for wf in ("bf16", "e4m3/128x128/f32", "int8/channel/f32", "int4/g128/sym/f16", "int4/g32/sym/f32",
+               "uint4/g32/asym/f32"):
+        assert {1, 8, 13, 40, 2} <= aligned.get(wf, set()), (wf, aligned.get(wf))
+    assert 300 in aligned["e4m3/128x128/f32"] and 260 in aligned["int4/g128/sym/f16"]
     # every weight format is swept bit-exactly by L2, with f32 and bf16 outputs
     l2 = {c.fmt for c in C.l2_cases()}
     for f in C.WEIGHT_FORMATS:

@@ -64,6 +64,12 @@ __host__ __device__ constexpr int moe_kstep_cols(int f) {
     return f == MW_BF16 ? 32 : f == MW_I4G32 ? 32 : (f == MW_FP8 || f == MW_I8 || f == MW_I4G64) ? 64 : 128;
 }
 
+// The tensor-core format of a weight [N, K] (N a multiple of 16, K of the format's k-step), or -1.
+// Shared with linear's weight-streaming path (linear_mma.cuh).
+int    mma_format(const QTensor& w);
+int64_t row_bytes(const QTensor& w);  // bytes between rows of w.q
+MoeMat mat_of(const QTensor& w);      // the kernels' view of w's layout
+
 // gate_up: h[pos, i] = silu(gate_e x[t]) * up_e x[t] (bf16), pos = position in plan.sorted, t = p / Ktop.
 // down:    y[p, c]  = down_e h[pos] (f32), p = plan.sorted[pos].
 #define DI_MOE_MMA_DECL(name)                                                                                \

@@ -1,16 +1,26 @@
 // linear.
 //
-// linear has two paths:
-//  * GEMV (M <= 8): the decode hot path. One warp streams 4 weight rows with 16-byte loads and
-//    decodes them in registers (bf16, f16, f32, fp8 e4m3, int8, int4, uint4, fp4 e2m1, block
-//    scales and zeros per 8 elements); the activations, dequantized to f32 whatever their format
-//    (int8 / fp8 activation quantization included), sit in shared memory. Accumulation is f32.
+// Paths, chosen per call from the weight format, M and alignment (the first that applies):
+//  * tensor cores, weights streamed (linear_mma.cuh), for bf16 activations and the formats the
+//    engine stores (bf16, fp8 e4m3 128x128, int8 per channel, int4 group-wise g32/64/128,
+//    uint4 with zeros): M <= 16 always, larger M where the sm_90a GEMM below does not apply. The
+//    weights are read once per 8 / 16 tokens and decoded in registers; split-K across blocks
+//    when the rows alone cannot fill the GPU.
+//  * sm_90a GEMM (wgmma + TMA, CUTLASS; gemm_sm90.cuh) for M > 16 and bf16 activations: bf16
+//    weights directly; quantized weights for M >= DQ_MIN_M after dequantizing a chunk of rows to
+//    bf16 in the workspace (the dequantization then costs a few percent of the GEMM).
+//  * GEMV (M <= 8, gemv.cuh): f32 activations, activation-quantized x (W8A8 / W4A8), f16 / f32 /
+//    fp4 weights. One warp streams 4 weight rows and decodes them in f32.
 //  * a tiled SIMT GEMM (64x64x16, f32) over generic dequantizing loaders for everything else:
 //    any M, any alignment, any block shape.
+// DEEPINFER_CUDA_LINEAR=gemv|mma|gemm|simt forces a path where it applies (benchmarks and
+// diagnosis); anything else, or unset, is the automatic choice.
 #include <vector>
 
 #include "device.cuh"
+#include "gemm_sm90_api.cuh"
 #include "gemv_api.cuh"
+#include "linear_mma_api.cuh"
 
 using namespace di;
 
@@ -111,6 +121,215 @@ __global__ void k_gemv_reduce(const float* part, int splits, int64_t M, int64_t 
     }
 }
 
+// ---------------------------------------------------------------------------------------- path choice
+enum LinPath { LP_MMA, LP_GEMM90, LP_GEMM90_DQ, LP_GEMV, LP_SIMT };
+
+// DEEPINFER_CUDA_LINEAR, read once: -1 (automatic) or the LinPath to prefer.
+static int forced_path() {
+    static const int f = [] {
+        const char* e = getenv("DEEPINFER_CUDA_LINEAR");
+        if (!e) return -1;
+        if (!strcmp(e, "mma")) return (int)LP_MMA;
+        if (!strcmp(e, "gemm")) return (int)LP_GEMM90;
+        if (!strcmp(e, "gemv")) return (int)LP_GEMV;
+        if (!strcmp(e, "simt")) return (int)LP_SIMT;
+        return -1;
+    }();
+    return f;
+}
+
+constexpr int64_t DQ_MIN_M = 256;              // quantized weights: dequantize + GEMM from here on
+constexpr uint64_t DQ_CHUNK_BYTES = 64u << 20;  // bf16 rows dequantized per GEMM
+
+static bool aligned16p(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// x as the streaming kernels read it: plain bf16, unit stride along K, 16-byte aligned rows.
+static bool bf16_rows(const QTensor& x, bool check_ptr) {
+    if (x.mode || x.q.dt != DT_BF16 || x.q.strides[1] != 1 || (x.q.strides[0] * 2) % 16) return false;
+    return !check_ptr || aligned16p(x.q.base);
+}
+
+static GemmBF16 gemm_problem(const QTensor& x, const void* wb, int64_t ldb, const DTensor& out, int64_t M,
+                             int64_t N, int64_t K) {
+    GemmBF16 g{};
+    g.a = x.q.base;
+    g.lda = x.q.strides[0];
+    g.b = wb;
+    g.ldb = ldb;
+    g.d = out.base;
+    g.ldd = out.strides[0];
+    g.M = (int)M;
+    g.N = (int)N;
+    g.K = (int)K;
+    g.d_f32 = out.dt == DT_F32;
+    return g;
+}
+
+static int mma_splits(LinShape sh, int64_t N, int64_t K, int f, int sm_count) {
+    if (sh == LIN_BATCH) return 1;
+    const int64_t blocks = ceil_div(N, lin_rows_per_block(sh));
+    const int64_t want = 8 * (int64_t)sm_count;  // about 1.5 waves of the 5-6 resident blocks per SM
+    const int64_t steps_per_warp_min = 4;
+    const int64_t max_splits = K / moe_kstep_cols(f) / (lin_warps_per_k(sh) * steps_per_warp_min);
+    int64_t sp = blocks >= want ? 1 : ceil_div(want, blocks);
+    if (sp > max_splits) sp = max_splits;
+    if (sp > 64) sp = 64;
+    return sp < 1 ? 1 : (int)sp;
+}
+
+typedef void (*LinMmaFn)(LinShape, const LinWeight&, const char*, int64_t, int64_t, int, float*, const DTensor&,
+                         const DTensor&, cudaStream_t);
+#if DI_HAVE_MOE_MMA
+static const LinMmaFn kLinMma[MW_COUNT] = {launch_linear_mma_bf16, launch_linear_mma_fp8, launch_linear_mma_i8,
+                                           launch_linear_mma_i4, launch_linear_mma_i4g64, launch_linear_mma_i4g32,
+                                           launch_linear_mma_u4};
+#endif
+
+// Dequantizes rows [n0, n0 + rows) of w into dst (bf16, rows x K, dense).
+__global__ void k_dequant_rows(const __grid_constant__ QTensor w, int64_t n0, int64_t rows, int64_t K, uint16_t* dst) {
+    const int64_t total = rows * K;
+    for (int64_t i = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) * 8; i < total;
+         i += (int64_t)gridDim.x * blockDim.x * 8) {
+        const int64_t r = i / K, k = i % K;
+        uint16_t v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = f_to_bf16(k + j < K ? qload_inline(w, 0, n0 + r, k + j) : 0.f);
+        if (K % 8 == 0) {  // whole vectors inside one row
+            *reinterpret_cast<uint4*>(dst + i) = *reinterpret_cast<const uint4*>(v);
+        } else {
+            for (int j = 0; j < 8 && i + j < total; ++j) {
+                const int64_t rr = (i + j) / K, kk = (i + j) % K;
+                dst[i + j] = f_to_bf16(qload_inline(w, 0, n0 + rr, kk));
+            }
+        }
+    }
+}
+
+__global__ void k_add_bias(DTensor bias, DTensor out, int64_t M, int64_t N) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < M * N; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t m = i / N, n = i % N, o = m * out.strides[0] + n;
+        store_f(out.dt, out.base, o, load_f(out.dt, out.base, o) + load_f(bias.dt, bias.base, n));
+    }
+}
+
+// Chooses the path, sizes its workspace and (mode->launch) runs it.
+static DI_Status run_linear(DI_Context* ctx, const DI_ArgsHeader& h, OpMode* mode, const QTensor& x, const QTensor& w,
+                            const DTensor& bias, const DTensor& out, int64_t M, int64_t N, int64_t K) {
+    const char* op = "linear";
+    const bool chk = mode->launch;
+    int fm = -1;  // streaming tensor-core format
+#if DI_HAVE_MOE_MMA
+    if (bf16_rows(x, chk) && w.q.strides[1] == 1 && row_bytes(w) % 16 == 0 && (!chk || aligned16p(w.q.base)))
+        fm = mma_format(w);
+#endif
+    const bool sm90 = gemm_sm90_available(ctx) && x.mode == 0 && x.q.dt == DT_BF16 && x.q.strides[1] == 1 &&
+                      M <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX;
+    const bool w_bf16 = w.mode == 0 && w.q.dt == DT_BF16 && w.q.strides[1] == 1;
+    GemmBF16 g = gemm_problem(x, w.q.base, w.q.strides[0], out, M, N, K);
+    const bool gemm_ok = sm90 && gemm_sm90_fits(g) && (!chk || (aligned16p(g.a) && aligned16p(g.d)));
+    const bool gemv = M <= 8 && gemv_ok(w, K, chk);
+
+    int path = LP_SIMT;
+    if (M > 16 && gemm_ok && w_bf16 && (!chk || aligned16p(w.q.base))) path = LP_GEMM90;
+    else if (M >= DQ_MIN_M && gemm_ok && fm >= 0) path = LP_GEMM90_DQ;
+    else if (fm >= 0) path = LP_MMA;
+    else if (gemv) path = LP_GEMV;
+    const int fp = forced_path();  // a forced path wins where it applies
+    if (fp == LP_MMA && fm >= 0) path = LP_MMA;
+    else if (fp == LP_GEMV && gemv) path = LP_GEMV;
+    else if (fp == LP_SIMT) path = LP_SIMT;
+    else if (fp == LP_GEMM90 && gemm_ok && w_bf16 && (!chk || aligned16p(w.q.base))) path = LP_GEMM90;
+    else if (fp == LP_GEMM90 && gemm_ok && fm >= 0 && !w_bf16) path = LP_GEMM90_DQ;
+
+    // ---- workspace
+    const LinShape sh = lin_shape(M);
+    int splits = 1;
+    int64_t kper = K, dq_rows = 0;
+    if (path == LP_MMA) {
+        splits = mma_splits(sh, N, K, fm, ctx->sm_count);
+        if (splits > 1) mode->workspace = align256((uint64_t)splits * M * N * 4);
+    } else if (path == LP_GEMM90) {
+        mode->workspace = align256(gemm_sm90_workspace(g, ctx->sm_count));
+    } else if (path == LP_GEMM90_DQ) {
+        dq_rows = (int64_t)(DQ_CHUNK_BYTES / (2 * (uint64_t)K)) / 256 * 256;
+        if (dq_rows < 256) dq_rows = 256;
+        if (dq_rows > N) dq_rows = N;
+        GemmBF16 gc = g;
+        gc.N = (int)dq_rows;
+        mode->workspace = align256((uint64_t)dq_rows * K * 2) + align256(gemm_sm90_workspace(gc, ctx->sm_count));
+    } else if (path == LP_GEMV) {
+        splits = gemv_splits(N, K, ctx->sm_count, &kper);
+        if (splits > 1) mode->workspace = align256((uint64_t)splits * M * N * 4);
+    } else if (M > 8 && (w.mode || x.mode)) {
+        mode->support = DI_SUPPORT_SLOW;  // SIMT dequantizing GEMM
+    }
+    if (!mode->launch || M == 0 || N == 0) return DI_OK;
+
+    cudaStream_t s = (cudaStream_t)h.stream;
+    Workspace ws;
+    DI_TRY(ws.acquire(ctx, h, mode->workspace));
+    DI_Status st = DI_OK;
+    const char* why = nullptr;
+    if (path == LP_MMA) {
+#if DI_HAVE_MOE_MMA
+        LinWeight lw{mat_of(w), w.q.base, w.s.base, w.z.base};
+        float* part = splits > 1 ? static_cast<float*>(ws.ptr) : nullptr;
+        kLinMma[fm](sh, lw, x.q.base, x.q.strides[0] * 2, M, splits, part, bias, out, s);
+        st = launch_status(ctx, op);
+        if (st == DI_OK && splits > 1) {
+            k_gemv_reduce<<<grid_for(M * N, 256), 256, 0, s>>>(part, splits, M, N, bias, out);
+            st = launch_status(ctx, op);
+        }
+#endif
+    } else if (path == LP_GEMM90) {
+        cudaError_t e = gemm_sm90_run(g, ws.ptr, mode->workspace, ctx->sm_count, s, &why);
+        if (e != cudaSuccess) st = set_error(ctx, DI_INTERNAL, "%s: sm_90 GEMM failed: %s (%s)", op, why ? why : "",
+                                             cudaGetErrorString(e));
+        if (st == DI_OK && bias.base) {
+            k_add_bias<<<grid_for(M * N, 256), 256, 0, s>>>(bias, out, M, N);
+            st = launch_status(ctx, op);
+        }
+    } else if (path == LP_GEMM90_DQ) {
+        uint16_t* wb = static_cast<uint16_t*>(ws.ptr);
+        char* gws = static_cast<char*>(ws.ptr) + align256((uint64_t)dq_rows * K * 2);
+        for (int64_t n0 = 0; n0 < N && st == DI_OK; n0 += dq_rows) {
+            const int64_t rows = min(dq_rows, N - n0);
+            k_dequant_rows<<<grid_for(rows * K / 8 + 1, 256), 256, 0, s>>>(w, n0, rows, K, wb);
+            st = launch_status(ctx, op);
+            if (st != DI_OK) break;
+            DTensor oc = out;
+            oc.base += n0 * (dt_bits(out.dt) / 8);
+            GemmBF16 gc = gemm_problem(x, wb, K, oc, M, rows, K);
+            cudaError_t e = gemm_sm90_run(gc, gws, mode->workspace, ctx->sm_count, s, &why);
+            if (e != cudaSuccess)
+                st = set_error(ctx, DI_INTERNAL, "%s: sm_90 GEMM failed: %s (%s)", op, why ? why : "",
+                               cudaGetErrorString(e));
+        }
+        if (st == DI_OK && bias.base) {
+            k_add_bias<<<grid_for(M * N, 256), 256, 0, s>>>(bias, out, M, N);
+            st = launch_status(ctx, op);
+        }
+    } else if (path == LP_GEMV) {
+        float* part = splits > 1 ? static_cast<float*>(ws.ptr) : nullptr;
+        launch_gemv(x, w, bias, out, (int)M, N, K, s, splits, kper, part);
+        st = launch_status(ctx, op);
+        if (st == DI_OK && splits > 1) {
+            k_gemv_reduce<<<grid_for(M * N, 256), 256, 0, s>>>(part, splits, M, N, bias, out);
+            st = launch_status(ctx, op);
+        }
+    } else {
+        if (ceil_div(M, TB) > 65535)
+            st = set_error(ctx, DI_UNIMPLEMENTED, "%s: M=%lld is too large for one launch", op, (long long)M);
+        else {
+            dim3 grid((unsigned)ceil_div(N, TB), (unsigned)ceil_div(M, TB));
+            k_gemm_tiled<<<grid, 256, 0, s>>>(x, w, bias, out, M, N, K);
+            st = launch_status(ctx, op);
+        }
+    }
+    ws.release();
+    return st;
+}
+
 // ---------------------------------------------------------------------------------------- linear
 #define WEIGHT_DTYPES DT_F32, DT_BF16, DT_E4M3, DT_E5M2, DT_I8, DT_I4, DT_U4, DT_E2M1
 
@@ -148,33 +367,5 @@ DI_Status op_linear(DI_Context* ctx, const DI_LinearArgs* a, OpMode* mode) {
         DI_NEED_DT(ctx, op, "bias", bias.q.dt, DT_F32, DT_BF16);
         DI_TRY(need_shape(ctx, op, "bias", bias.q, 0, N, "w.shape[0]"));
     }
-    bool gemv = M <= 8 && gemv_ok(w, K, mode->launch);
-    if (!gemv && M > 8 && (w.mode || x.mode)) mode->support = DI_SUPPORT_SLOW;  // SIMT dequantizing GEMM
-    int64_t kper = K;
-    const int splits = gemv ? gemv_splits(N, K, ctx->sm_count, &kper) : 1;
-    if (splits > 1) mode->workspace = align256((uint64_t)splits * M * N * 4);
-    if (!mode->launch || M == 0 || N == 0) return DI_OK;
-    cudaStream_t s = (cudaStream_t)a->header.stream;
-    if (gemv && splits > 1) {
-        Workspace ws;
-        DI_TRY(ws.acquire(ctx, a->header, mode->workspace));
-        float* part = static_cast<float*>(ws.ptr);
-        launch_gemv(x, w, bias.q, out.q, (int)M, N, K, s, splits, kper, part);
-        DI_Status st = launch_status(ctx, op);
-        if (st == DI_OK) {
-            k_gemv_reduce<<<grid_for(M * N, 256), 256, 0, s>>>(part, splits, M, N, bias.q, out.q);
-            st = launch_status(ctx, op);
-        }
-        ws.release();
-        return st;
-    }
-    if (gemv) {
-        launch_gemv(x, w, bias.q, out.q, (int)M, N, K, s, 1, K, nullptr);
-    } else {
-        if (ceil_div(M, TB) > 65535)
-            return set_error(ctx, DI_UNIMPLEMENTED, "%s: M=%lld is too large for one launch", op, (long long)M);
-        dim3 grid((unsigned)ceil_div(N, TB), (unsigned)ceil_div(M, TB));
-        k_gemm_tiled<<<grid, 256, 0, s>>>(x, w, bias.q, out.q, M, N, K);
-    }
-    return launch_status(ctx, op);
+    return run_linear(ctx, a->header, mode, x, w, bias.q, out.q, M, N, K);
 }

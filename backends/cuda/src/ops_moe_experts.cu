@@ -254,6 +254,45 @@ static bool same_layout(const DI_Tensor& a, const DI_Tensor& b) {
     return true;
 }
 
+// The tensor-core format of a weight family [N, K] (every expert shares w's layout), or -1.
+int di::mma_format(const QTensor& w) {
+    const int64_t N = w.q.shape[0], K = w.q.shape[1];
+    int f = -1;
+    if (w.mode == 0 && w.q.dt == DT_BF16) f = MW_BF16;
+    else if (w.mode == 1 && w.q.dt == DT_E4M3 && w.br == 128 && w.bc == 128) f = MW_FP8;
+    else if (w.mode == 1 && w.q.dt == DT_I8 && w.br == 1 && w.bc == K) f = MW_I8;
+    else if (w.mode == 1 && w.q.dt == DT_I4 && w.br == 1 && w.bc % 128 == 0) f = MW_I4;
+    else if (w.mode == 1 && w.q.dt == DT_I4 && w.br == 1 && w.bc % 64 == 0) f = MW_I4G64;
+    else if (w.mode == 1 && w.q.dt == DT_I4 && w.br == 1 && w.bc % 32 == 0) f = MW_I4G32;
+    else if (w.mode == 2 && w.q.dt == DT_U4 && w.br == 1 && w.bc % 32 == 0 && w.z.dt != DT_E4M3) f = MW_U4;
+    if (f < 0) return -1;
+    if (N <= 0 || K <= 0 || N % 16 != 0 || K % moe_kstep_cols(f) != 0) return -1;
+    return f;
+}
+
+int64_t di::row_bytes(const QTensor& w) {
+    const int dt = w.q.dt;
+    if (dt_is_packed(dt)) return w.q.strides[0] / 2;
+    return w.q.strides[0] * (dt == DT_BF16 || dt == DT_F16 ? 2 : dt == DT_F32 ? 4 : 1);
+}
+
+MoeMat di::mat_of(const QTensor& w) {
+    MoeMat m{};
+    m.N = w.q.shape[0];
+    m.K = w.q.shape[1];
+    m.ld = row_bytes(w);
+    m.s_dt = w.s.dt;
+    m.z_dt = w.z.dt;
+    if (w.mode) { m.s_rs = w.s.strides[0]; m.s_cs = w.s.strides[1]; }
+    if (w.mode == 2) { m.z_rs = w.z.strides[0]; m.z_cs = w.z.strides[1]; }
+    m.br = (int32_t)w.br;
+    m.bc = (int32_t)w.bc;
+    m.bc_shift = -1;
+    for (int b = 0; b < 31; ++b)
+        if ((int64_t(1) << b) == w.bc) m.bc_shift = b;
+    return m;
+}
+
 namespace {
 
 struct ExpertBases {
@@ -280,45 +319,6 @@ DI_Status take_expert(DI_Context* ctx, const OpMode* em, const char* which, int6
     snprintf(name, sizeof(name), "%s[%lld]", which, (long long)e);
     DI_TRY(take_tensor(ctx, em, "moe_experts", name, t, 2, T_ALLOW_Q, v));
     return check_weight(ctx, "moe_experts", name, *v);
-}
-
-// The tensor-core format of a weight family [N, K] (every expert shares w's layout), or -1.
-int mma_format(const QTensor& w) {
-    const int64_t N = w.q.shape[0], K = w.q.shape[1];
-    int f = -1;
-    if (w.mode == 0 && w.q.dt == DT_BF16) f = MW_BF16;
-    else if (w.mode == 1 && w.q.dt == DT_E4M3 && w.br == 128 && w.bc == 128) f = MW_FP8;
-    else if (w.mode == 1 && w.q.dt == DT_I8 && w.br == 1 && w.bc == K) f = MW_I8;
-    else if (w.mode == 1 && w.q.dt == DT_I4 && w.br == 1 && w.bc % 128 == 0) f = MW_I4;
-    else if (w.mode == 1 && w.q.dt == DT_I4 && w.br == 1 && w.bc % 64 == 0) f = MW_I4G64;
-    else if (w.mode == 1 && w.q.dt == DT_I4 && w.br == 1 && w.bc % 32 == 0) f = MW_I4G32;
-    else if (w.mode == 2 && w.q.dt == DT_U4 && w.br == 1 && w.bc % 32 == 0 && w.z.dt != DT_E4M3) f = MW_U4;
-    if (f < 0) return -1;
-    if (N <= 0 || K <= 0 || N % 16 != 0 || K % moe_kstep_cols(f) != 0) return -1;
-    return f;
-}
-
-int64_t row_bytes(const QTensor& w) {
-    const int dt = w.q.dt;
-    if (dt_is_packed(dt)) return w.q.strides[0] / 2;
-    return w.q.strides[0] * (dt == DT_BF16 || dt == DT_F16 ? 2 : dt == DT_F32 ? 4 : 1);
-}
-
-MoeMat mat_of(const QTensor& w) {
-    MoeMat m{};
-    m.N = w.q.shape[0];
-    m.K = w.q.shape[1];
-    m.ld = row_bytes(w);
-    m.s_dt = w.s.dt;
-    m.z_dt = w.z.dt;
-    if (w.mode) { m.s_rs = w.s.strides[0]; m.s_cs = w.s.strides[1]; }
-    if (w.mode == 2) { m.z_rs = w.z.strides[0]; m.z_cs = w.z.strides[1]; }
-    m.br = (int32_t)w.br;
-    m.bc = (int32_t)w.bc;
-    m.bc_shift = -1;
-    for (int b = 0; b < 31; ++b)
-        if ((int64_t(1) << b) == w.bc) m.bc_shift = b;
-    return m;
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }

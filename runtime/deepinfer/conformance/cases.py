@@ -547,6 +547,18 @@ def gen_linear(p, s):
         for _ in range(p.random_draws):
             r = s.rng
             yield linear(s(), int(r.integers(1, 6)), int(r.integers(1, 3 * g)), int(r.integers(1, 20)), "bf16", wf)
+    # the shapes GPU libraries run on tensor cores (bf16 activations, K a multiple of 128, N of 16):
+    # decode widths 1 / 8 / 16, a batch above 16, split K (few rows, long K), and sizes past the
+    # point where a library switches to a GEMM (M = 300 with a quantized weight: dequantize + GEMM)
+    for wf in ("bf16", "e4m3/128x128/f32", "int8/channel/f32", "int4/g128/sym/f16", "int4/g64/sym/bf16",
+               "int4/g32/sym/f32", "uint4/g32/asym/f32"):
+        for M in (1, 8, 13, 40):
+            yield linear(s(), M, 256, 48, "bf16", wf, bias=M == 13, out_dtype="f32" if M == 8 else None)
+        yield linear(s(), 2, 4096, 32, "bf16", wf)
+    yield linear(s(), 300, 256, 272, "bf16", "e4m3/128x128/f32")
+    yield linear(s(), 260, 384, 144, "bf16", "int4/g128/sym/f16", bias=True)
+    yield linear(s(), 64, 200, 264, "bf16", "bf16", bias=True, out_dtype="f32")
+    yield linear(s(), 300, 136, 40, "bf16", "bf16")
     # activation-quantized paths (integer GEMM, fp8 GEMM)
     yield linear(s(), 4, 100, 9, "int8/token/f32", "int8/channel/f32")
     yield linear(s(), 4, 100, 9, "int8/token/f32", "int4/g32/sym/f32")

@@ -1,0 +1,40 @@
+// Large-M GEMM on Hopper tensor cores (wgmma + TMA, warp-specialized), built from CUTLASS 3's
+// collective builders in gemm_sm90_<out>.cu. linear uses it for M > 16 with bf16 activations:
+// bf16 weights directly, quantized weights after a chunked dequantization to bf16.
+//
+// D[M, N] = A[M, K] . B[N, K]^T, A and B bf16 with unit stride along K, f32 accumulation, D in
+// bf16 or f32 with unit stride along N. TMA needs 16-byte aligned bases and leading dimensions.
+//
+// The CUTLASS headers come from the nvidia-cutlass wheel (build.sh finds them); a build without
+// them (or a HIP build) compiles gemm_sm90_available() to false and linear keeps its other paths.
+#pragma once
+
+#include "common.cuh"
+
+namespace di {
+
+struct GemmBF16 {
+    const void* a;  int64_t lda;  // activations [M, K], elements between rows
+    const void* b;  int64_t ldb;  // weights [N, K]
+    void*       d;  int64_t ldd;  // output [M, N]
+    int         M, N, K;
+    int         d_f32;            // 1: D is f32, 0: bf16
+};
+
+// Compiled in (CUTLASS present, sm_90a in the build) and the device is sm_90.
+bool gemm_sm90_available(const DI_Context* ctx);
+// The problem meets TMA's alignment rules.
+bool gemm_sm90_fits(const GemmBF16& g);
+// Workspace bytes for this problem (0 for most; stream-K partials for small M).
+size_t gemm_sm90_workspace(const GemmBF16& g, int sm_count);
+// Launches on s; returns cudaSuccess or the error, with a reason in why (may be NULL).
+cudaError_t gemm_sm90_run(const GemmBF16& g, void* ws, size_t ws_bytes, int sm_count, cudaStream_t s,
+                          const char** why);
+
+// Per output dtype (gemm_sm90_bf16out.cu, gemm_sm90_f32out.cu); the functions above dispatch.
+size_t      gemm_sm90_workspace_bf16out(const GemmBF16& g, int sm_count);
+cudaError_t gemm_sm90_run_bf16out(const GemmBF16& g, void* ws, int sm_count, cudaStream_t s, const char** why);
+size_t      gemm_sm90_workspace_f32out(const GemmBF16& g, int sm_count);
+cudaError_t gemm_sm90_run_f32out(const GemmBF16& g, void* ws, int sm_count, cudaStream_t s, const char** why);
+
+}  // namespace di

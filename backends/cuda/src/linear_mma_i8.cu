@@ -1,0 +1,3 @@
+// linear weight-streaming tensor-core kernels for one weight format (linear_mma.cuh).
+#include "linear_mma.cuh"
+DI_LINEAR_MMA_DEFINE(i8, MW_I8)
