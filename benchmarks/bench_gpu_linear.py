@@ -54,7 +54,10 @@ FORMATS = {
     "int4 g64": ("int4", (1, 64), torch.bfloat16, False),
     "int4 g32": ("int4", (1, 32), torch.float16, False),
     "uint4 g128 asym": ("uint4", (1, 128), torch.bfloat16, True),
+    # W8A8: int8 weights per channel and int8 activations per token (f32 scales), the integer path
+    "w8a8 int8": ("int8", (1, 0), torch.float32, False),
 }
+ACT_QUANT = {"w8a8 int8"}  # formats whose x is int8 per token
 L2_BYTES = 50 << 20
 GRAPH_CALLS = 20
 
@@ -146,7 +149,8 @@ class LinearCall:
 
     def __init__(self, be, stream, x, descs, out, workspace):
         self.be, self.calls = be, []
-        xt, ot = view(x, tuple(x.shape), "bf16"), view(out, tuple(out.shape), TORCH_DT[out.dtype])
+        xt = x if isinstance(x, Tensor) else view(x, tuple(x.shape), "bf16")
+        ot = view(out, tuple(out.shape), TORCH_DT[out.dtype])
         fn, ctx = be._api.linear, be._ctx
         for w in descs:
             kw = dict(x=xt, w=w, out=ot)
@@ -220,7 +224,7 @@ def peers_for(fmt, ws, x, M):
             packed.append(torch.ops.aten._convert_weight_to_int4pack(w.q, 8))
             sz.append(torch.ones(K // g, N, 2, device="cuda", dtype=torch.bfloat16) * 0.01)
         out["tinygemm_int4"] = [lambda p=p, z=z: torch.ops.aten._weight_int4pack_mm(x, p, g, z) for p, z in zip(packed, sz)]
-    elif fmt.startswith("int8") and M > 16:
+    elif (fmt.startswith("int8") or fmt.startswith("w8a8")) and M > 16:
         xq = torch.randint(-127, 128, (M, K), device="cuda", dtype=torch.int8)
         wt = [w.q.t() for w in ws]
         out["int_mm"] = [lambda w=w: torch._int_mm(xq, w) for w in wt]
@@ -300,11 +304,18 @@ def main() -> int:
                     continue
                 x = torch.randn(M, K, device="cuda", generator=gen).to(torch.bfloat16)
                 out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-                call = LinearCall(be, stream, x, descs, out, workspace)
+                if fmt in ACT_QUANT:  # per-token int8 activations: codes and f32 scales
+                    xs = (x.float().abs().amax(1, keepdim=True).clamp_min(1e-6) / 127).contiguous()
+                    xq = torch.round(x.float() / xs).clamp(-127, 127).to(torch.int8).contiguous()
+                    x_arg = view(xq, (M, K), "int8", Quant(view(xs, (M, 1), "f32"), (1, 0)))
+                    x_ref = xq.float() * xs
+                else:
+                    x_arg, x_ref = x, x.float()
+                call = LinearCall(be, stream, x_arg, descs, out, workspace)
                 out.fill_(float("nan"))
                 call(0)
                 torch.cuda.synchronize()
-                ref = x.float() @ ref_w.T
+                ref = x_ref @ ref_w.T
                 err = out.float() - ref
                 rms = ref.pow(2).mean().sqrt().item()
                 nmse = (err.pow(2).sum() / ref.pow(2).sum()).item()

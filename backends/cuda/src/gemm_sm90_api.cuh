@@ -21,6 +21,20 @@ struct GemmBF16 {
     int         d_f32;            // 1: D is f32, 0: bf16
 };
 
+// W8A8: D[M, N] (bf16) = (Aq[M, K] . Bq[N, K]^T) * sa[m] * sb[n], Aq / Bq int8, exact int32
+// accumulation, the two per-row scales (f32, contiguous) applied to the f32 value in the epilogue.
+struct GemmI8 {
+    const void*  a;  int64_t lda;  // int8 activations [M, K]
+    const void*  b;  int64_t ldb;  // int8 weights [N, K]
+    const float* sa;               // [M] per-token scales
+    const float* sb;               // [N] per-channel scales
+    void*        d;  int64_t ldd;  // bf16 output [M, N]
+    int          M, N, K;
+};
+bool        gemm_sm90_i8_fits(const GemmI8& g);
+size_t      gemm_sm90_i8_workspace(const GemmI8& g, int sm_count);
+cudaError_t gemm_sm90_i8_run(const GemmI8& g, void* ws, int sm_count, cudaStream_t s, const char** why);
+
 // Compiled in (CUTLASS present, sm_90a in the build) and the device is sm_90.
 bool gemm_sm90_available(const DI_Context* ctx);
 // The problem meets TMA's alignment rules.

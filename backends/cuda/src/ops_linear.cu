@@ -9,6 +9,8 @@
 //  * sm_90a GEMM (wgmma + TMA, CUTLASS; gemm_sm90.cuh) for M > 16 and bf16 activations: bf16
 //    weights directly; quantized weights for M >= DQ_MIN_M after dequantizing a chunk of rows to
 //    bf16 in the workspace (the dequantization then costs a few percent of the GEMM).
+//  * sm_90a W8A8 GEMM (int8 tensor cores, CUTLASS) for M > 8 with per-token int8 activations, per-
+//    channel int8 weights and f32 scales, bf16 out: the scales are applied in the epilogue.
 //  * GEMV (M <= 8, gemv.cuh): f32 activations, activation-quantized x (W8A8 / W4A8), f16 / f32 /
 //    fp4 weights. One warp streams 4 weight rows and decodes them in f32.
 //  * a tiled SIMT GEMM (64x64x16, f32) over generic dequantizing loaders for everything else:
@@ -122,7 +124,7 @@ __global__ void k_gemv_reduce(const float* part, int splits, int64_t M, int64_t 
 }
 
 // ---------------------------------------------------------------------------------------- path choice
-enum LinPath { LP_MMA, LP_GEMM90, LP_GEMM90_DQ, LP_GEMV, LP_SIMT };
+enum LinPath { LP_MMA, LP_GEMM90, LP_GEMM90_DQ, LP_GEMM90_I8, LP_GEMV, LP_SIMT };
 
 // DEEPINFER_CUDA_LINEAR, read once: -1 (automatic) or the LinPath to prefer.
 static int forced_path() {
@@ -229,8 +231,23 @@ static DI_Status run_linear(DI_Context* ctx, const DI_ArgsHeader& h, OpMode* mod
     const bool gemm_ok = sm90 && gemm_sm90_fits(g) && (!chk || (aligned16p(g.a) && aligned16p(g.d)));
     const bool gemv = M <= 8 && gemv_ok(w, K, chk);
 
+    // W8A8: per-token int8 x, per-channel int8 w, contiguous f32 scales, bf16 out
+    GemmI8 gi{};
+    bool i8_ok = false;
+    if (gemm_sm90_available(ctx) && x.mode == 1 && x.q.dt == DT_I8 && w.mode == 1 && w.q.dt == DT_I8 &&
+        x.br == 1 && x.bc >= K && w.br == 1 && w.bc >= K && x.s.dt == DT_F32 && w.s.dt == DT_F32 &&
+        x.s.strides[0] == 1 && w.s.strides[0] == 1 && x.q.strides[1] == 1 && w.q.strides[1] == 1 &&
+        out.dt == DT_BF16 && M <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX) {
+        gi = GemmI8{x.q.base, x.q.strides[0], w.q.base, w.q.strides[0], reinterpret_cast<const float*>(x.s.base),
+                    reinterpret_cast<const float*>(w.s.base), out.base, out.strides[0], (int)M, (int)N, (int)K};
+        i8_ok = gemm_sm90_i8_fits(gi) &&
+                (!chk || (aligned16p(gi.a) && aligned16p(gi.b) && aligned16p(gi.d) && aligned16p(gi.sa) &&
+                          aligned16p(gi.sb)));
+    }
+
     int path = LP_SIMT;
-    if (M > 16 && gemm_ok && w_bf16 && (!chk || aligned16p(w.q.base))) path = LP_GEMM90;
+    if (M > 8 && i8_ok) path = LP_GEMM90_I8;
+    else if (M > 16 && gemm_ok && w_bf16 && (!chk || aligned16p(w.q.base))) path = LP_GEMM90;
     else if (M >= DQ_MIN_M && gemm_ok && fm >= 0) path = LP_GEMM90_DQ;
     else if (fm >= 0) path = LP_MMA;
     else if (gemv) path = LP_GEMV;
@@ -238,6 +255,7 @@ static DI_Status run_linear(DI_Context* ctx, const DI_ArgsHeader& h, OpMode* mod
     if (fp == LP_MMA && fm >= 0) path = LP_MMA;
     else if (fp == LP_GEMV && gemv) path = LP_GEMV;
     else if (fp == LP_SIMT) path = LP_SIMT;
+    else if (fp == LP_GEMM90 && i8_ok) path = LP_GEMM90_I8;
     else if (fp == LP_GEMM90 && gemm_ok && w_bf16 && (!chk || aligned16p(w.q.base))) path = LP_GEMM90;
     else if (fp == LP_GEMM90 && gemm_ok && fm >= 0 && !w_bf16) path = LP_GEMM90_DQ;
 
@@ -250,6 +268,8 @@ static DI_Status run_linear(DI_Context* ctx, const DI_ArgsHeader& h, OpMode* mod
         if (splits > 1) mode->workspace = align256((uint64_t)splits * M * N * 4);
     } else if (path == LP_GEMM90) {
         mode->workspace = align256(gemm_sm90_workspace(g, ctx->sm_count));
+    } else if (path == LP_GEMM90_I8) {
+        mode->workspace = align256(gemm_sm90_i8_workspace(gi, ctx->sm_count));
     } else if (path == LP_GEMM90_DQ) {
         dq_rows = (int64_t)(DQ_CHUNK_BYTES / (2 * (uint64_t)K)) / 256 * 256;
         if (dq_rows < 256) dq_rows = 256;
@@ -285,6 +305,14 @@ static DI_Status run_linear(DI_Context* ctx, const DI_ArgsHeader& h, OpMode* mod
         cudaError_t e = gemm_sm90_run(g, ws.ptr, mode->workspace, ctx->sm_count, s, &why);
         if (e != cudaSuccess) st = set_error(ctx, DI_INTERNAL, "%s: sm_90 GEMM failed: %s (%s)", op, why ? why : "",
                                              cudaGetErrorString(e));
+        if (st == DI_OK && bias.base) {
+            k_add_bias<<<grid_for(M * N, 256), 256, 0, s>>>(bias, out, M, N);
+            st = launch_status(ctx, op);
+        }
+    } else if (path == LP_GEMM90_I8) {
+        cudaError_t e = gemm_sm90_i8_run(gi, ws.ptr, ctx->sm_count, s, &why);
+        if (e != cudaSuccess) st = set_error(ctx, DI_INTERNAL, "%s: sm_90 W8A8 GEMM failed: %s (%s)", op,
+                                             why ? why : "", cudaGetErrorString(e));
         if (st == DI_OK && bias.base) {
             k_add_bias<<<grid_for(M * N, 256), 256, 0, s>>>(bias, out, M, N);
             st = launch_status(ctx, op);

@@ -561,6 +561,8 @@ def gen_linear(p, s):
     yield linear(s(), 300, 136, 40, "bf16", "bf16")
     # activation-quantized paths (integer GEMM, fp8 GEMM)
     yield linear(s(), 4, 100, 9, "int8/token/f32", "int8/channel/f32")
+    yield linear(s(), 40, 256, 48, "int8/token/f32", "int8/channel/f32", bias=True)  # integer tensor cores
+    yield linear(s(), 300, 272, 136, "int8/token/f32", "int8/channel/f32")
     yield linear(s(), 4, 100, 9, "int8/token/f32", "int4/g32/sym/f32")
     yield linear(s(), 3, 200, 130, "e4m3/1x128/f32", "e4m3/128x128/f32")
     yield linear(s(), 0, 200, 130, "e4m3/1x128/f32", "e4m3/128x128/f32")
