@@ -140,7 +140,9 @@ static int forced_path() {
     return f;
 }
 
-constexpr int64_t DQ_MIN_M = 256;              // quantized weights: dequantize + GEMM from here on
+// Quantized weights: dequantize + GEMM from here on. Below, the weight-streaming batch kernel (it
+// reads the weights once per 32 / 64 tokens but has no shared-memory reuse of the activations).
+constexpr int64_t DQ_MIN_M = 64;
 constexpr uint64_t DQ_CHUNK_BYTES = 64u << 20;  // bf16 rows dequantized per GEMM
 
 static bool aligned16p(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
@@ -187,23 +189,48 @@ static const LinMmaFn kLinMma[MW_COUNT] = {launch_linear_mma_bf16, launch_linear
                                            launch_linear_mma_u4};
 #endif
 
-// Dequantizes rows [n0, n0 + rows) of w into dst (bf16, rows x K, dense).
+// Dequantizes rows [n0, n0 + rows) of w (a tensor-core format: 16-byte rows, K and the scale
+// groups multiples of 32) into dst (bf16, rows x K, dense). One thread per 8 consecutive elements
+// of a row, which never straddle a scale group: one scale (and zero) load, one 16-byte store.
+template <int QDT>
 __global__ void k_dequant_rows(const __grid_constant__ QTensor w, int64_t n0, int64_t rows, int64_t K, uint16_t* dst) {
-    const int64_t total = rows * K;
-    for (int64_t i = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) * 8; i < total;
-         i += (int64_t)gridDim.x * blockDim.x * 8) {
-        const int64_t r = i / K, k = i % K;
-        uint16_t v[8];
+    const int64_t per_row = K / 8, total = rows * per_row;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = i / per_row, k = (i % per_row) * 8, n = n0 + r;
+        const int64_t sb = (n / w.br) * w.s.strides[0] + (k / w.bc) * w.s.strides[1];
+        const float sc = load_f(w.s.dt, w.s.base, sb);
+        const float zr = w.mode == 2 ? load_f(w.z.dt, w.z.base, (n / w.br) * w.z.strides[0] + (k / w.bc) * w.z.strides[1]) : 0.f;
+        float f[8];
+        if constexpr (QDT == DT_E4M3 || QDT == DT_I8) {
+            const uint2 v = __ldg(reinterpret_cast<const uint2*>(w.q.base + n * w.q.strides[0] + k));
 #pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = f_to_bf16(k + j < K ? qload_inline(w, 0, n0 + r, k + j) : 0.f);
-        if (K % 8 == 0) {  // whole vectors inside one row
-            *reinterpret_cast<uint4*>(dst + i) = *reinterpret_cast<const uint4*>(v);
-        } else {
-            for (int j = 0; j < 8 && i + j < total; ++j) {
-                const int64_t rr = (i + j) / K, kk = (i + j) % K;
-                dst[i + j] = f_to_bf16(qload_inline(w, 0, n0 + rr, kk));
+            for (int j = 0; j < 8; ++j) {
+                const uint32_t b = ((j < 4 ? v.x : v.y) >> (8 * (j & 3))) & 0xffu;
+                f[j] = QDT == DT_E4M3 ? e4m3_to_f(b) : (float)(int8_t)b;
+            }
+        } else {  // 4-bit, element k in the low nibble of its byte
+            const uint32_t v = __ldg(reinterpret_cast<const uint32_t*>(w.q.base + (n * w.q.strides[0] + k) / 2));
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int q = (v >> (4 * j)) & 15;
+                f[j] = QDT == DT_I4 ? (float)((q ^ 8) - 8) : (float)q;
             }
         }
+        uint32_t o[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            o[j] = (uint32_t)f_to_bf16((f[2 * j] - zr) * sc) | ((uint32_t)f_to_bf16((f[2 * j + 1] - zr) * sc) << 16);
+        *reinterpret_cast<uint4*>(dst + r * K + k) = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+}
+
+static void launch_dequant_rows(const QTensor& w, int64_t n0, int64_t rows, int64_t K, uint16_t* dst, cudaStream_t s) {
+    const unsigned grid = grid_for(rows * (K / 8), 256, 8 * 1024);
+    switch (w.q.dt) {
+        case DT_E4M3: k_dequant_rows<DT_E4M3><<<grid, 256, 0, s>>>(w, n0, rows, K, dst); break;
+        case DT_I8: k_dequant_rows<DT_I8><<<grid, 256, 0, s>>>(w, n0, rows, K, dst); break;
+        case DT_I4: k_dequant_rows<DT_I4><<<grid, 256, 0, s>>>(w, n0, rows, K, dst); break;
+        default: k_dequant_rows<DT_U4><<<grid, 256, 0, s>>>(w, n0, rows, K, dst); break;
     }
 }
 
@@ -223,6 +250,9 @@ static DI_Status run_linear(DI_Context* ctx, const DI_ArgsHeader& h, OpMode* mod
 #if DI_HAVE_MOE_MMA
     if (bf16_rows(x, chk) && w.q.strides[1] == 1 && row_bytes(w) % 16 == 0 && (!chk || aligned16p(w.q.base)))
         fm = mma_format(w);
+    // uint4 enters the mma as (u - z) * s rounded to bf16: within a bf16 result's tolerance, not an
+    // f32 one, so an f32 output takes the exact paths
+    if (fm == MW_U4 && out.dt == DT_F32) fm = -1;
 #endif
     const bool sm90 = gemm_sm90_available(ctx) && x.mode == 0 && x.q.dt == DT_BF16 && x.q.strides[1] == 1 &&
                       M <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX;
@@ -246,9 +276,10 @@ static DI_Status run_linear(DI_Context* ctx, const DI_ArgsHeader& h, OpMode* mod
     }
 
     int path = LP_SIMT;
-    if (M > 8 && i8_ok) path = LP_GEMM90_I8;
+    if (i8_ok) path = LP_GEMM90_I8;  // every M: one weight pass beats the f32 GEMV even at M = 1
     else if (M > 16 && gemm_ok && w_bf16 && (!chk || aligned16p(w.q.base))) path = LP_GEMM90;
-    else if (M >= DQ_MIN_M && gemm_ok && fm >= 0) path = LP_GEMM90_DQ;
+    // the dequantized weights are rounded to bf16: only for a bf16 output (exact paths for f32)
+    else if (M >= DQ_MIN_M && gemm_ok && fm >= 0 && out.dt == DT_BF16) path = LP_GEMM90_DQ;
     else if (fm >= 0) path = LP_MMA;
     else if (gemv) path = LP_GEMV;
     const int fp = forced_path();  // a forced path wins where it applies
@@ -322,7 +353,7 @@ static DI_Status run_linear(DI_Context* ctx, const DI_ArgsHeader& h, OpMode* mod
         char* gws = static_cast<char*>(ws.ptr) + align256((uint64_t)dq_rows * K * 2);
         for (int64_t n0 = 0; n0 < N && st == DI_OK; n0 += dq_rows) {
             const int64_t rows = min(dq_rows, N - n0);
-            k_dequant_rows<<<grid_for(rows * K / 8 + 1, 256), 256, 0, s>>>(w, n0, rows, K, wb);
+            launch_dequant_rows(w, n0, rows, K, wb, s);
             st = launch_status(ctx, op);
             if (st != DI_OK) break;
             DTensor oc = out;

@@ -261,8 +261,9 @@ int di::mma_format(const QTensor& w) {
     if (w.mode == 0 && w.q.dt == DT_BF16) f = MW_BF16;
     else if (w.mode == 1 && w.q.dt == DT_E4M3 && w.br == 128 && w.bc == 128) f = MW_FP8;
     else if (w.mode == 1 && w.q.dt == DT_I8 && w.br == 1 && w.bc == K) f = MW_I8;
-    else if (w.mode == 1 && w.q.dt == DT_I4 && w.br == 1 && w.bc % 128 == 0) f = MW_I4;
-    else if (w.mode == 1 && w.q.dt == DT_I4 && w.br == 1 && w.bc % 64 == 0) f = MW_I4G64;
+    // int4: the widest k-step that divides both the group and K (g128 with K = 10944: 64-column steps)
+    else if (w.mode == 1 && w.q.dt == DT_I4 && w.br == 1 && w.bc % 128 == 0 && K % 128 == 0) f = MW_I4;
+    else if (w.mode == 1 && w.q.dt == DT_I4 && w.br == 1 && w.bc % 64 == 0 && K % 64 == 0) f = MW_I4G64;
     else if (w.mode == 1 && w.q.dt == DT_I4 && w.br == 1 && w.bc % 32 == 0) f = MW_I4G32;
     else if (w.mode == 2 && w.q.dt == DT_U4 && w.br == 1 && w.bc % 32 == 0 && w.z.dt != DT_E4M3) f = MW_U4;
     if (f < 0) return -1;

@@ -555,6 +555,7 @@ def gen_linear(p, s):
         for M in (1, 8, 13, 40):
             yield linear(s(), M, 256, 48, "bf16", wf, bias=M == 13, out_dtype="f32" if M == 8 else None)
         yield linear(s(), 2, 4096, 32, "bf16", wf)
+    yield linear(s(), 5, 192, 32, "bf16", "int4/g128/sym/f16")  # K = 1.5 groups: 64-column k-steps
     yield linear(s(), 300, 256, 272, "bf16", "e4m3/128x128/f32")
     yield linear(s(), 260, 384, 144, "bf16", "int4/g128/sym/f16", bias=True)
     yield linear(s(), 64, 200, 264, "bf16", "bf16", bias=True, out_dtype="f32")
@@ -562,6 +563,7 @@ def gen_linear(p, s):
     # activation-quantized paths (integer GEMM, fp8 GEMM)
     yield linear(s(), 4, 100, 9, "int8/token/f32", "int8/channel/f32")
     yield linear(s(), 40, 256, 48, "int8/token/f32", "int8/channel/f32", bias=True)  # integer tensor cores
+    yield linear(s(), 1, 256, 48, "int8/token/f32", "int8/channel/f32")
     yield linear(s(), 300, 272, 136, "int8/token/f32", "int8/channel/f32")
     yield linear(s(), 4, 100, 9, "int8/token/f32", "int4/g32/sym/f32")
     yield linear(s(), 3, 200, 130, "e4m3/1x128/f32", "e4m3/128x128/f32")
