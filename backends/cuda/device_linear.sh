@@ -4,7 +4,8 @@
 # in the same run, and the per-op profile of an end-to-end prefill.
 #   backends/cuda/device_linear.sh COMMIT [bench args...]     (writes into $OUT, default backends/cuda/build)
 # Env: BENCH_BUDGET_S (seconds the kernel benchmark may start new shapes in, default 330),
-#      SKIP_BUILD=1 (reuse /tmp/di_cuda on a warm machine), SKIP_PROFILE=1.
+#      SKIP_BUILD=1 (reuse /tmp/di_cuda on a warm machine), SKIP_PROFILE=1, PROFILE_ARGS (extra
+#      arguments of bench_gpu_prefill_profile.py).
 # The full certification (every op, L0-L3) is device_certify.sh.
 set -uo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -33,7 +34,7 @@ python3 "$ROOT/benchmarks/bench_gpu_linear.py" "$LIB" --commit "$COMMIT" --out "
 if [[ "${SKIP_PROFILE:-0}" != 1 && -f "$ROOT/benchmarks/bench_gpu_prefill_profile.py" ]]; then
   echo "== end-to-end prefill profile ($(( $(date +%s) - t0 )) s)"
   python3 "$ROOT/benchmarks/bench_gpu_prefill_profile.py" "$LIB" --commit "$COMMIT" --out "$OUT/prefill_profile.json" \
-    2>&1 | tee "$OUT/prefill_profile.log" | tail -60 || status=1
+    ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/prefill_profile.log" | tail -60 || status=1
 fi
 echo "total: $(( $(date +%s) - t0 )) s"
 exit $status
