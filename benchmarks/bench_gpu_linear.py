@@ -56,8 +56,10 @@ FORMATS = {
     "uint4 g128 asym": ("uint4", (1, 128), torch.bfloat16, True),
     # W8A8: int8 weights per channel and int8 activations per token (f32 scales), the integer path
     "w8a8 int8": ("int8", (1, 0), torch.float32, False),
+    # fp8 x fp8: e4m3 activations with (1 x 128) scales, e4m3 128 x 128 weights (DeepSeek V3's recipe)
+    "fp8 x fp8 blockwise": ("e4m3", (128, 128), torch.float32, False),
 }
-ACT_QUANT = {"w8a8 int8"}  # formats whose x is int8 per token
+ACT_QUANT = {"w8a8 int8", "fp8 x fp8 blockwise"}  # formats whose x is quantized (int8 per token, e4m3 1x128)
 L2_BYTES = 50 << 20
 GRAPH_CALLS = 20
 
@@ -304,11 +306,17 @@ def main() -> int:
                     continue
                 x = torch.randn(M, K, device="cuda", generator=gen).to(torch.bfloat16)
                 out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-                if fmt in ACT_QUANT:  # per-token int8 activations: codes and f32 scales
+                if fmt == "w8a8 int8":  # per-token int8 activations: codes and f32 scales
                     xs = (x.float().abs().amax(1, keepdim=True).clamp_min(1e-6) / 127).contiguous()
                     xq = torch.round(x.float() / xs).clamp(-127, 127).to(torch.int8).contiguous()
                     x_arg = view(xq, (M, K), "int8", Quant(view(xs, (M, 1), "f32"), (1, 0)))
                     x_ref = xq.float() * xs
+                elif fmt in ACT_QUANT:  # e4m3 activations, one f32 scale per 128 columns
+                    xb = x.float().reshape(M, K // 128, 128)
+                    xs = (xb.abs().amax(2).clamp_min(1e-6) / 448).contiguous()
+                    xq = (xb / xs[..., None]).reshape(M, K).to(torch.float8_e4m3fn).contiguous()
+                    x_arg = view(xq.view(torch.uint8), (M, K), "e4m3", Quant(view(xs, tuple(xs.shape), "f32"), (1, 128)))
+                    x_ref = (xq.float().reshape(M, K // 128, 128) * xs[..., None]).reshape(M, K)
                 else:
                     x_arg, x_ref = x, x.float()
                 call = LinearCall(be, stream, x_arg, descs, out, workspace)

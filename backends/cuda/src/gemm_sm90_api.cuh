@@ -35,6 +35,22 @@ bool        gemm_sm90_i8_fits(const GemmI8& g);
 size_t      gemm_sm90_i8_workspace(const GemmI8& g, int sm_count);
 cudaError_t gemm_sm90_i8_run(const GemmI8& g, void* ws, int sm_count, cudaStream_t s, const char** why);
 
+// fp8 x fp8 block-scaled (DeepSeek V3's recipe): D[M, N] (bf16) = sum over 128-column blocks kb of
+// (Aq[:, kb] . Bq[:, kb]^T) * sa[m, kb] * sb[n / 128, kb], Aq / Bq e4m3, the per-block scales
+// promoted into the f32 accumulator after each block (DeepGEMM's scheme). sa_mn: the x scales
+// transposed to [K / 128, M] (CUTLASS reads them M-major); sb: [N / 128, K / 128] dense.
+struct GemmFP8 {
+    const void*  a;  int64_t lda;  // e4m3 activations [M, K]
+    const void*  b;  int64_t ldb;  // e4m3 weights [N, K]
+    const float* sa_mn;            // [K / 128, M]
+    const float* sb;               // [N / 128, K / 128]
+    void*        d;  int64_t ldd;  // bf16 output [M, N]
+    int          M, N, K;
+};
+bool        gemm_sm90_fp8_fits(const GemmFP8& g);
+size_t      gemm_sm90_fp8_workspace(const GemmFP8& g, int sm_count);
+cudaError_t gemm_sm90_fp8_run(const GemmFP8& g, void* ws, int sm_count, cudaStream_t s, const char** why);
+
 // Compiled in (CUTLASS present, sm_90a in the build) and the device is sm_90.
 bool gemm_sm90_available(const DI_Context* ctx);
 // The problem meets TMA's alignment rules.

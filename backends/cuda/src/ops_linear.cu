@@ -11,6 +11,8 @@
 //    bf16 in the workspace (the dequantization then costs a few percent of the GEMM).
 //  * sm_90a W8A8 GEMM (int8 tensor cores, CUTLASS) for M > 8 with per-token int8 activations, per-
 //    channel int8 weights and f32 scales, bf16 out: the scales are applied in the epilogue.
+//  * sm_90a fp8 GEMM (fp8 tensor cores, CUTLASS blockwise) for e4m3 x (1 x 128 scales) with e4m3
+//    128 x 128 weights, bf16 out: the scales are promoted per 128-column block in f32.
 //  * GEMV (M <= 8, gemv.cuh): f32 activations, activation-quantized x (W8A8 / W4A8), f16 / f32 /
 //    fp4 weights. One warp streams 4 weight rows and decodes them in f32.
 //  * a tiled SIMT GEMM (64x64x16, f32) over generic dequantizing loaders for everything else:
@@ -124,7 +126,7 @@ __global__ void k_gemv_reduce(const float* part, int splits, int64_t M, int64_t 
 }
 
 // ---------------------------------------------------------------------------------------- path choice
-enum LinPath { LP_MMA, LP_GEMM90, LP_GEMM90_DQ, LP_GEMM90_I8, LP_GEMV, LP_SIMT };
+enum LinPath { LP_MMA, LP_GEMM90, LP_GEMM90_DQ, LP_GEMM90_I8, LP_GEMM90_FP8, LP_GEMV, LP_SIMT };
 
 // DEEPINFER_CUDA_LINEAR, read once: -1 (automatic) or the LinPath to prefer.
 static int forced_path() {
@@ -234,6 +236,14 @@ static void launch_dequant_rows(const QTensor& w, int64_t n0, int64_t rows, int6
     }
 }
 
+// x's (1 x 128) scales [M, K / 128] (any strides, f32) -> dst [K / 128, M], the layout the fp8 GEMM reads.
+__global__ void k_scales_mn(DTensor s, int64_t M, int64_t kb, float* dst) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < M * kb; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t m = i % M, b = i / M;
+        dst[i] = reinterpret_cast<const float*>(s.base)[m * s.strides[0] + b * s.strides[1]];
+    }
+}
+
 __global__ void k_add_bias(DTensor bias, DTensor out, int64_t M, int64_t N) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < M * N; i += (int64_t)gridDim.x * blockDim.x) {
         const int64_t m = i / N, n = i % N, o = m * out.strides[0] + n;
@@ -275,8 +285,22 @@ static DI_Status run_linear(DI_Context* ctx, const DI_ArgsHeader& h, OpMode* mod
                           aligned16p(gi.sb)));
     }
 
+    // fp8 x fp8: (1, 128) activation scales, 128 x 128 weight blocks, f32 scales (the weight's dense)
+    GemmFP8 gf{};
+    bool fp8_ok = false;
+    if (gemm_sm90_available(ctx) && x.mode == 1 && x.q.dt == DT_E4M3 && w.mode == 1 && w.q.dt == DT_E4M3 &&
+        x.br == 1 && x.bc == 128 && w.br == 128 && w.bc == 128 && x.s.dt == DT_F32 && w.s.dt == DT_F32 &&
+        w.s.strides[1] == 1 && w.s.strides[0] == K / 128 && x.q.strides[1] == 1 && w.q.strides[1] == 1 &&
+        out.dt == DT_BF16 && M <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX) {
+        gf = GemmFP8{x.q.base, x.q.strides[0], w.q.base, w.q.strides[0], nullptr,
+                     reinterpret_cast<const float*>(w.s.base), out.base, out.strides[0], (int)M, (int)N, (int)K};
+        fp8_ok = gemm_sm90_fp8_fits(gf) &&
+                 (!chk || (aligned16p(gf.a) && aligned16p(gf.b) && aligned16p(gf.d) && aligned16p(gf.sb)));
+    }
+
     int path = LP_SIMT;
-    if (i8_ok) path = LP_GEMM90_I8;  // every M: one weight pass beats the f32 GEMV even at M = 1
+    if (fp8_ok) path = LP_GEMM90_FP8;
+    else if (i8_ok) path = LP_GEMM90_I8;  // every M: one weight pass beats the f32 GEMV even at M = 1
     else if (M > 16 && gemm_ok && w_bf16 && (!chk || aligned16p(w.q.base))) path = LP_GEMM90;
     // the dequantized weights are rounded to bf16: only for a bf16 output (exact paths for f32)
     else if (M >= DQ_MIN_M && gemm_ok && fm >= 0 && out.dt == DT_BF16) path = LP_GEMM90_DQ;
@@ -287,6 +311,7 @@ static DI_Status run_linear(DI_Context* ctx, const DI_ArgsHeader& h, OpMode* mod
     else if (fp == LP_GEMV && gemv) path = LP_GEMV;
     else if (fp == LP_SIMT) path = LP_SIMT;
     else if (fp == LP_GEMM90 && i8_ok) path = LP_GEMM90_I8;
+    else if (fp == LP_GEMM90 && fp8_ok) path = LP_GEMM90_FP8;
     else if (fp == LP_GEMM90 && gemm_ok && w_bf16 && (!chk || aligned16p(w.q.base))) path = LP_GEMM90;
     else if (fp == LP_GEMM90 && gemm_ok && fm >= 0 && !w_bf16) path = LP_GEMM90_DQ;
 
@@ -301,6 +326,8 @@ static DI_Status run_linear(DI_Context* ctx, const DI_ArgsHeader& h, OpMode* mod
         mode->workspace = align256(gemm_sm90_workspace(g, ctx->sm_count));
     } else if (path == LP_GEMM90_I8) {
         mode->workspace = align256(gemm_sm90_i8_workspace(gi, ctx->sm_count));
+    } else if (path == LP_GEMM90_FP8) {  // the x scales transposed to [K / 128, M], then the GEMM's
+        mode->workspace = align256((uint64_t)M * (K / 128) * 4) + align256(gemm_sm90_fp8_workspace(gf, ctx->sm_count));
     } else if (path == LP_GEMM90_DQ) {
         dq_rows = (int64_t)(DQ_CHUNK_BYTES / (2 * (uint64_t)K)) / 256 * 256;
         if (dq_rows < 256) dq_rows = 256;
@@ -344,6 +371,22 @@ static DI_Status run_linear(DI_Context* ctx, const DI_ArgsHeader& h, OpMode* mod
         cudaError_t e = gemm_sm90_i8_run(gi, ws.ptr, ctx->sm_count, s, &why);
         if (e != cudaSuccess) st = set_error(ctx, DI_INTERNAL, "%s: sm_90 W8A8 GEMM failed: %s (%s)", op,
                                              why ? why : "", cudaGetErrorString(e));
+        if (st == DI_OK && bias.base) {
+            k_add_bias<<<grid_for(M * N, 256), 256, 0, s>>>(bias, out, M, N);
+            st = launch_status(ctx, op);
+        }
+    } else if (path == LP_GEMM90_FP8) {
+        float* sa = static_cast<float*>(ws.ptr);
+        const int64_t kb = K / 128;
+        k_scales_mn<<<grid_for(M * kb, 256), 256, 0, s>>>(x.s, M, kb, sa);
+        st = launch_status(ctx, op);
+        if (st == DI_OK) {
+            gf.sa_mn = sa;
+            char* gws = static_cast<char*>(ws.ptr) + align256((uint64_t)M * kb * 4);
+            cudaError_t e = gemm_sm90_fp8_run(gf, gws, ctx->sm_count, s, &why);
+            if (e != cudaSuccess) st = set_error(ctx, DI_INTERNAL, "%s: sm_90 fp8 GEMM failed: %s (%s)", op,
+                                                 why ? why : "", cudaGetErrorString(e));
+        }
         if (st == DI_OK && bias.base) {
             k_add_bias<<<grid_for(M * N, 256), 256, 0, s>>>(bias, out, M, N);
             st = launch_status(ctx, op);

@@ -568,6 +568,8 @@ def gen_linear(p, s):
     yield linear(s(), 4, 100, 9, "int8/token/f32", "int4/g32/sym/f32")
     yield linear(s(), 3, 200, 130, "e4m3/1x128/f32", "e4m3/128x128/f32")
     yield linear(s(), 0, 200, 130, "e4m3/1x128/f32", "e4m3/128x128/f32")
+    for M in (1, 40, 300):  # whole 128 x 128 blocks: the fp8 tensor-core GEMM of a GPU library
+        yield linear(s(), M, 384, 256, "e4m3/1x128/f32", "e4m3/128x128/f32", bias=M == 40)
 
 
 def gen_quantize(p, s):
