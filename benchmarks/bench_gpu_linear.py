@@ -257,6 +257,9 @@ def summary_md(result) -> str:
             if r is None:
                 cells.append("")
                 continue
+            if "error" in r:
+                cells.append("ERROR")
+                continue
             eff = f"{100 * r['of_copy_bw']:.0f}%" if m <= 16 else f"{r['TFLOPs']:.0f} TF"
             x = f" {r['speedup_vs_cublas_bf16']:.2f}x" if "speedup_vs_cublas_bf16" in r else ""
             bad = "" if r["check_ok"] else " CHECK FAILED"
@@ -354,10 +357,17 @@ def main() -> int:
                     x_ref = (xq.float().reshape(M, K // 128, 128) * xs[..., None]).reshape(M, K)
                 else:
                     x_arg, x_ref = x, x.float()
-                call = LinearCall(be, stream, x_arg, descs, out, workspace)
-                out.fill_(float("nan"))
-                call(0)
-                torch.cuda.synchronize()
+                try:
+                    call = LinearCall(be, stream, x_arg, descs, out, workspace)
+                    out.fill_(float("nan"))
+                    call(0)
+                    torch.cuda.synchronize()
+                except RuntimeError as e:  # a failing call is a failed row, not the end of the run
+                    failures += 1
+                    result["rows"].append({"shape": shape, "format": fmt, "M": M, "N": N, "K": K,
+                                           "error": str(e)[:300], "check_ok": False})
+                    print(f"{shape:22s} {fmt:17s} M={M:5d}: ERROR {e}", flush=True)
+                    continue
                 ref = x_ref @ ref_w.T
                 err = out.float() - ref
                 rms = ref.pow(2).mean().sqrt().item()

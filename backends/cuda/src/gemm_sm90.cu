@@ -22,12 +22,13 @@ bool gemm_sm90_fits(const GemmBF16& g) {
 
 bool gemm_sm90_i8_fits(const GemmI8& g) {  // 16-byte rows of int8 A / B, 8-element rows of bf16 D
     return g.M > 0 && g.N > 0 && g.K > 0 && g.K % 16 == 0 && g.lda % 16 == 0 && g.ldb % 16 == 0 && g.N % 8 == 0 &&
-           g.ldd % 8 == 0 && g.lda >= g.K && g.ldb >= g.K && g.ldd >= g.N;
+           g.ldd % 8 == 0 && g.lda >= g.K && g.ldb >= g.K && g.ldd >= g.N && gemm_sm90_i8_supported(g);
 }
 
 bool gemm_sm90_fp8_fits(const GemmFP8& g) {  // whole 128 x 128 weight blocks, 16-byte rows
     return g.M > 0 && g.N > 0 && g.K > 0 && g.K % 128 == 0 && g.N % 128 == 0 && g.lda % 16 == 0 &&
-           g.ldb % 16 == 0 && g.ldd % 8 == 0 && g.lda >= g.K && g.ldb >= g.K && g.ldd >= g.N;
+           g.ldb % 16 == 0 && g.ldd % 8 == 0 && g.lda >= g.K && g.ldb >= g.K && g.ldd >= g.N &&
+           gemm_sm90_fp8_supported(g);
 }
 
 size_t gemm_sm90_workspace(const GemmBF16& g, int sm_count) {

@@ -31,7 +31,8 @@ struct GemmI8 {
     void*        d;  int64_t ldd;  // bf16 output [M, N]
     int          M, N, K;
 };
-bool        gemm_sm90_i8_fits(const GemmI8& g);
+bool        gemm_sm90_i8_fits(const GemmI8& g);         // alignment rules and CUTLASS's can_implement
+bool        gemm_sm90_i8_supported(const GemmI8& g);
 size_t      gemm_sm90_i8_workspace(const GemmI8& g, int sm_count);
 cudaError_t gemm_sm90_i8_run(const GemmI8& g, void* ws, int sm_count, cudaStream_t s, const char** why);
 
@@ -47,7 +48,8 @@ struct GemmFP8 {
     void*        d;  int64_t ldd;  // bf16 output [M, N]
     int          M, N, K;
 };
-bool        gemm_sm90_fp8_fits(const GemmFP8& g);
+bool        gemm_sm90_fp8_fits(const GemmFP8& g);       // alignment rules and CUTLASS's can_implement
+bool        gemm_sm90_fp8_supported(const GemmFP8& g);  // CUTLASS's can_implement alone
 size_t      gemm_sm90_fp8_workspace(const GemmFP8& g, int sm_count);
 cudaError_t gemm_sm90_fp8_run(const GemmFP8& g, void* ws, int sm_count, cudaStream_t s, const char** why);
 

@@ -68,6 +68,11 @@ struct GemmBlockFP8 {
 
 }  // namespace sm90
 
+// CUTLASS's own shape rules (it refuses some that the alignment rules alone admit, e.g. M = 1).
+bool gemm_sm90_fp8_supported(const GemmFP8& g) {
+    return sm90::GemmBlockFP8::Gemm::can_implement(sm90::GemmBlockFP8::args(g, 1)) == cutlass::Status::kSuccess;
+}
+
 size_t gemm_sm90_fp8_workspace(const GemmFP8& g, int sm_count) {
     return sm90::GemmBlockFP8::Gemm::get_workspace_size(sm90::GemmBlockFP8::args(g, sm_count));
 }
@@ -89,6 +94,7 @@ cudaError_t gemm_sm90_fp8_run(const GemmFP8& g, void* ws, int sm_count, cudaStre
 #else
 
 namespace di {
+bool gemm_sm90_fp8_supported(const GemmFP8&) { return false; }
 size_t gemm_sm90_fp8_workspace(const GemmFP8&, int) { return 0; }
 cudaError_t gemm_sm90_fp8_run(const GemmFP8&, void*, int, cudaStream_t, const char** why) {
     if (why) *why = "built without CUTLASS";

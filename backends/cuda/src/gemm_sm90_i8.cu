@@ -70,6 +70,10 @@ struct GemmW8A8 {
 
 }  // namespace sm90
 
+bool gemm_sm90_i8_supported(const GemmI8& g) {
+    return sm90::GemmW8A8::Gemm::can_implement(sm90::GemmW8A8::args(g, 1)) == cutlass::Status::kSuccess;
+}
+
 size_t gemm_sm90_i8_workspace(const GemmI8& g, int sm_count) {
     return sm90::GemmW8A8::Gemm::get_workspace_size(sm90::GemmW8A8::args(g, sm_count));
 }
@@ -91,6 +95,7 @@ cudaError_t gemm_sm90_i8_run(const GemmI8& g, void* ws, int sm_count, cudaStream
 #else
 
 namespace di {
+bool gemm_sm90_i8_supported(const GemmI8&) { return false; }
 size_t gemm_sm90_i8_workspace(const GemmI8&, int) { return 0; }
 cudaError_t gemm_sm90_i8_run(const GemmI8&, void*, int, cudaStream_t, const char** why) {
     if (why) *why = "built without CUTLASS";

@@ -30,14 +30,18 @@ using namespace di;
 
 #include "tile_mm.cuh"
 
+// Split K (blockIdx.z): block z takes columns [z * kper, (z + 1) * kper) and, with part set, writes
+// f32 partials part[z, m, n] that k_gemv_reduce sums in a fixed order. Few output tiles (the MoE
+// router: N = 64) would otherwise leave all but one or two SMs idle.
 __global__ __launch_bounds__(256) void k_gemm_tiled(const __grid_constant__ QTensor x, const __grid_constant__ QTensor w, DTensor bias, DTensor out, int64_t M,
-                                                    int64_t N, int64_t K) {
+                                                    int64_t N, int64_t K, int64_t kper, float* part) {
     __shared__ float As[TK][TB + TPAD], Bs[TK][TB + TPAD];
     const int64_t m0 = (int64_t)blockIdx.y * TB, n0 = (int64_t)blockIdx.x * TB;
+    const int64_t k0 = (int64_t)blockIdx.z * kper, kn = min(kper, K - k0);
     float acc[4][4] = {};
-    auto la = [&](int r, int64_t k) { return m0 + r < M ? qload(x, 0, m0 + r, k) : 0.f; };
-    auto lb = [&](int r, int64_t k) { return n0 + r < N ? qload(w, 0, n0 + r, k) : 0.f; };
-    tile_mm(la, lb, K, acc, As, Bs);
+    auto la = [&](int r, int64_t k) { return m0 + r < M ? qload(x, 0, m0 + r, k0 + k) : 0.f; };
+    auto lb = [&](int r, int64_t k) { return n0 + r < N ? qload(w, 0, n0 + r, k0 + k) : 0.f; };
+    tile_mm(la, lb, kn, acc, As, Bs);
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -48,6 +52,10 @@ __global__ __launch_bounds__(256) void k_gemm_tiled(const __grid_constant__ QTen
             int64_t n = n0 + tx * 4 + j;
             if (n >= N) continue;
             float v = acc[i][j];
+            if (part) {
+                part[((int64_t)blockIdx.z * M + m) * N + n] = v;
+                continue;
+            }
             if (bias.base) v += load_f(bias.dt, bias.base, n);
             store_f(out.dt, out.base, m * out.strides[0] + n, v);
         }
@@ -253,7 +261,7 @@ __global__ void k_add_bias(DTensor bias, DTensor out, int64_t M, int64_t N) {
 
 // Chooses the path, sizes its workspace and (mode->launch) runs it.
 static DI_Status run_linear(DI_Context* ctx, const DI_ArgsHeader& h, OpMode* mode, const QTensor& x, const QTensor& w,
-                            const DTensor& bias, const DTensor& out, int64_t M, int64_t N, int64_t K) {
+                            const DTensor& bias, bool has_bias, const DTensor& out, int64_t M, int64_t N, int64_t K) {
     const char* op = "linear";
     const bool chk = mode->launch;
     int fm = -1;  // streaming tensor-core format
@@ -264,7 +272,10 @@ static DI_Status run_linear(DI_Context* ctx, const DI_ArgsHeader& h, OpMode* mod
     // f32 one, so an f32 output takes the exact paths
     if (fm == MW_U4 && out.dt == DT_F32) fm = -1;
 #endif
-    const bool sm90 = gemm_sm90_available(ctx) && x.mode == 0 && x.q.dt == DT_BF16 && x.q.strides[1] == 1 &&
+    // The GEMMs store D and the bias is added after: with a bf16 output that would round twice, so
+    // a bias with a bf16 output takes the paths that add it in f32 (DeepSeek's linears have none).
+    const bool gemm_epilogue_ok = !(has_bias && out.dt == DT_BF16);
+    const bool sm90 = gemm_epilogue_ok && gemm_sm90_available(ctx) && x.mode == 0 && x.q.dt == DT_BF16 && x.q.strides[1] == 1 &&
                       M <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX;
     const bool w_bf16 = w.mode == 0 && w.q.dt == DT_BF16 && w.q.strides[1] == 1;
     GemmBF16 g = gemm_problem(x, w.q.base, w.q.strides[0], out, M, N, K);
@@ -274,7 +285,7 @@ static DI_Status run_linear(DI_Context* ctx, const DI_ArgsHeader& h, OpMode* mod
     // W8A8: per-token int8 x, per-channel int8 w, contiguous f32 scales, bf16 out
     GemmI8 gi{};
     bool i8_ok = false;
-    if (gemm_sm90_available(ctx) && x.mode == 1 && x.q.dt == DT_I8 && w.mode == 1 && w.q.dt == DT_I8 &&
+    if (gemm_epilogue_ok && gemm_sm90_available(ctx) && x.mode == 1 && x.q.dt == DT_I8 && w.mode == 1 && w.q.dt == DT_I8 &&
         x.br == 1 && x.bc >= K && w.br == 1 && w.bc >= K && x.s.dt == DT_F32 && w.s.dt == DT_F32 &&
         x.s.strides[0] == 1 && w.s.strides[0] == 1 && x.q.strides[1] == 1 && w.q.strides[1] == 1 &&
         out.dt == DT_BF16 && M <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX) {
@@ -288,7 +299,7 @@ static DI_Status run_linear(DI_Context* ctx, const DI_ArgsHeader& h, OpMode* mod
     // fp8 x fp8: (1, 128) activation scales, 128 x 128 weight blocks, f32 scales (the weight's dense)
     GemmFP8 gf{};
     bool fp8_ok = false;
-    if (gemm_sm90_available(ctx) && x.mode == 1 && x.q.dt == DT_E4M3 && w.mode == 1 && w.q.dt == DT_E4M3 &&
+    if (gemm_epilogue_ok && gemm_sm90_available(ctx) && x.mode == 1 && x.q.dt == DT_E4M3 && w.mode == 1 && w.q.dt == DT_E4M3 &&
         x.br == 1 && x.bc == 128 && w.br == 128 && w.bc == 128 && x.s.dt == DT_F32 && w.s.dt == DT_F32 &&
         w.s.strides[1] == 1 && w.s.strides[0] == K / 128 && x.q.strides[1] == 1 && w.q.strides[1] == 1 &&
         out.dt == DT_BF16 && M <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX) {
@@ -338,8 +349,17 @@ static DI_Status run_linear(DI_Context* ctx, const DI_ArgsHeader& h, OpMode* mod
     } else if (path == LP_GEMV) {
         splits = gemv_splits(N, K, ctx->sm_count, &kper);
         if (splits > 1) mode->workspace = align256((uint64_t)splits * M * N * 4);
-    } else if (M > 8 && (w.mode || x.mode)) {
-        mode->support = DI_SUPPORT_SLOW;  // SIMT dequantizing GEMM
+    } else {  // SIMT: split K while the output tiles cannot fill the GPU
+        if (M > 8 && (w.mode || x.mode)) mode->support = DI_SUPPORT_SLOW;  // SIMT dequantizing GEMM
+        const int64_t tiles = ceil_div(N, TB) * ceil_div(M, TB);
+        int64_t sp = (tiles == 0 || tiles >= 2 * ctx->sm_count) ? 1 : ceil_div(2 * ctx->sm_count, tiles);
+        sp = min(sp, max((int64_t)1, K / 256));  // >= 256 columns per split
+        sp = min(sp, (int64_t)64);
+        if (sp > 1) {
+            kper = ceil_div(ceil_div(K, sp), TK) * TK;
+            splits = (int)ceil_div(K, kper);
+        }
+        if (splits > 1) mode->workspace = align256((uint64_t)splits * M * N * 4);
     }
     if (!mode->launch || M == 0 || N == 0) return DI_OK;
 
@@ -423,9 +443,14 @@ static DI_Status run_linear(DI_Context* ctx, const DI_ArgsHeader& h, OpMode* mod
         if (ceil_div(M, TB) > 65535)
             st = set_error(ctx, DI_UNIMPLEMENTED, "%s: M=%lld is too large for one launch", op, (long long)M);
         else {
-            dim3 grid((unsigned)ceil_div(N, TB), (unsigned)ceil_div(M, TB));
-            k_gemm_tiled<<<grid, 256, 0, s>>>(x, w, bias, out, M, N, K);
+            float* part = splits > 1 ? static_cast<float*>(ws.ptr) : nullptr;
+            dim3 grid((unsigned)ceil_div(N, TB), (unsigned)ceil_div(M, TB), (unsigned)splits);
+            k_gemm_tiled<<<grid, 256, 0, s>>>(x, w, bias, out, M, N, K, kper, part);
             st = launch_status(ctx, op);
+            if (st == DI_OK && splits > 1) {
+                k_gemv_reduce<<<grid_for(M * N, 256), 256, 0, s>>>(part, splits, M, N, bias, out);
+                st = launch_status(ctx, op);
+            }
         }
     }
     ws.release();
@@ -469,5 +494,5 @@ DI_Status op_linear(DI_Context* ctx, const DI_LinearArgs* a, OpMode* mode) {
         DI_NEED_DT(ctx, op, "bias", bias.q.dt, DT_F32, DT_BF16);
         DI_TRY(need_shape(ctx, op, "bias", bias.q, 0, N, "w.shape[0]"));
     }
-    return run_linear(ctx, a->header, mode, x, w, bias.q, out.q, M, N, K);
+    return run_linear(ctx, a->header, mode, x, w, bias.q, bias.q.base || a->bias.ndim == 1, out.q, M, N, K);
 }

@@ -560,6 +560,7 @@ def gen_linear(p, s):
     yield linear(s(), 260, 384, 144, "bf16", "int4/g128/sym/f16", bias=True)
     yield linear(s(), 64, 200, 264, "bf16", "bf16", bias=True, out_dtype="f32")
     yield linear(s(), 300, 136, 40, "bf16", "bf16")
+    yield linear(s(), 128, 2048, 64, "f32", "f32", bias=True)  # the MoE router's shape: few tiles, long K
     # activation-quantized paths (integer GEMM, fp8 GEMM)
     yield linear(s(), 4, 100, 9, "int8/token/f32", "int8/channel/f32")
     yield linear(s(), 40, 256, 48, "int8/token/f32", "int8/channel/f32", bias=True)  # integer tensor cores
