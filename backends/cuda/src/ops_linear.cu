@@ -7,7 +7,7 @@
 //    weights are read once per 8 / 16 tokens and decoded in registers; split-K across blocks
 //    when the rows alone cannot fill the GPU.
 //  * sm_90a GEMM (wgmma + TMA, CUTLASS; gemm_sm90.cuh) for M > 16 and bf16 activations: bf16
-//    weights directly; quantized weights for M >= DQ_MIN_M after dequantizing a chunk of rows to
+//    weights directly; quantized weights for M >= DQ_MIN_M (256) after dequantizing a chunk of rows to
 //    bf16 in the workspace (the dequantization then costs a few percent of the GEMM).
 //  * sm_90a W8A8 GEMM (int8 tensor cores, CUTLASS) for M > 8 with per-token int8 activations, per-
 //    channel int8 weights and f32 scales, bf16 out: the scales are applied in the epilogue.
@@ -150,9 +150,11 @@ static int forced_path() {
     return f;
 }
 
-// Quantized weights: dequantize + GEMM from here on. Below, the weight-streaming batch kernel (it
-// reads the weights once per 32 / 64 tokens but has no shared-memory reuse of the activations).
-constexpr int64_t DQ_MIN_M = 64;
+// Quantized weights: dequantize + GEMM from here on. Below, the weight-streaming batch kernel: on
+// the H200 it was 1.5-2x faster than dequantize + GEMM at M = 64 and 2-3x slower at M = 512
+// (benchmarks/results/gpu_linear_20261203*.md), the dequantization of the whole weight costing
+// about a cuBLAS bf16 GEMM of M = 64 on the same shape.
+constexpr int64_t DQ_MIN_M = 256;
 constexpr uint64_t DQ_CHUNK_BYTES = 64u << 20;  // bf16 rows dequantized per GEMM
 
 static bool aligned16p(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
