@@ -24,6 +24,18 @@ namespace sm90 {
 
 using namespace cute;
 
+// One CUTLASS launch: its shape rules, workspace set-up and the kernel; the reason if it refuses.
+template <class Gemm>
+cudaError_t run_gemm(const typename Gemm::Arguments& a, void* ws, cudaStream_t s, const char** why) {
+    Gemm gemm;
+    cutlass::Status st = gemm.can_implement(a);
+    if (st == cutlass::Status::kSuccess) st = gemm.initialize(a, ws, s);
+    if (st == cutlass::Status::kSuccess) st = gemm.run(s);
+    if (st == cutlass::Status::kSuccess) return cudaGetLastError();
+    if (why) *why = cutlassGetStatusString(st);
+    return cudaErrorInvalidValue;
+}
+
 template <class ElementD, class Tile, class Cluster, class Scheduler>
 struct GemmConfig {
     using ElementA = cutlass::bfloat16_t;
@@ -67,14 +79,7 @@ struct GemmConfig {
     }
     static size_t workspace(const GemmBF16& g, int sm_count) { return Gemm::get_workspace_size(args(g, sm_count)); }
     static cudaError_t run(const GemmBF16& g, void* ws, int sm_count, cudaStream_t s, const char** why) {
-        Gemm gemm;
-        auto a = args(g, sm_count);
-        cutlass::Status st = gemm.can_implement(a);
-        if (st == cutlass::Status::kSuccess) st = gemm.initialize(a, ws, s);
-        if (st == cutlass::Status::kSuccess) st = gemm.run(s);
-        if (st == cutlass::Status::kSuccess) return cudaGetLastError();
-        if (why) *why = cutlassGetStatusString(st);
-        return cudaErrorInvalidValue;
+        return run_gemm<Gemm>(args(g, sm_count), ws, s, why);
     }
 };
 

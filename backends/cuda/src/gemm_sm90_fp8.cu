@@ -2,7 +2,7 @@
 // the (1 x 128) activation and (128 x 128) weight scales applied per 128-column block in f32
 // (CUTLASS's blockwise-scaled cooperative kernel, DeepGEMM's promotion), bf16 out. 128 x 128 x 128
 // tiles, clusters of 2 along N, persistent scheduler.
-#include "gemm_sm90_api.cuh"
+#include "gemm_sm90.cuh"  // run_gemm, the CUTLASS includes
 
 #if DI_HAVE_CUTLASS && !defined(__HIP__)
 #include "cute/tensor.hpp"
@@ -78,15 +78,7 @@ size_t gemm_sm90_fp8_workspace(const GemmFP8& g, int sm_count) {
 }
 
 cudaError_t gemm_sm90_fp8_run(const GemmFP8& g, void* ws, int sm_count, cudaStream_t s, const char** why) {
-    using G = sm90::GemmBlockFP8;
-    G::Gemm gemm;
-    auto a = G::args(g, sm_count);
-    cutlass::Status st = gemm.can_implement(a);
-    if (st == cutlass::Status::kSuccess) st = gemm.initialize(a, ws, s);
-    if (st == cutlass::Status::kSuccess) st = gemm.run(s);
-    if (st == cutlass::Status::kSuccess) return cudaGetLastError();
-    if (why) *why = cutlassGetStatusString(st);
-    return cudaErrorInvalidValue;
+    return sm90::run_gemm<sm90::GemmBlockFP8::Gemm>(sm90::GemmBlockFP8::args(g, sm_count), ws, s, why);
 }
 
 }  // namespace di

@@ -2,7 +2,7 @@
 // int32 accumulation: exact), the per-token and per-channel scales applied in the epilogue through
 // an epilogue visitor tree, bf16 out. Cooperative 128 x 128 x 128 tiles (128 bytes of K per stage
 // row, the TMA swizzle width), persistent scheduler; one configuration for every M > 16.
-#include "gemm_sm90_api.cuh"
+#include "gemm_sm90.cuh"  // run_gemm, the CUTLASS includes
 
 #if DI_HAVE_CUTLASS && !defined(__HIP__)
 #include "cute/tensor.hpp"
@@ -79,15 +79,7 @@ size_t gemm_sm90_i8_workspace(const GemmI8& g, int sm_count) {
 }
 
 cudaError_t gemm_sm90_i8_run(const GemmI8& g, void* ws, int sm_count, cudaStream_t s, const char** why) {
-    using G = sm90::GemmW8A8;
-    G::Gemm gemm;
-    auto a = G::args(g, sm_count);
-    cutlass::Status st = gemm.can_implement(a);
-    if (st == cutlass::Status::kSuccess) st = gemm.initialize(a, ws, s);
-    if (st == cutlass::Status::kSuccess) st = gemm.run(s);
-    if (st == cutlass::Status::kSuccess) return cudaGetLastError();
-    if (why) *why = cutlassGetStatusString(st);
-    return cudaErrorInvalidValue;
+    return sm90::run_gemm<sm90::GemmW8A8::Gemm>(sm90::GemmW8A8::args(g, sm_count), ws, s, why);
 }
 
 }  // namespace di

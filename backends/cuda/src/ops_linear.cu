@@ -385,18 +385,10 @@ static DI_Status run_linear(DI_Context* ctx, const DI_ArgsHeader& h, OpMode* mod
         cudaError_t e = gemm_sm90_run(g, ws.ptr, mode->workspace, ctx->sm_count, s, &why);
         if (e != cudaSuccess) st = set_error(ctx, DI_INTERNAL, "%s: sm_90 GEMM failed: %s (%s)", op, why ? why : "",
                                              cudaGetErrorString(e));
-        if (st == DI_OK && bias.base) {
-            k_add_bias<<<grid_for(M * N, 256), 256, 0, s>>>(bias, out, M, N);
-            st = launch_status(ctx, op);
-        }
     } else if (path == LP_GEMM90_I8) {
         cudaError_t e = gemm_sm90_i8_run(gi, ws.ptr, ctx->sm_count, s, &why);
         if (e != cudaSuccess) st = set_error(ctx, DI_INTERNAL, "%s: sm_90 W8A8 GEMM failed: %s (%s)", op,
                                              why ? why : "", cudaGetErrorString(e));
-        if (st == DI_OK && bias.base) {
-            k_add_bias<<<grid_for(M * N, 256), 256, 0, s>>>(bias, out, M, N);
-            st = launch_status(ctx, op);
-        }
     } else if (path == LP_GEMM90_FP8) {
         float* sa = static_cast<float*>(ws.ptr);
         const int64_t kb = K / 128;
@@ -408,10 +400,6 @@ static DI_Status run_linear(DI_Context* ctx, const DI_ArgsHeader& h, OpMode* mod
             cudaError_t e = gemm_sm90_fp8_run(gf, gws, ctx->sm_count, s, &why);
             if (e != cudaSuccess) st = set_error(ctx, DI_INTERNAL, "%s: sm_90 fp8 GEMM failed: %s (%s)", op,
                                                  why ? why : "", cudaGetErrorString(e));
-        }
-        if (st == DI_OK && bias.base) {
-            k_add_bias<<<grid_for(M * N, 256), 256, 0, s>>>(bias, out, M, N);
-            st = launch_status(ctx, op);
         }
     } else if (path == LP_GEMM90_DQ) {
         uint16_t* wb = static_cast<uint16_t*>(ws.ptr);
@@ -428,10 +416,6 @@ static DI_Status run_linear(DI_Context* ctx, const DI_ArgsHeader& h, OpMode* mod
             if (e != cudaSuccess)
                 st = set_error(ctx, DI_INTERNAL, "%s: sm_90 GEMM failed: %s (%s)", op, why ? why : "",
                                cudaGetErrorString(e));
-        }
-        if (st == DI_OK && bias.base) {
-            k_add_bias<<<grid_for(M * N, 256), 256, 0, s>>>(bias, out, M, N);
-            st = launch_status(ctx, op);
         }
     } else if (path == LP_GEMV) {
         float* part = splits > 1 ? static_cast<float*>(ws.ptr) : nullptr;
@@ -454,6 +438,12 @@ static DI_Status run_linear(DI_Context* ctx, const DI_ArgsHeader& h, OpMode* mod
                 st = launch_status(ctx, op);
             }
         }
+    }
+    // the GEMMs store D without the bias (DeepSeek's linears have none): it is added after
+    const bool gemm_path = path == LP_GEMM90 || path == LP_GEMM90_DQ || path == LP_GEMM90_I8 || path == LP_GEMM90_FP8;
+    if (gemm_path && st == DI_OK && bias.base) {
+        k_add_bias<<<grid_for(M * N, 256), 256, 0, s>>>(bias, out, M, N);
+        st = launch_status(ctx, op);
     }
     ws.release();
     return st;
