@@ -42,11 +42,11 @@ def bench_ours(model_dir, lib, batch, prompt_len, steps, threads, precision=None
     import numpy as np
 
     import deepinfer
-    from deepinfer.model import DeepseekModel
+    from deepinfer.engine import ModelRunner
 
     be = deepinfer.loader.load_library(lib, num_threads=threads) if lib else deepinfer.get_backend("cpu",
                                                                                                   num_threads=threads)
-    m = DeepseekModel(model_dir, be, max_batch=batch, max_seq_len=prompt_len + steps + 8, dtype="f32",
+    m = ModelRunner(model_dir, be, max_batch=batch, max_seq_len=prompt_len + steps + 8, dtype="f32",
                       precision=precision)
     V = m.cfg.vocab_size
     prompts = [[(7 * r + 13 * i) % V for i in range(prompt_len)] for r in range(batch)]

@@ -15,7 +15,7 @@ experts top-6 + 2 shared, moe_intermediate 1408, a dense first layer of intermed
 102400, yarn rope) truncated to --layers layers. transformers builds it (bf16 on cuda when torch sees
 a GPU, else f32 on the CPU), the weights are re-drawn at unit scale by tests/tiny_checkpoints._redraw,
 and save_pretrained writes it as safetensors to a temporary directory, which deepinfer loads on LIB
-(DeepseekModel, activations --dtype, weights as stored).
+(ModelRunner, activations --dtype, weights as stored).
 
 Per batch size B, after one warm-up prefill (it traces and binds the plan):
   - wall_ms: the median over --repeats prefills of model.forward (B sequences of T tokens from
@@ -46,7 +46,6 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -56,7 +55,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import tiny_checkpoints  # noqa: E402  (the published configs and the weight re-draw of the tests)
 
 from deepinfer.loader import load_library  # noqa: E402
-from deepinfer.model import Checkpoint, DeepseekModel  # noqa: E402
+from deepinfer.model import Checkpoint, ModelRunner  # noqa: E402
 from deepinfer.tensor import Tensor  # noqa: E402
 
 HUB_CONFIG = "deepseek-v2-lite"
@@ -102,17 +101,24 @@ def make_checkpoint(out: Path, layers: int, device: str, dtype: torch.dtype, see
 # ---------------------------------------------------------------------------- per-op profiling
 
 
-def weight_roles(model: DeepseekModel) -> dict:
+def weight_roles(model: ModelRunner) -> dict:
     """id(weight tensor) -> its role in a layer (q, kv_b, mlp.up, shared.down, router, lm_head...)."""
-    roles = {id(model.lm_head): "lm_head"}
-    for w in model.layers:
-        for k, v in vars(w).items():
+    import dataclasses
+
+    roles = {id(model.weights.lm_head): "lm_head"}
+
+    def walk(obj, prefix):
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
             if isinstance(v, Tensor):
-                roles.setdefault(id(v), "router" if k == "gate" else k)
-            elif isinstance(v, SimpleNamespace):
-                for k2, v2 in vars(v).items():
-                    if isinstance(v2, Tensor):
-                        roles.setdefault(id(v2), f"{k}.{k2}")
+                name = "router" if (prefix, f.name) == ("moe", "gate") else (f"{prefix}.{f.name}" if prefix not in
+                                                                            ("", "attn", "moe") else f.name)
+                roles.setdefault(id(v), name)
+            elif dataclasses.is_dataclass(v):
+                walk(v, f.name if prefix in ("", "moe") else f"{prefix}.{f.name}")
+
+    for w in model.weights.layers:
+        walk(w, "")
     return roles
 
 
@@ -123,7 +129,7 @@ class OpProfiler:
     this wraps prepare on the backend object and drops the plans' bound calls on entry and on exit,
     so they are bound again through the wrapper (and, after exit, without it)."""
 
-    def __init__(self, model: DeepseekModel):
+    def __init__(self, model: ModelRunner):
         self.model, self.be = model, model.backend
         self.roles = weight_roles(model)
         self.ops = defaultdict(lambda: [0.0, 0])        # op -> [seconds, calls]
@@ -171,7 +177,7 @@ class OpProfiler:
 # ---------------------------------------------------------------------------- runs
 
 
-def prefill(model: DeepseekModel, prompts: list) -> float:
+def prefill(model: ModelRunner, prompts: list) -> float:
     """Seconds of one synchronized prefill of `prompts` (fresh sequences, freed afterwards)."""
     be = model.backend
     sids = [model.new_sequence() for _ in prompts]
@@ -185,7 +191,7 @@ def prefill(model: DeepseekModel, prompts: list) -> float:
     return dt
 
 
-def bench_batch(model: DeepseekModel, prompts: list, repeats: int) -> dict:
+def bench_batch(model: ModelRunner, prompts: list, repeats: int) -> dict:
     prefill(model, prompts)   # traces, places and binds the plan
     wall = float(np.median([prefill(model, prompts) for _ in range(repeats)]))
     with OpProfiler(model) as prof:
@@ -278,7 +284,7 @@ def main() -> int:
         t_make = time.perf_counter() - t0
         be = load_library(a.lib)
         t0 = time.perf_counter()
-        model = DeepseekModel(Checkpoint(work / "model"), be, max_batch=max(batches), max_seq_len=T, dtype=a.dtype)
+        model = ModelRunner(Checkpoint(work / "model"), be, max_batch=max(batches), max_seq_len=T, dtype=a.dtype)
         be.synchronize()
         t_load = time.perf_counter() - t0
         c = model.cfg

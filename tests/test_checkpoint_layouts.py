@@ -19,7 +19,8 @@ import torch
 
 import tiny_checkpoints
 from deepinfer.errors import CheckpointError
-from deepinfer.model import Checkpoint, DeepseekModel, TensorStore
+from deepinfer.model import Checkpoint, TensorStore
+from deepinfer.engine import ModelRunner
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -42,7 +43,7 @@ def layouts(tmp_path_factory):
 
 
 def _logits(path, be, mtp=False):
-    model = DeepseekModel(path, be, max_batch=2, max_seq_len=32, block_size=4)
+    model = ModelRunner(path, be, max_batch=2, max_seq_len=32, block_size=4)
     out = be.to_numpy(model.forward([(0, PROMPT, 0)], all_logits=True, keep_hidden=mtp)).copy()
     if not mtp:
         return out, None
@@ -172,7 +173,7 @@ def test_malformed_fused_checkpoints_are_clear_errors(layouts, tmp_path):
         return t
 
     with pytest.raises(CheckpointError, match=r"\[32, 64\], expected \[64, 32\] \(expert 0 of the fused .*down_proj"):
-        DeepseekModel(_rewrite(fused, tmp_path / "transposed", transposed), _reference())
+        ModelRunner(_rewrite(fused, tmp_path / "transposed", transposed), _reference())
 
 
 def _reference():
@@ -309,4 +310,4 @@ def test_transformers_default_fp8_save_squeezes_expert_scales(tmp_path, model_ba
     t["model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv"] = torch.ones(3)
     save_file(t, str(sq / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"has shape \[3\], expected \[1, 2\]"):
-        DeepseekModel(sq, model_backend)
+        ModelRunner(sq, model_backend)

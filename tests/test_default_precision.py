@@ -38,9 +38,9 @@ def test_default_run_gives_transformers_greedy_text(bf16_dir):
     d, hf = bf16_dir
     eng = deepinfer.load(str(d))
     assert eng.config.precision == "auto"
-    assert eng.model.precision == "bf16", eng.model.precision_reason
-    assert "the checkpoint's own precision (bf16)" in eng.model.precision_reason
-    assert "lossy" not in eng.model.precision_reason
+    assert eng.runner.precision == "bf16", eng.runner.precision_reason
+    assert "the checkpoint's own precision (bf16)" in eng.runner.precision_reason
+    assert "lossy" not in eng.runner.precision_reason
     for prompt in PROMPTS:
         ids = eng.tokenizer.encode(prompt)
         want = eng.tokenizer.decode(tiny_checkpoints.transformers_greedy(hf, ids, NEW, hf.config.eos_token_id))
@@ -70,10 +70,10 @@ def test_a_lossy_default_is_never_silent(bf16_dir, caplog):
     d, _ = bf16_dir
     with caplog.at_level(logging.WARNING, logger="deepinfer"):
         eng = deepinfer.load(str(d), config={"memory_budget_bytes": 600_000, "backend": "cpu"})
-    assert eng.model.precision not in ("bf16", "f32") and eng.model.precision_lossy
+    assert eng.runner.precision not in ("bf16", "f32") and eng.runner.precision_lossy
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("does not fit" in w and "lossy (measured cost" in w for w in warned), warned
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="deepinfer"):
         eng = deepinfer.load(str(d), config={"backend": "cpu"})
-    assert not eng.model.precision_lossy and not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not eng.runner.precision_lossy and not [r for r in caplog.records if r.levelno >= logging.WARNING]

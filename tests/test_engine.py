@@ -81,9 +81,14 @@ def test_chat_template(engine):
     assert isinstance(engine.chat([{"role": "user", "content": "hi"}], max_new_tokens=4), str)
 
 
+def test_more_prompts_than_max_batch_queue_and_complete(engine):
+    prompts = [p + " " * i for i, p in enumerate(PROMPTS * 2)]        # 6 prompts, max_batch 4
+    together = engine.generate_batch(prompts, max_new_tokens=6)
+    assert together == [engine.generate(p, max_new_tokens=6) for p in prompts]
+    assert engine.block_manager.num_used_blocks == 0
+
+
 def test_limits_are_clear_errors(engine):
-    with pytest.raises(ConfigError, match="max_batch"):
-        engine.generate_batch(["a"] * 5, max_new_tokens=1)
     with pytest.raises(ConfigError, match="max_seq_len"):
         engine.generate("x", max_new_tokens=1000)
     with pytest.raises(ConfigError, match="unknown sampling option"):
@@ -128,7 +133,7 @@ def test_embedded_model_logits_match_transformers(engine, hf_model):
     import torch
 
     ids = engine.tokenizer.encode(heldout_text(MODEL)[:600])[:96]
-    ours = engine.model.score(ids)
+    ours = engine.runner.score(ids)
     with torch.no_grad():
         theirs = hf_model(torch.tensor([ids])).logits[0].numpy()
     assert np.isfinite(ours).all()

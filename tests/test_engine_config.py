@@ -4,7 +4,7 @@ import json
 import pytest
 
 from deepinfer.config import EngineConfig
-from deepinfer.engine import SamplingParams, Tokenizer, _Detokenizer, step_seed
+from deepinfer.engine import SamplingParams, Tokenizer, Detokenizer, step_seed
 from deepinfer.errors import ConfigError
 
 
@@ -69,7 +69,7 @@ def char_tokenizer(tmp_path_factory):
 
 def test_detokenizer_stops_and_holds_back(char_tokenizer):
     ids = char_tokenizer.encode("hello world END of text")
-    d = _Detokenizer(char_tokenizer, ["END"])
+    d = Detokenizer(char_tokenizer, ["END"])
     out = ""
     for t in ids:
         out += d.push(t)
@@ -82,7 +82,7 @@ def test_detokenizer_stops_and_holds_back(char_tokenizer):
 
 def test_detokenizer_multibyte(char_tokenizer):
     ids = char_tokenizer.encode("é ü")
-    d = _Detokenizer(char_tokenizer, [])
+    d = Detokenizer(char_tokenizer, [])
     pieces = [d.push(t) for t in ids] + [d.flush()]
     assert "".join(pieces) == "é ü"
     assert all("\ufffd" not in p for p in pieces)

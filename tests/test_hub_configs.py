@@ -11,7 +11,8 @@ import torch
 
 import tiny_checkpoints
 from deepinfer.errors import CheckpointError
-from deepinfer.model import DeepseekModel, ModelConfig
+from deepinfer.model import ModelConfig
+from deepinfer.engine import ModelRunner
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -83,7 +84,7 @@ def test_release_structure_matches_transformers(name, layout, model_backend, tmp
     for key in ("model_type", "topk_method", "scoring_func", "n_group", "topk_group", "num_experts_per_tok",
                 "norm_topk_prob", "routed_scaling_factor", "rope"):
         assert getattr(ours, key) == getattr(pub, key), key   # the tiny model keeps the release's structure
-    model = DeepseekModel(path, model_backend, max_batch=1, max_seq_len=16, block_size=4)
+    model = ModelRunner(path, model_backend, max_batch=1, max_seq_len=16, block_size=4)
     got = model_backend.to_numpy(model.forward([(0, PROMPT, 0)], all_logits=True))
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPT])).logits[0].float().numpy()

@@ -56,7 +56,7 @@ LOAD = """
 import deepinfer, sys
 eng = deepinfer.load("tiny/deepseek-v3", config={{"backend": "reference", "max_batch": 1, "max_seq_len": 32{extra}}})
 print(eng.model_dir)
-print(eng.model.cfg.num_hidden_layers, eng.model.precision)
+print(eng.runner.cfg.num_hidden_layers, eng.runner.precision)
 print(eng.generate("t5 t17 t200", max_new_tokens=4))
 """
 

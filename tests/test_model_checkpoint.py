@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from deepinfer.errors import CheckpointError
-from deepinfer.model import Checkpoint, DeepseekModel, ModelConfig
+from deepinfer.model import Checkpoint, ModelConfig
+from deepinfer.engine import ModelRunner
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -108,7 +109,7 @@ def test_loading_never_writes(v2lite_copy):
     import deepinfer
 
     before = _hashes(v2lite_copy)
-    m = DeepseekModel(v2lite_copy, deepinfer.get_backend("reference"), max_batch=1, max_seq_len=16)
+    m = ModelRunner(v2lite_copy, deepinfer.get_backend("reference"), max_batch=1, max_seq_len=16)
     m.forward([(0, [1, 2, 3], 0)])
     assert _hashes(v2lite_copy) == before
 
@@ -135,7 +136,7 @@ def test_missing_tensor(v2lite_copy):
     name = "model.layers.1.mlp.experts.3.up_proj.weight"
     _rewrite_header(v2lite_copy / "model.safetensors", lambda h: h.pop(name))
     with pytest.raises(CheckpointError) as e:
-        DeepseekModel(v2lite_copy, deepinfer.get_backend("reference"), max_batch=1, max_seq_len=16)
+        ModelRunner(v2lite_copy, deepinfer.get_backend("reference"), max_batch=1, max_seq_len=16)
     assert name in str(e.value) and "missing" in str(e.value)
 
 
@@ -148,7 +149,7 @@ def test_shape_mismatch(v2lite_copy):
         h[name]["shape"] = list(reversed(h[name]["shape"]))
     _rewrite_header(v2lite_copy / "model.safetensors", swap)
     with pytest.raises(CheckpointError) as e:
-        DeepseekModel(v2lite_copy, deepinfer.get_backend("reference"), max_batch=1, max_seq_len=16)
+        ModelRunner(v2lite_copy, deepinfer.get_backend("reference"), max_batch=1, max_seq_len=16)
     msg = str(e.value)
     assert name in msg and "model.safetensors" in msg and "shape" in msg
 

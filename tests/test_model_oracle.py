@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from deepinfer.model import DeepseekModel
+from deepinfer.engine import ModelRunner
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -32,7 +32,7 @@ def make_model(path, be, **kw):
     kw.setdefault("max_batch", 4)
     kw.setdefault("max_seq_len", 64)
     kw.setdefault("block_size", 4)   # small blocks: every sequence spans several, out of order
-    return DeepseekModel(path, be, **kw)
+    return ModelRunner(path, be, **kw)
 
 
 @pytest.mark.parametrize("family", F32_FAMILIES)
@@ -100,7 +100,7 @@ def test_greedy_continuation_matches_transformers(family, model_backend, tiny_ch
     for s in sids:
         model.free(s)
     assert out == want
-    assert model.kv.num_free_blocks == model.kv.num_blocks
+    assert model.block_manager.num_free_blocks == model.block_manager.num_blocks
 
 
 def test_bf16_checkpoint(model_backend, tiny_checkpoint):
@@ -127,11 +127,11 @@ def test_fp8_weights_stay_quantized(tiny_checkpoint):
 
     path, _, _ = tiny_checkpoint("v3fp8")
     model = make_model(path, deepinfer.get_backend("reference"))
-    w = model.layers[1].experts_gate[0]
+    w = model.weights.layers[1].moe.experts_gate[0]
     assert w.dtype.name == "e4m3" and w.quant is not None and w.quant.block == (128, 128)
     assert w.quant.scales.shape == (1, 2)   # [96, 256]: one partial row block, two column blocks
-    assert model.layers[0].q_b.quant.scales.shape == (2, 2)  # [192, 192]: partial edge blocks
-    assert model.layers[0].kv_b_dense.quant is None and model.layers[0].kv_b_dense.dtype.name == "f32"
+    assert model.weights.layers[0].attn.q_b.quant.scales.shape == (2, 2)  # [192, 192]: partial edge blocks
+    assert model.weights.layers[0].attn.kv_b_dense.quant is None and model.weights.layers[0].attn.kv_b_dense.dtype.name == "f32"
 
 
 def test_mtp_head_matches_torch_oracle(model_backend, tiny_checkpoint):

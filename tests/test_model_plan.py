@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import deepinfer
-from deepinfer.model import CacheFullError, DeepseekModel
+from deepinfer.engine import ModelRunner
+from deepinfer.errors import CacheFullError
 from deepinfer.model.plan import SymBuf, Tracer, place
 from deepinfer.tensor import Tensor
 
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("torch_one_thread")
 @pytest.fixture
 def v3_model(tiny_checkpoint):
     path, _, _ = tiny_checkpoint("v3")
-    return DeepseekModel(path, deepinfer.get_backend("reference"), max_batch=4, max_seq_len=64, block_size=4)
+    return ModelRunner(path, deepinfer.get_backend("reference"), max_batch=4, max_seq_len=64, block_size=4)
 
 
 def test_decode_step_allocates_nothing(v3_model, monkeypatch):
@@ -63,15 +64,15 @@ def test_plans_cached_by_batch_shape(v3_model):
 
 def test_kv_blocks_are_recycled_and_bounded(tiny_checkpoint):
     path, _, _ = tiny_checkpoint("v2lite")
-    m = DeepseekModel(path, deepinfer.get_backend("reference"), max_batch=2, max_seq_len=16, block_size=4,
+    m = ModelRunner(path, deepinfer.get_backend("reference"), max_batch=2, max_seq_len=16, block_size=4,
                       num_cache_blocks=5)
     m.forward([(0, list(range(1, 13)), 0)])        # 3 blocks
-    assert m.kv.num_free_blocks == 2
+    assert m.block_manager.num_free_blocks == 2
     with pytest.raises(CacheFullError, match="KV cache full"):
         m.forward([(1, list(range(1, 13)), 0)])
     m.free(0)
     m.free(0)                                       # freeing twice is harmless
-    assert m.kv.num_free_blocks == 5
+    assert m.block_manager.num_free_blocks == 5
     m.forward([(1, list(range(1, 13)), 0)])
     with pytest.raises(CacheFullError, match="max_seq_len"):
         m.forward([(1, list(range(5)), 12)])
@@ -127,7 +128,7 @@ def test_score_chunks_match_one_pass(v3_model):
     chunked = v3_model.score(ids, chunk=6)          # prefill 6, then chunks of 6 through the cache
     assert one.shape == (20, 256)
     assert np.abs(one - chunked).max() < 1e-4 * max(1, np.abs(one).max())
-    assert v3_model.kv.num_free_blocks == v3_model.kv.num_blocks
+    assert v3_model.block_manager.num_free_blocks == v3_model.block_manager.num_blocks
 
 
 def test_a_new_batch_shape_marshals_no_weight_descriptor_again(tiny_checkpoint, cpu_backend):
@@ -135,7 +136,7 @@ def test_a_new_batch_shape_marshals_no_weight_descriptor_again(tiny_checkpoint, 
     shape fills only its own activation and input views, never a weight or an expert array again."""
     path, _, _ = tiny_checkpoint("v3")
     be = cpu_backend
-    m = DeepseekModel(path, be, max_batch=4, max_seq_len=64, block_size=4)
+    m = ModelRunner(path, be, max_batch=4, max_seq_len=64, block_size=4)
     filled: list = []
     real = be._fill_new
     be._fill_new = lambda c, t, keep, what: filled.append(t) or real(c, t, keep, what)

@@ -3,12 +3,12 @@ quantize op give the same logits as an f32 model holding their dequantized value
 activations (w8a8 / w4a8) stay close to the weight-only result; load_model picks a precision."""
 from __future__ import annotations
 
-from types import SimpleNamespace
+import dataclasses
 
 import numpy as np
 import pytest
 
-from deepinfer.model import DeepseekModel, load_model
+from deepinfer.engine import ModelRunner, load_runner
 from deepinfer.tensor import Tensor
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -28,16 +28,16 @@ def _dequantize_all(model, be):
     def deq(t):
         if isinstance(t, list):
             return [deq(x) for x in t]
-        if isinstance(t, SimpleNamespace):
-            for k, v in vars(t).items():
-                setattr(t, k, deq(v))
+        if dataclasses.is_dataclass(t):
+            for f in dataclasses.fields(t):
+                setattr(t, f.name, deq(getattr(t, f.name)))
             return t
         if isinstance(t, Tensor) and t.quant is not None:
             out = be.empty(t.shape, "f32")
             be.dequantize(x=t, out=out)
             return out
         return t
-    for layer in model.layers:
+    for layer in model.weights.layers:
         deq(layer)
 
 
@@ -45,12 +45,12 @@ def _dequantize_all(model, be):
 def test_quantized_at_load_equals_its_dequantized_weights(precision, model_backend, tiny_checkpoint):
     path, _, _ = tiny_checkpoint("v3")
     be = model_backend
-    q = DeepseekModel(path, be, max_batch=1, max_seq_len=16, precision=precision)
-    w = q.layers[1].experts_up[3]
+    q = ModelRunner(path, be, max_batch=1, max_seq_len=16, precision=precision)
+    w = q.weights.layers[1].moe.experts_up[3]
     assert w.quant is not None and w.dtype.name == {"int8": "int8", "int4": "int4", "fp8": "e4m3"}[precision]
-    assert q.lm_head.quant is None and q.layers[1].gate.quant is None    # head and router stay float
-    ref = DeepseekModel(path, be, max_batch=1, max_seq_len=16)
-    ref.layers = q.layers                       # share the quantized weights, then dequantize them
+    assert q.weights.lm_head.quant is None and q.weights.layers[1].moe.gate.quant is None    # head and router stay float
+    ref = ModelRunner(path, be, max_batch=1, max_seq_len=16)
+    ref.weights.layers = q.weights.layers                       # share the quantized weights, then dequantize them
     got = _logits(q)
     _dequantize_all(ref, be)
     want = _logits(ref)
@@ -61,8 +61,8 @@ def test_quantized_at_load_equals_its_dequantized_weights(precision, model_backe
 def test_int8_activations_stay_close(precision, weights, model_backend, tiny_checkpoint):
     path, _, _ = tiny_checkpoint("v2lite")
     be = model_backend
-    a8 = _logits(DeepseekModel(path, be, max_batch=1, max_seq_len=16, precision=precision))
-    w_only = _logits(DeepseekModel(path, be, max_batch=1, max_seq_len=16, precision=weights))
+    a8 = _logits(ModelRunner(path, be, max_batch=1, max_seq_len=16, precision=precision))
+    w_only = _logits(ModelRunner(path, be, max_batch=1, max_seq_len=16, precision=weights))
     scale = np.abs(w_only).max()
     assert 0 < np.abs(a8 - w_only).max() < 0.1 * scale      # activation rounding shows, but only a little
 
@@ -70,9 +70,9 @@ def test_int8_activations_stay_close(precision, weights, model_backend, tiny_che
 def test_bf16_weights_f32_activations(model_backend, tiny_checkpoint):
     path, _, _ = tiny_checkpoint("v2")
     be = model_backend
-    m = DeepseekModel(path, be, max_batch=1, max_seq_len=16, precision="bf16")
-    assert m.layers[0].o.dtype.name == "bf16" and m.norm.dtype.name == "f32"
-    f = _logits(DeepseekModel(path, be, max_batch=1, max_seq_len=16))
+    m = ModelRunner(path, be, max_batch=1, max_seq_len=16, precision="bf16")
+    assert m.weights.layers[0].attn.o.dtype.name == "bf16" and m.weights.norm.dtype.name == "f32"
+    f = _logits(ModelRunner(path, be, max_batch=1, max_seq_len=16))
     assert np.abs(_logits(m) - f).max() < 3e-2 * np.abs(f).max()
 
 
@@ -82,10 +82,10 @@ def test_load_model_from_engine_config(tiny_checkpoint):
 
     path, _, _ = tiny_checkpoint("v3fp8")
     be = deepinfer.get_backend("reference")
-    m = load_model(path, be, EngineConfig(max_batch=2, max_seq_len=32, precision="fp8"))
-    assert m.precision is None and m.layers[0].q_b.dtype.name == "e4m3"   # fp8 as stored
+    m = load_runner(path, be, EngineConfig(max_batch=2, max_seq_len=32, precision="fp8"))
+    assert m.precision is None and m.weights.layers[0].attn.q_b.dtype.name == "e4m3"   # fp8 as stored
     assert m.kv.max_seq_len >= 32 and m.max_batch == 2
-    m = load_model(path, be, EngineConfig(max_batch=1, max_seq_len=16, precision="bf16"))
-    assert m.layers[0].q_b.dtype.name == "bf16" and m.layers[0].q_b.quant is None
+    m = load_runner(path, be, EngineConfig(max_batch=1, max_seq_len=16, precision="bf16"))
+    assert m.weights.layers[0].attn.q_b.dtype.name == "bf16" and m.weights.layers[0].attn.q_b.quant is None
     with pytest.raises(Exception, match="int4"):
-        load_model(path, be, EngineConfig(max_batch=1, max_seq_len=16, precision="int4"))
+        load_runner(path, be, EngineConfig(max_batch=1, max_seq_len=16, precision="int4"))

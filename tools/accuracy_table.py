@@ -107,7 +107,7 @@ def tiny_logit_errors(backend_name: str) -> dict:
 
     from deepinfer.config import EngineConfig
     from deepinfer.loader import get_backend
-    from deepinfer.model import load_model
+    from deepinfer.engine import load_runner
 
     be = get_backend(backend_name)
     out = {}
@@ -119,7 +119,7 @@ def tiny_logit_errors(backend_name: str) -> dict:
                 ref = hf(ids[None]).logits[0].double().numpy()
             out[fam] = {}
             for p in TINY_PRECISIONS:
-                m = load_model(d, be, EngineConfig(precision=p, group_size=32, max_batch=1, max_seq_len=64))
+                m = load_runner(d, be, EngineConfig(precision=p, group_size=32, max_batch=1, max_seq_len=64))
                 got = m.score(ids.tolist())
                 out[fam][p] = float(np.abs(got - ref).max() / np.abs(ref).max())
     return out
@@ -156,7 +156,7 @@ def main() -> int:
             t0 = time.perf_counter()
             eng = Engine.from_pretrained(src, config=cfg)
             r = perplexity(eng, text, args.max_tokens, args.window)
-            row = {"path": label, "precision_note": eng.model.precision_note, "tokens": r.tokens,
+            row = {"path": label, "precision_note": eng.runner.precision_note, "tokens": r.tokens,
                    "ppl": r.ppl, "seconds": time.perf_counter() - t0}
             if label.startswith("bf16"):
                 base = r

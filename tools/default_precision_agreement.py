@@ -72,7 +72,7 @@ def main() -> int:
                 for p, eng in engines.items():
                     got = eng.generate_ids([ids], max_new_tokens=args.new)[0]
                     got = got[:-1] if got and got[-1] in eng.eos_ids else got
-                    row[p] = {"precision": eng.model.precision, "match": got == want,
+                    row[p] = {"precision": eng.runner.precision, "match": got == want,
                               "agree_prefix": next((i for i, (a, b) in enumerate(zip(got, want)) if a != b),
                                                    min(len(got), len(want)))}
                 rows.append(row)

@@ -40,13 +40,13 @@ def main() -> int:
         row = {"prompt": p, "tokens": len(ta), "equal": ta == tb, "first_divergence": first}
         if first is not None:
             ctx = ids + ta[:first]
-            la, lb = ea.model.score(ctx)[-1], eb.model.score(ctx)[-1]
+            la, lb = ea.runner.score(ctx)[-1], eb.runner.score(ctx)[-1]
             top = np.sort(la)[-2:]
             row["margin_at_divergence"] = float(top[1] - top[0])
             row["max_logit_diff_there"] = float(np.abs(la - lb).max())
         ids_all = ids + ta
         row["max_rel_logit_diff_over_sequence"] = float(
-            np.abs(ea.model.score(ids_all) - eb.model.score(ids_all)).max() / np.abs(ea.model.score(ids_all)).max())
+            np.abs(ea.runner.score(ids_all) - eb.runner.score(ids_all)).max() / np.abs(ea.runner.score(ids_all)).max())
         ok &= ta == tb
         report["rows"].append(row)
         print(json.dumps(row))

@@ -61,7 +61,7 @@ def _cmd_run(args) -> int:
         print("deepinfer run: give a prompt", file=sys.stderr)
         return 2
     eng = _engine(args)
-    m = eng.model
+    m = eng.runner
     print(f"deepinfer: {eng.model_name} on {eng.backend.name}: {getattr(m, 'precision_note', '')}"
           + (f" ({m.precision_reason})" if getattr(m, "precision_reason", "") and not eng.precision_warned else ""),
           file=sys.stderr)

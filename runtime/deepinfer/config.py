@@ -20,10 +20,16 @@ class EngineConfig:
     precision: str = "auto"
     group_size: int = 64                 # int4 group size when the engine quantizes weights itself
     memory_budget_bytes: Optional[int] = None   # None: the device's free memory
-    max_batch: int = 8                   # sequences decoded together
+    max_batch: int = 8                   # sequences running together (the scheduler's max_num_seqs)
     max_seq_len: int = 2048              # longest prompt + generation
-    kv_cache_tokens: Optional[int] = None   # KV cache capacity in tokens (None: max_batch * max_seq_len)
+    # KV cache capacity in tokens. None: kv_cache_memory_fraction of the memory free after a warm-up
+    # step (host backends stop at max_batch * max_seq_len tokens)
+    kv_cache_tokens: Optional[int] = None
+    kv_cache_memory_fraction: float = 0.9
     kv_block_size: int = 16              # tokens per cache block
+    max_num_batched_tokens: Optional[int] = None   # prompt tokens per prefill step (None: max(512, max_batch))
+    enable_prefix_cache: bool = True     # share the KV of equal prompt prefixes (full blocks) between requests
+    max_queue: int = 1024                # requests waiting for admission before add_request refuses more
     num_threads: int = 0                 # host threads for the CPU backend (0: all)
     device_id: int = 0
     fallback: bool = False               # run ops the backend lacks on the reference (logged)
@@ -71,6 +77,14 @@ class EngineConfig:
         for k in ("max_batch", "max_seq_len", "kv_block_size"):
             if not isinstance(getattr(self, k), int) or getattr(self, k) <= 0:
                 raise ConfigError(f"{k} must be a positive integer, not {getattr(self, k)!r}")
+        if not (isinstance(self.kv_cache_memory_fraction, (int, float)) and 0 < self.kv_cache_memory_fraction <= 1):
+            raise ConfigError(f"kv_cache_memory_fraction must be in (0, 1], not {self.kv_cache_memory_fraction!r}")
+        for k in ("kv_cache_tokens", "max_num_batched_tokens"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, int) or v <= 0):
+                raise ConfigError(f"{k} must be a positive integer or null, not {v!r}")
+        if not isinstance(self.max_queue, int) or self.max_queue < 0:
+            raise ConfigError(f"max_queue must be a non-negative integer, not {self.max_queue!r}")
         if self.activation_dtype not in ("auto", "f32", "bf16"):
             raise ConfigError(f"activation_dtype must be auto, f32 or bf16, not {self.activation_dtype!r}")
         if self.revision is not None and (not isinstance(self.revision, str) or not self.revision.strip()):

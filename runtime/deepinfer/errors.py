@@ -27,3 +27,8 @@ class CheckpointError(DeepinferError):
 
 class ConfigError(DeepinferError):
     """An engine config (JSON or dict) has unknown keys or bad values."""
+
+
+class CacheFullError(DeepinferError):
+    """No free KV cache blocks left, or a sequence longer than max_seq_len (raise kv_cache_tokens /
+    max_seq_len or finish sequences)."""

@@ -58,7 +58,7 @@ def perplexity(engine, text: str, max_tokens: int = 4096, window: int = 512) -> 
         chunk = ids[start:start + window]
         if len(chunk) < 2:
             break
-        logits = engine.model.score(chunk[:-1])  # [len-1, V] f32 host array: logits of every position
+        logits = engine.runner.score(chunk[:-1])  # [len-1, V] f32 host array: logits of every position
         lp = _log_softmax_rows(logits)
         tgt = np.asarray(chunk[1:])
         total_nll -= float(lp[np.arange(len(tgt)), tgt].sum())

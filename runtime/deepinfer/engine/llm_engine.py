@@ -1,0 +1,325 @@
+"""The engine: requests in, text deltas out, one step at a time.
+
+    engine.add_request(prompt, params) -> request id
+    engine.step() -> [RequestOutput]      one scheduled step: new tokens and text of every request in it
+    engine.abort(request id)              frees its blocks at once
+
+Policy lives here and in the scheduler; the math lives in the model graph, run by the ModelRunner.
+The engine only does integer bookkeeping (token ids, seeds) and text. `generate`, `stream`, `chat`
+and `deepinfer.run` are loops over `step` that add their own requests (others keep running).
+Not thread-safe: one thread drives it (the server's engine thread, see deepinfer.serve).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence as Seq, Union
+
+import numpy as np
+
+from ..config import EngineConfig
+from ..errors import CheckpointError, ConfigError, DeepinferError
+from .sampling import SamplingParams, step_seed
+from .scheduler import Scheduler
+from .sequence import Sequence, Status
+from .tokenizer import Detokenizer, Tokenizer
+
+log = logging.getLogger("deepinfer")
+
+
+class QueueFullError(DeepinferError):
+    """The engine's waiting queue is at max_queue requests (retry later, or raise max_queue)."""
+
+
+def default_model_dir() -> Path:
+    """The model that ships with deepinfer (runtime/deepinfer/assets/deepseek-v3-nano)."""
+    return Path(__file__).resolve().parent.parent / "assets" / "deepseek-v3-nano"
+
+
+def resolve_model_dir(model=None, revision: Optional[str] = None) -> Path:
+    """The directory of a model argument: a directory as is, a hub id's snapshot in the Hugging
+    Face cache (model.hub, at `revision`), or the embedded model for None."""
+    from ..model.hub import resolve_model
+
+    if model:
+        return resolve_model(model, revision)
+    if revision:
+        raise CheckpointError("revision applies to a hub id; the embedded model has none")
+    return default_model_dir()
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one choice of a request."""
+
+    request_id: str
+    index: int                      # the choice (0 .. n-1)
+    token_ids: list                 # tokens sampled this step (eos and stop tokens are not included)
+    text: str                       # text they complete (held back while it could become a stop string)
+    finished: bool = False
+    finish_reason: Optional[str] = None    # "stop", "length" or "abort"
+    logprobs: list = field(default_factory=list)   # per token: (logprob, [(token, logprob), ...] top alternatives)
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+class Engine:
+    """Load once, generate many times."""
+
+    def __init__(self, model_dir: Path, config: EngineConfig, name: Optional[str] = None):
+        from ..loader import get_backend
+        from .model_runner import load_runner
+
+        self.model_dir = Path(model_dir)
+        self.model_name = name or self.model_dir.name   # what the user called it (a hub id, a path)
+        self.config = config
+        if config.verbose:  # say which backend, precision and why on stderr
+            log.setLevel(logging.INFO)
+            if not logging.getLogger().handlers and not log.handlers:
+                h = logging.StreamHandler()
+                h.setFormatter(logging.Formatter("deepinfer: %(message)s"))
+                log.addHandler(h)
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.backend = get_backend(config.backend, fallback=config.fallback, device_id=config.device_id,
+                                   num_threads=config.num_threads)
+        self.runner = load_runner(self.model_dir, self.backend, config)
+        self.block_manager = self.runner.block_manager
+        self.scheduler = Scheduler(self.block_manager, config.max_batch, self.runner.max_num_batched_tokens)
+        self.eos_ids = {i for i in (self.tokenizer.eos_id, self.runner.eos_token_id) if i is not None}
+        self._requests: dict = {}        # request id -> its Sequences (one per choice)
+        self._done_outputs: list = []    # outputs of requests that finished without a step (max_tokens 0)
+        self._ids = itertools.count()
+        self.stats = {"steps": 0, "prompt_tokens": 0, "computed_prompt_tokens": 0, "generated_tokens": 0,
+                      "requests_finished": 0, "requests_aborted": 0}
+        log.info("engine: %s on %s (%s); KV cache %d blocks x %d tokens", self.model_dir.name, self.backend.name,
+                 self.runner.precision_note, self.block_manager.num_blocks, self.block_manager.block_size)
+        reason = getattr(self.runner, "precision_reason", "")
+        self.precision_warned = bool(getattr(self.runner, "precision_lossy", False)
+                                     and config.precision in ("auto", "fastest"))
+        if self.precision_warned:
+            # a default that changes what the checkpoint computes is never silent
+            log.warning("%s", reason)
+        elif reason:
+            log.info("%s", reason)
+
+    @classmethod
+    def from_pretrained(cls, model=None, config=None, **overrides) -> "Engine":
+        """`model`: a model directory, a hub id (`org/name`, resolved through the Hugging Face
+        cache, see model.hub; `revision` in the config picks a branch, tag or commit), or None for
+        the embedded model."""
+        cfg = EngineConfig.from_any(config, **overrides)
+        model_dir = resolve_model_dir(model, cfg.revision)
+        return cls(model_dir, cfg, name=os.fspath(model) if model else None)
+
+    # ------------------------------------------------------------------ requests
+    def encode_prompt(self, prompt: Union[str, Seq[int]], add_bos: Optional[bool] = None) -> list:
+        ids = self.tokenizer.encode(prompt, add_bos=add_bos) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            if self.tokenizer.bos_id is None:
+                raise ConfigError("empty prompt and the tokenizer has no bos token")
+            ids = [self.tokenizer.bos_id]
+        return ids
+
+    def check_request(self, ids: list, params: SamplingParams) -> None:
+        """Raise ConfigError if the request can never run (the server turns it into a 400)."""
+        V = self.runner.cfg.vocab_size
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise ConfigError(f"token id {bad[0]} is outside the vocabulary [0, {V})")
+        limit = self.runner.max_seq_len
+        if len(ids) + params.max_new_tokens > limit:
+            raise ConfigError(f"prompt of {len(ids)} tokens + max_new_tokens {params.max_new_tokens} > "
+                              f"max_seq_len {limit}")
+
+    def add_request(self, prompt: Union[str, Seq[int]], params: Optional[SamplingParams] = None,
+                    request_id: Optional[str] = None, n: int = 1, add_bos: Optional[bool] = None,
+                    **options) -> str:
+        """Queue a request (a prompt string or token ids) with n choices; returns its id. Raises
+        ConfigError for a request that can never run and QueueFullError when max_queue requests wait."""
+        params = params if params is not None else SamplingParams.from_options(**options)
+        if n < 1:
+            raise ConfigError(f"n must be >= 1, not {n}")
+        ids = self.encode_prompt(prompt, add_bos)
+        self.check_request(ids, params)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._requests:
+            raise ConfigError(f"request id {rid!r} is already running")
+        if len(self.scheduler.waiting) + n > self.config.max_queue:
+            raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting (max_queue "
+                                 f"{self.config.max_queue}); retry later")
+        seqs = []
+        for i in range(n):
+            seq = Sequence(ids, params, request_id=rid, index=i)
+            seq.detok = Detokenizer(self.tokenizer, params.stop)
+            seqs.append(seq)
+        self._requests[rid] = seqs
+        self.stats["prompt_tokens"] += len(ids) * n
+        for seq in seqs:
+            if params.max_new_tokens == 0:
+                self._finish(seq, "length")
+                self._done_outputs.append(self._output(seq, [], "", []))
+            else:
+                self.scheduler.add(seq)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and give its blocks back; False if it is unknown or already done."""
+        seqs = self._requests.pop(request_id, None)
+        if seqs is None:
+            return False
+        for seq in seqs:
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+                seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        self.stats["requests_aborted"] += 1
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._done_outputs)
+
+    def is_running(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list:
+        """Run one scheduled step; returns the outputs of every request it touched."""
+        outs, self._done_outputs = self._done_outputs, []
+        batch = self.scheduler.schedule()
+        if not batch:
+            return outs
+        self.stats["steps"] += 1
+        logits = self.runner.run([(s.seq, s.start, s.num_tokens) for s in batch])
+        for s in batch:
+            s.seq.num_computed = s.start + s.num_tokens
+            self.block_manager.commit(s.seq)
+            if s.start < s.seq.num_prompt_tokens:
+                self.stats["computed_prompt_tokens"] += min(s.num_tokens, s.seq.num_prompt_tokens - s.start)
+        sampled = [(i, s.seq) for i, s in enumerate(batch) if s.samples]
+        if not sampled:
+            return outs
+        # every row is sampled in one op call (rows mid-prompt greedily; their tokens are dropped)
+        temp, top_k, top_p, seeds = [], [], [], []
+        want = {i: seq for i, seq in sampled}
+        for i, s in enumerate(batch):
+            p = s.seq.params if i in want else None
+            temp.append(p.temperature if p else 0.0)
+            top_k.append(p.top_k if p else 0)
+            top_p.append(p.top_p if p else 1.0)
+            seeds.append(step_seed(p.seed, s.seq.index, s.seq.num_output_tokens) if p else 0)
+        tokens = self.runner.sample(logits, temperature=temp, top_k=top_k, top_p=top_p, seeds=seeds)
+        host = None
+        if any(seq.params.logprobs for _, seq in sampled):
+            host = self.backend.to_numpy(logits)
+        now = time.monotonic()
+        for i, seq in sampled:
+            outs.append(self._advance(seq, tokens[i], host[i] if host is not None and seq.params.logprobs else None,
+                                      now))
+        return outs
+
+    def _advance(self, seq: Sequence, tok: int, row, now: float) -> RequestOutput:
+        p = seq.params
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        lp = []
+        if row is not None:
+            m = row.max()
+            logz = m + np.log(np.exp(row - m).sum())
+            top = np.argsort(-row, kind="stable")[:p.logprobs]
+            lp = [(float(row[tok] - logz), [(int(t), float(row[t] - logz)) for t in top])]
+        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            self._finish(seq, "stop")
+            return self._output(seq, [], seq.detok.flush(), [])
+        seq.append(tok)
+        self.stats["generated_tokens"] += 1
+        text = seq.detok.push(tok)
+        if seq.detok.stopped:
+            self._finish(seq, "stop")
+        elif seq.num_output_tokens >= p.max_new_tokens:
+            self._finish(seq, "length")
+            text += seq.detok.flush()
+        return self._output(seq, [tok], text, lp)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is not Status.FINISHED:
+            self.scheduler.remove(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        seqs = self._requests.get(seq.request_id)
+        if seqs is not None and all(s.is_finished for s in seqs):
+            del self._requests[seq.request_id]
+            self.stats["requests_finished"] += 1
+
+    def _output(self, seq: Sequence, toks: list, text: str, lp: list) -> RequestOutput:
+        return RequestOutput(seq.request_id, seq.index, toks, text, seq.is_finished, seq.finish_reason, lp,
+                             seq.num_prompt_tokens, seq.num_output_tokens)
+
+    # ------------------------------------------------------------------ offline API on top of step()
+    def _run(self, prompts: list, params: SamplingParams, add_bos: Optional[bool] = None,
+             with_tokens: bool = False) -> Iterator:
+        """Adds one request per prompt and steps until they finish; yields (row, RequestOutput)."""
+        rids = []
+        try:
+            for p in prompts:
+                rids.append(self.add_request(p, params, add_bos=add_bos))
+            row = {rid: r for r, rid in enumerate(rids)}
+            left = set(rids)
+            while left:
+                outs = self.step()
+                if not outs and not self.scheduler.has_work():
+                    raise RuntimeError("engine stalled with requests unfinished")   # a bug, never a hang
+                for o in outs:
+                    if o.request_id in row:
+                        yield row[o.request_id], o
+                        if o.finished:
+                            left.discard(o.request_id)
+        finally:
+            for rid in rids:
+                self.abort(rid)      # a no-op for finished ones; frees blocks if the caller stopped early
+
+    def generate(self, prompt: str, **options) -> str:
+        return "".join(self.stream(prompt, **options))
+
+    def generate_batch(self, prompts: Seq[str], **options) -> list:
+        """Several prompts of different lengths, run together."""
+        params = SamplingParams.from_options(**options)
+        outs = ["" for _ in prompts]
+        for row, o in self._run(list(prompts), params):
+            outs[row] += o.text
+        return outs
+
+    def stream(self, prompt: str, callback: Optional[Callable[[str], None]] = None, **options) -> Iterator[str]:
+        params = SamplingParams.from_options(**options)
+        for _, o in self._run([prompt], params):
+            if o.text:
+                if callback:
+                    callback(o.text)
+                yield o.text
+
+    def chat(self, messages: list, **options) -> str:
+        return "".join(self.chat_stream(messages, **options))
+
+    def chat_stream(self, messages: list, **options) -> Iterator[str]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        params = SamplingParams.from_options(**options)
+        for _, o in self._run([text], params, add_bos=False):
+            if o.text:
+                yield o.text
+
+    def generate_ids(self, prompt_ids: Seq[Seq[int]], **options) -> list:
+        """Token-level generation (tests compare these with transformers' greedy output)."""
+        params = SamplingParams.from_options(**options)
+        outs = [[] for _ in prompt_ids]
+        for row, o in self._run([list(p) for p in prompt_ids], params):
+            outs[row] += o.token_ids
+        return outs
+
+    # ------------------------------------------------------------------ reporting
+    def metrics(self) -> dict:
+        bm = self.block_manager
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "kv_blocks_used": bm.num_used_blocks, "kv_blocks_total": bm.num_blocks,
+                "prefix_cache_hit_tokens": bm.prefix_hits, "prefix_cache_query_tokens": bm.prefix_queries,
+                "preemptions": self.scheduler.num_preemptions, "plans": len(self.runner.plans), **self.stats}

@@ -1,0 +1,411 @@
+"""The ModelRunner: a loaded model on one backend, and everything a step needs besides the graph.
+
+It owns the weights (model.weights), the graph (model.deepseek), the KV cache memory, the block
+manager, the execution plans and the arena they share, the host staging of each step's inputs and
+the sampling buffers (and, later, graph capture). The scheduler hands it a batch of
+(Sequence, start, n_tokens); it pads the batch up to a bucket, fills the inputs, runs the plan and
+returns the logits.
+
+Buckets: a plan is traced per (mode, tokens bucket, sequences bucket), not per exact shape, so a
+server that sees every batch size and chunk length settles on a few plans and never retraces in
+steady state. Padding uses the ABI's own semantics: a padded token writes no cache (slot -1) and,
+in decode mode, attends to nothing (kv_len 0); in prefill mode padded tokens trail the last real
+sequence (causal attention keeps them out of every real token's output); padded sequences are
+empty (cu_seqlens repeats) and their logits rows are never read.
+
+The offline API (forward / free / score / mtp_logits with caller-chosen sequence ids) serves tests,
+perplexity and benchmarks; it keeps a Sequence per id, so positions still live in one place.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Optional, Sequence as Seq
+
+import numpy as np
+
+from .. import quant_formats as QF
+from ..errors import CacheFullError
+from ..model.checkpoint import Checkpoint
+from ..model.deepseek import DeepseekGraph, StepInputs
+from ..model.kv_cache import PagedKVCache, block_bytes
+from ..model.plan import Arena, Plan, Tracer
+from ..model.weights import WeightLoader
+from ..tensor import Tensor
+from .block_manager import BlockManager
+from .sequence import Sequence
+
+log = logging.getLogger("deepinfer")
+
+MAX_CACHED_PLANS = 64
+PRECISIONS = (None,) + tuple(QF.PRECISION_PATHS)
+
+
+def bucket(n: int) -> int:
+    """The padded size of a batch of n tokens or sequences: 1, 2, 4, 8, 16, 24, 32, 48, 64, ..., 128
+    (steps of 16), then steps of 64 to 512, then steps of 256."""
+    if n <= 16:
+        return 1 << max(n - 1, 0).bit_length()
+    for limit, step in ((32, 8), (128, 16), (512, 64)):
+        if n <= limit:
+            return -(-n // step) * step
+    return -(-n // 256) * 256
+
+
+class ModelRunner:
+    """A loaded DeepSeek model bound to one backend: weights, KV cache, block manager and plans.
+
+    forward() runs one step for a batch of sequences and returns f32 logits [S, V] of each sequence's
+    last token (all tokens' with all_logits=True). The returned Tensor is valid until the next call.
+    """
+
+    def __init__(self, checkpoint, backend, *, max_batch: int = 8, max_seq_len: Optional[int] = None,
+                 num_cache_blocks: Optional[int] = None, block_size: int = 16, dtype: str = "f32",
+                 load_mtp: bool = True, precision: Optional[str] = None, group_size: int = 64,
+                 max_num_batched_tokens: Optional[int] = None, kv_cache_memory_fraction: Optional[float] = None,
+                 enable_prefix_cache: bool = True):
+        ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+        if dtype not in ("f32", "bf16"):
+            raise ValueError(f"activation dtype must be 'f32' or 'bf16', not {dtype!r}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision {precision!r} is not one of {PRECISIONS}")
+        self.ckpt, self.cfg, self.backend, self.dtype = ckpt, ckpt.config, backend, dtype
+        c = self.cfg
+        # weight format of the quantizable linears (None: as stored) and int8 activations for them
+        self.precision = precision
+        self.act_quant = precision is not None and QF.PRECISION_PATHS[precision].activations == "int8"
+        self.max_batch = int(max_batch)
+        self.block_size = int(block_size)
+        self.max_seq_len = int(max_seq_len or min(c.max_position_embeddings, 4096))
+        self.max_blocks_per_seq = -(-self.max_seq_len // self.block_size)
+        self.max_num_batched_tokens = int(max_num_batched_tokens or max(512, self.max_batch))
+        self.eos_token_id = c.eos_token_id
+        self.bos_token_id = c.bos_token_id
+        self.has_mtp = bool(load_mtp and c.has_mtp and f"model.layers.{c.num_hidden_layers}.eh_proj.weight" in ckpt)
+        self.weights = WeightLoader(ckpt, backend, dtype, precision, group_size).load(self.has_mtp)
+        self.graph = DeepseekGraph(c, self.weights, [], dtype, self.act_quant)
+        self.arena = Arena(backend)
+        self.plans: "OrderedDict[tuple, Plan]" = OrderedDict()
+        self._hidden: Optional[Tensor] = None     # persistent final hidden states for the MTP head
+        self.last_hidden: Optional[Tensor] = None
+        self._last_layout = None
+        self._sample_bufs: dict = {}
+        self._offline: dict = {}                  # caller's sequence id -> Sequence (the offline API)
+        self.num_cache_layers = c.num_hidden_layers + (1 if self.has_mtp else 0)
+        if num_cache_blocks is None and kv_cache_memory_fraction is not None:
+            num_cache_blocks = self._blocks_from_free_memory(kv_cache_memory_fraction)
+        nb = int(num_cache_blocks or self.max_batch * self.max_blocks_per_seq)
+        self.kv = PagedKVCache(backend, self.num_cache_layers, nb, self.block_size, c.cache_width, dtype,
+                               self.max_blocks_per_seq)
+        self.graph.caches = self.kv.layers
+        self.block_manager = BlockManager(nb, self.block_size, self.max_blocks_per_seq, enable_prefix_cache)
+        stored = c.quant_scheme.describe() if c.quant_scheme is not None else c.torch_dtype
+        wq = f"{stored} weights" if precision is None else f"{precision} (from {stored})"
+        self.precision_note = f"{wq}, {dtype} activations" + (", int8 per-token activations for int linears"
+                                                              if self.act_quant else "")
+
+    # ================================================================== KV cache sizing
+    def _blocks_from_free_memory(self, fraction: float) -> int:
+        """KV blocks that fit in `fraction` of the memory free after a warm-up step of the largest
+        prefill (its plan's arena is the peak activation memory). Device backends take that much;
+        host backends stop at max_batch full-length sequences (RAM is shared with everything else)."""
+        c = self.cfg
+        warm = PagedKVCache(self.backend, self.num_cache_layers, 1, self.block_size, c.cache_width, self.dtype,
+                            self.max_blocks_per_seq)
+        self.graph.caches = warm.layers
+        T = min(self.max_num_batched_tokens, self.max_batch * self.max_seq_len)
+        p = self.plan("main", "prefill", bucket(T), 1)
+        if self.backend.device != "cpu":
+            # run it: backends allocate their workspaces on first use; slots -1 write no cache
+            p.host_input("ids")[:] = 0
+            p.host_input("positions")[:] = np.arange(p.key[2]) % self.max_seq_len
+            p.host_input("slots")[:] = -1
+            p.host_input("cu_seqlens")[:] = [0, p.key[2]]
+            p.host_input("last_idx")[:] = 0
+            p.run(self.backend)
+            self.backend.synchronize()
+        self.plans.clear()                       # they point at the warm-up cache
+        del warm
+        free, total = self.backend.memory_info()
+        per = block_bytes(self.num_cache_layers, self.block_size, c.cache_width, 4 if self.dtype == "f32" else 2)
+        nb = int(free * float(fraction)) // per
+        if self.backend.device == "cpu":
+            nb = min(nb, self.max_batch * self.max_blocks_per_seq)
+        if nb < self.max_blocks_per_seq:
+            raise CacheFullError(f"{fraction:.0%} of the {free / 2**30:.2f} GiB free after loading holds {nb} KV blocks "
+                                 f"of {self.block_size} tokens, fewer than one sequence of max_seq_len "
+                                 f"{self.max_seq_len} needs ({self.max_blocks_per_seq}); lower max_seq_len or set "
+                                 f"kv_cache_tokens")
+        log.info("KV cache: %d blocks x %d tokens (%.1f MiB) from %.0f%% of %.2f GiB free", nb, self.block_size,
+                 nb * per / 2**20, 100 * fraction, free / 2**30)
+        return nb
+
+    # ================================================================== plans
+    def plan(self, kind: str, mode: str, T: int, S: int, all_logits: bool = False, keep_hidden: bool = False) -> Plan:
+        key = (kind, mode, T, S, all_logits, keep_hidden)
+        p = self.plans.get(key)
+        if p is None:
+            if keep_hidden or kind == "mtp":
+                self._hidden_store(T)
+            g = Tracer(self.backend)
+            meta = StepInputs.declare(g, mode, T, S, self.max_blocks_per_seq, all_logits)
+            if kind == "main":
+                self.graph.forward(g, meta, self._hidden.narrow(0, 0, T) if keep_hidden else None)
+            else:
+                self.graph.mtp(g, meta, self._hidden.narrow(0, 0, T))
+            p = Plan.from_tracer(key, g)
+            self.plans[key] = p
+            while len(self.plans) > MAX_CACHED_PLANS:
+                self.plans.popitem(last=False)
+        else:
+            self.plans.move_to_end(key)
+        self.arena.ensure(p.arena_bytes)
+        p.bind(self.arena, self.backend)
+        return p
+
+    def _hidden_store(self, T: int) -> Tensor:
+        if self._hidden is None or self._hidden.shape[0] < T:
+            n = max(T, 2 * self.max_batch, 64 if self._hidden is None else 2 * self._hidden.shape[0])
+            self._hidden = self.backend.empty((n, self.cfg.hidden_size), self.dtype)
+            # plans bound to the old store must be traced again
+            self.plans = OrderedDict((k, p) for k, p in self.plans.items() if not (k[-1] or k[0] == "mtp"))
+        return self._hidden
+
+    # ================================================================== one step
+    def run(self, batch: list, *, all_logits: bool = False, keep_hidden: bool = False, kind: str = "main") -> Tensor:
+        """One step over `batch`, a list of (Sequence, start, n_tokens): feeds seq.token_ids[start:
+        start + n] at positions start.. (blocks already granted by the block manager). Returns f32
+        logits [S, V] (or [T, V] with all_logits), a view valid until the next call."""
+        if not batch:
+            raise ValueError("a step needs at least one sequence")
+        mode = "prefill" if all(start == 0 for _, start, _ in batch) else "decode"
+        T = sum(n for _, _, n in batch)
+        S = len(batch)
+        Tb, Sb = bucket(T), bucket(S)
+        p = self.plan(kind, mode, Tb, Sb, all_logits, keep_hidden)
+        self._fill(p, batch, mode, T, Tb, Sb)
+        p.run(self.backend)
+        if keep_hidden:
+            self.last_hidden = self._hidden.narrow(0, 0, T)
+        logits = p.bound_outputs["logits"]
+        return logits.narrow(0, 0, T if all_logits else S)
+
+    def _fill(self, p: Plan, batch: list, mode: str, T: int, Tb: int, Sb: int) -> None:
+        bm, pad = self.block_manager, Tb - T
+        ids = np.zeros(Tb, np.int32)
+        pos = np.zeros(Tb, np.int32)
+        slots = np.full(Tb, -1, np.int32)
+        last = np.zeros(Sb, np.int32)
+        t = 0
+        for r, (seq, start, n) in enumerate(batch):
+            ids[t:t + n] = seq.token_ids[start:start + n]
+            pos[t:t + n] = np.arange(start, start + n)
+            slots[t:t + n] = bm.slots(seq, start, start + n)
+            t += n
+            last[r] = t - 1
+        if mode == "prefill":
+            # padding trails the last real sequence (positions run on; causal attention ignores them)
+            if pad:
+                pos[T:] = np.minimum(pos[T - 1] + 1 + np.arange(pad), self.max_seq_len - 1)
+            cu = np.full(Sb + 1, Tb, np.int32)
+            cu[0] = 0
+            acc = 0
+            for r, (_, _, n) in enumerate(batch[:-1]):
+                acc += n
+                cu[r + 1] = acc
+            p.host_input("cu_seqlens")[:] = cu
+        else:
+            table = p.host_input("block_table")
+            table[...] = 0
+            tseq = np.zeros(Tb, np.int32)
+            kvl = np.zeros(Tb, np.int32)       # padded tokens: kv_len 0, no keys
+            t = 0
+            for r, (seq, start, n) in enumerate(batch):
+                table[r, :len(seq.block_table)] = seq.block_table
+                tseq[t:t + n] = r
+                kvl[t:t + n] = np.arange(start + 1, start + n + 1)
+                t += n
+            p.host_input("token_seq")[:] = tseq
+            p.host_input("kv_len")[:] = kvl
+        p.host_input("ids")[:] = ids
+        p.host_input("positions")[:] = pos
+        p.host_input("slots")[:] = slots
+        if "last_idx" in p.inputs:
+            p.host_input("last_idx")[:] = last
+
+    # ================================================================== sampling
+    def sample(self, logits: Tensor, temperature, top_k=None, top_p=None, seeds=None) -> list:
+        """One token per row of logits through the backend's sample op."""
+        B = logits.shape[0]
+        bufs = self._sample_bufs.get(B)
+        if bufs is None:
+            be = self.backend
+            bufs = {"temperature": be.empty((B,), "f32"), "top_k": be.empty((B,), "int32"),
+                    "top_p": be.empty((B,), "f32"), "seeds": be.empty((B,), "uint64"), "out": be.empty((B,), "int32")}
+            self._sample_bufs[B] = bufs
+        vals = {"temperature": np.asarray(temperature, np.float32),
+                "top_k": np.asarray(top_k if top_k is not None else [0] * B, np.int32),
+                "top_p": np.asarray(top_p if top_p is not None else [1.0] * B, np.float32),
+                "seeds": np.asarray(seeds if seeds is not None else [0] * B, np.uint64)}
+        for k, v in vals.items():
+            self.backend.write(bufs[k], v.reshape(B))
+        self.backend.sample(logits=logits, out=bufs["out"], **{k: bufs[k] for k in vals})
+        return [int(t) for t in self.backend.to_numpy(bufs["out"])]
+
+    # ================================================================== the offline API
+    def new_sequence(self) -> int:
+        """A fresh sequence id for forward()."""
+        return Sequence([], cacheable=False).seq_id
+
+    def free(self, seq_id: int) -> None:
+        """Give a sequence's blocks back; freeing an unknown or already-freed sequence is a no-op."""
+        seq = self._offline.pop(seq_id, None)
+        if seq is not None:
+            self.block_manager.release(seq)
+
+    def forward(self, batch, tokens=None, starts=None, *, all_logits: bool = False,
+                keep_hidden: bool = False) -> Tensor:
+        """One step by sequence ids. Either forward([(seq_id, tokens, start)]) or
+        forward(seq_ids, tokens_per_seq, starts). Positions >= start of a sequence are overwritten
+        (a rejected draft). Returns f32 logits [S, V] (or [T, V] with all_logits), a view valid until
+        the next call. keep_hidden keeps the final hidden states (last_hidden) for mtp_logits."""
+        items = self._normalize(batch, tokens, starts)
+        steps = []
+        for sid, toks, start in items:
+            seq = self._offline.get(sid)
+            if seq is None:
+                seq = self._offline[sid] = Sequence([], cacheable=False)
+            self.block_manager.truncate(seq, start)
+            del seq.token_ids[start:]
+            seq.token_ids.extend(int(t) for t in toks)
+            self.block_manager.grow(seq, start + len(toks))
+            steps.append((seq, start, len(toks)))
+        logits = self.run(steps, all_logits=all_logits, keep_hidden=keep_hidden)
+        for seq, start, n in steps:
+            seq.num_computed = start + n
+        self._last_layout = [(sid, len(toks), start) for sid, toks, start in items] if keep_hidden else None
+        self._last_steps = steps if keep_hidden else None
+        return logits
+
+    def _normalize(self, batch, tokens, starts) -> list:
+        if tokens is None:
+            items = [(b.seq_id, b.tokens, b.start) if hasattr(b, "tokens") else tuple(b) for b in batch]
+        else:
+            if starts is None:
+                starts = [self._offline[s].num_computed if s in self._offline else 0 for s in batch]
+            if not (len(batch) == len(tokens) == len(starts)):
+                raise ValueError("seq_ids, tokens and starts must have the same length")
+            items = list(zip(batch, tokens, starts))
+        if not items:
+            raise ValueError("forward() needs at least one sequence")
+        if len(items) > self.max_batch:
+            raise ValueError(f"{len(items)} sequences > max_batch {self.max_batch}")
+        V = self.cfg.vocab_size
+        seen = set()
+        for sid, toks, start in items:
+            if sid in seen:
+                raise ValueError(f"sequence {sid} appears twice in one batch")
+            seen.add(sid)
+            if len(toks) == 0:
+                raise ValueError(f"sequence {sid} has no new tokens")
+            cached = self._offline[sid].num_computed if sid in self._offline else 0
+            if start < 0 or start > cached:
+                raise ValueError(f"sequence {sid} starts at {start} but only {cached} positions are cached")
+            bad = [t for t in toks if not 0 <= int(t) < V]
+            if bad:
+                raise ValueError(f"sequence {sid}: token id {bad[0]} outside the vocabulary [0, {V})")
+        return items
+
+    def mtp_logits(self, batch, next_tokens=None, starts=None, *, all_logits: bool = False) -> Tensor:
+        """Draft logits of the MTP head for the step just run with keep_hidden=True.
+
+        For each sequence give the tokens that follow the previous step's tokens (the previous
+        step's tokens shifted left by one, then the token sampled from its logits), same count and
+        same start. Logits at position i predict the token at i + 2. The MTP layer keeps its own
+        cache layer, written here, so call it after every step whose draft you want."""
+        if self.weights.mtp is None:
+            raise RuntimeError("this checkpoint has no MTP layer (num_nextn_predict_layers = 0 or weights absent)")
+        if self.last_hidden is None or self._last_layout is None:
+            raise RuntimeError("mtp_logits needs the hidden states of a forward(..., keep_hidden=True) call")
+        if next_tokens is None:
+            items = [(b.seq_id, b.tokens, b.start) if hasattr(b, "tokens") else tuple(b) for b in batch]
+        else:
+            if starts is None:
+                starts = [st for (_, _, st) in self._last_layout]
+            items = list(zip(batch, next_tokens, starts))
+        layout = [(sid, len(toks), start) for sid, toks, start in items]
+        if layout != self._last_layout:
+            raise ValueError(f"mtp_logits batch {layout} must match the last forward's {self._last_layout}")
+        # the MTP step reads the same positions and blocks with the shifted tokens
+        steps = []
+        for (sid, toks, start), (seq, _, n) in zip(items, self._last_steps):
+            shadow = Sequence([0] * start + [int(t) for t in toks], cacheable=False)
+            shadow.block_table = seq.block_table
+            steps.append((shadow, start, n))
+        return self.run(steps, all_logits=all_logits, kind="mtp")
+
+    def score(self, ids: Seq[int], chunk: int = 256) -> np.ndarray:
+        """Logits of every position of one token sequence, as a host f32 array [len, V]
+        (perplexity); long inputs run as chunked prefill through the cache."""
+        sid = self.new_sequence()
+        rows = []
+        try:
+            for s in range(0, len(ids), chunk):
+                part = list(ids[s:s + chunk])
+                rows.append(self.backend.to_numpy(self.forward([(sid, part, s)], all_logits=True)))
+        finally:
+            self.free(sid)
+        return np.concatenate(rows) if rows else np.zeros((0, self.cfg.vocab_size), np.float32)
+
+    # ================================================================== reporting
+    def memory_report(self) -> dict:
+        return {
+            "kv_cache_bytes": self.kv.nbytes,
+            "kv_blocks": self.kv.num_blocks,
+            "arena_bytes": self.arena.nbytes,
+            "plans": {str(k): {"arena_bytes": p.arena_bytes, "total_activation_bytes": p.total_activation_bytes,
+                               "ops": len(p.calls)} for k, p in self.plans.items()},
+        }
+
+
+def load_runner(model_dir, backend, engine_config=None) -> ModelRunner:
+    """A ModelRunner sized and typed from an EngineConfig: max_batch, max_seq_len, kv_cache_tokens
+    (None: sized from the memory free after a warm-up, kv_cache_memory_fraction of it),
+    kv_block_size, max_num_batched_tokens, activation_dtype, precision (auto: the checkpoint's own
+    precision when it fits the memory budget, else the most accurate path that does; fastest: the
+    fastest that fits; see precision.resolve) and group_size. Sets runner.precision_reason and
+    runner.precision_lossy."""
+    ckpt = Checkpoint(model_dir)
+    ec = engine_config
+    if ec is None:
+        return ModelRunner(ckpt, backend)
+    from .. import precision as P
+
+    bs = int(getattr(ec, "kv_block_size", 16) or 16)
+    scheme = ckpt.config.quant_scheme
+    # an int4 checkpoint keeps its own groups; the config's group_size is for quantizing at load
+    group = scheme.group_size if scheme is not None and scheme.format == "int4" else ec.group_size
+    kw = dict(max_batch=int(ec.max_batch), max_seq_len=int(ec.max_seq_len), block_size=bs, group_size=int(group),
+              max_num_batched_tokens=getattr(ec, "max_num_batched_tokens", None),
+              enable_prefix_cache=bool(getattr(ec, "enable_prefix_cache", True)))
+    tokens = getattr(ec, "kv_cache_tokens", None)
+    if tokens:
+        kw["num_cache_blocks"] = -(-int(tokens) // bs)
+    else:
+        kw["kv_cache_memory_fraction"] = float(getattr(ec, "kv_cache_memory_fraction", 0.9))
+    act = getattr(ec, "activation_dtype", "auto")
+    kw["dtype"] = P.default_activation_dtype(backend) if act in (None, "auto") else act
+    spec = getattr(ec, "speculative", None) or {}
+    kw["load_mtp"] = bool(spec.get("mtp", True))
+    entries = ckpt.entries()
+    shapes = QF.logical_shapes(entries, ckpt.array)
+    stored = P.stored_precision(entries, scheme)
+    precision, reason = P.resolve(backend, ec, shapes, scheme.to_config() if scheme is not None else None,
+                                  stored=stored)
+    lossy = P.is_lossy(precision, stored[0])
+    if scheme is not None and precision == scheme.format:
+        precision = None   # the checkpoint's own format: the weights are used as stored
+    runner = ModelRunner(ckpt, backend, precision=precision, **kw)
+    runner.precision_reason = reason
+    runner.precision_lossy = lossy   # the weights compute something other than the stored ones
+    return runner

@@ -1,0 +1,124 @@
+"""The scheduler: which sequences run in the next step, and how many tokens each feeds.
+
+Queues: `waiting` (FIFO: new requests, and preempted ones at the front) and `running` (admitted,
+holding KV blocks). Each step is either a prefill step or a decode step, never both, so a fresh
+prompt runs through the prefill path (mla_prefill) as it would alone:
+
+- prefill: sequences still inside their prompt, then waiting ones in arrival order, each feeding
+  the next chunk of its prompt within a budget of `max_num_batched_tokens` tokens (chunked
+  prefill: a long prompt is spread over several steps and never blocks the engine for long).
+  Admission stops at `max_num_seqs` running sequences or when the cache has no room.
+- decode: every running sequence feeds its last sampled token. When the cache has no block for a
+  sequence's next position, the most recently admitted sequence is preempted: its blocks are given
+  back and it goes to the front of the queue, to be recomputed from its tokens later (nothing is
+  lost: a Sequence keeps its prompt and every token generated so far).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .block_manager import BlockManager
+from .sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int          # first position fed (== seq.num_computed)
+    num_tokens: int     # tokens fed this step
+
+    @property
+    def samples(self) -> bool:
+        """This chunk ends at the sequence's last token: its logits give the next token."""
+        return self.start + self.num_tokens == len(self.seq)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.bm = block_manager
+        self.max_num_seqs = int(max_num_seqs)
+        self.max_num_batched_tokens = int(max_num_batched_tokens)
+        self.waiting: deque = deque()
+        self.running: list = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of either queue and give its blocks back (finished or aborted)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.release(seq)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> list:
+        batch = self._prefill()
+        return batch if batch else self._decode()
+
+    def _prefill(self) -> list:
+        budget, batch = self.max_num_batched_tokens, []
+        for seq in self.running:
+            if seq.num_pending > 1 and budget > 0:
+                n = min(seq.num_pending, budget)
+                if not self.bm.can_grow(seq, seq.num_computed + n):
+                    break
+                self.bm.grow(seq, seq.num_computed + n)
+                batch.append(ScheduledSeq(seq, seq.num_computed, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            self.bm.allocate(seq)                       # prefix-cache hits: those tokens are done
+            n = min(seq.num_pending, budget)
+            if not self.bm.can_grow(seq, seq.num_computed + n):
+                self.bm.release(seq)
+                if not self.running and not batch:
+                    # nothing runs that could ever free a block: the cache is too small for it
+                    raise_cache_too_small(self.bm, seq)
+                break
+            self.bm.grow(seq, seq.num_computed + n)
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.append(ScheduledSeq(seq, seq.num_computed, n))
+            budget -= n
+        return batch
+
+    def _decode(self) -> list:
+        batch = []
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            while not self.bm.can_grow(seq, len(seq)):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.bm.grow(seq, len(seq))
+                batch.append(ScheduledSeq(seq, seq.num_computed, seq.num_pending))
+                i += 1
+                continue
+            break       # seq itself was preempted: it was the last running one
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.release(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+
+def raise_cache_too_small(bm: BlockManager, seq: Sequence):
+    from ..errors import CacheFullError
+
+    raise CacheFullError(f"KV cache of {bm.num_blocks} blocks x {bm.block_size} tokens cannot hold one sequence of "
+                         f"{len(seq)} tokens; raise kv_cache_tokens")

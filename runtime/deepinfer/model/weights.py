@@ -1,0 +1,209 @@
+"""Typed weight containers of a DeepSeek V2/V3 model and the loader that fills them on a backend.
+
+Names follow the checkpoint (`q_a_proj` -> `q_a`, `kv_a_proj_with_mqa` -> `kv_a`, ...). A linear
+weight arrives in the model's precision: as stored, dequantized to a float precision, or quantized
+at load with the backend's quantize op (projections, MLP and expert weights only; norms, the
+embedding and the router stay in the activation / f32 dtype).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .. import quant_formats as QF
+from ..errors import CheckpointError
+from ..tensor import Quant, Tensor
+from .checkpoint import Checkpoint
+
+
+@dataclass
+class AttentionWeights:
+    kv_a: Tensor                    # [Dc + Dr, H]  kv_a_proj_with_mqa
+    kv_a_norm: Tensor               # [Dc]
+    kv_b: Tensor                    # [NH * (Dn + Dv), Dc]
+    kv_b_dense: Tensor              # kv_b un-quantized (mla_decode absorbs it into the query)
+    o: Tensor                       # [H, NH * Dv]
+    q: Optional[Tensor] = None      # [NH * (Dn + Dr), H]  when q_lora_rank is 0 (V2-Lite)
+    q_a: Optional[Tensor] = None    # [q_lora_rank, H]
+    q_a_norm: Optional[Tensor] = None
+    q_b: Optional[Tensor] = None    # [NH * (Dn + Dr), q_lora_rank]
+    q_a_bias: Optional[Tensor] = None
+    kv_a_bias: Optional[Tensor] = None
+    o_bias: Optional[Tensor] = None
+
+
+@dataclass
+class MLPWeights:
+    gate: Tensor                    # [I, H]
+    up: Tensor                      # [I, H]
+    down: Tensor                    # [H, I]
+
+
+@dataclass
+class MoEWeights:
+    gate: Tensor                    # router [E, H], f32
+    gate_bias: Optional[Tensor]     # e_score_correction_bias [E] (noaux_tc) or None
+    experts_gate: list              # E x [I, H]
+    experts_up: list                # E x [I, H]
+    experts_down: list              # E x [H, I]
+    shared: Optional[MLPWeights]    # the shared experts as one MLP, or None
+
+
+@dataclass
+class LayerWeights:
+    index: int                      # the layer's KV cache layer
+    ln1: Tensor                     # input_layernorm
+    ln2: Tensor                     # post_attention_layernorm
+    attn: AttentionWeights
+    mlp: Optional[MLPWeights] = None    # dense layers
+    moe: Optional[MoEWeights] = None    # MoE layers
+
+
+@dataclass
+class MTPWeights:
+    """V3's multi-token-prediction layer (model.layers.{L}): its own block, norms and head."""
+
+    layer: LayerWeights
+    enorm: Tensor
+    hnorm: Tensor
+    eh_proj: Tensor                 # [H, 2H]
+    head_norm: Tensor
+    head: Tensor                    # shared_head.head, or the main lm_head
+    embed: Tensor                   # its own embedding, or the main one
+
+
+@dataclass
+class ModelWeights:
+    embed: Tensor                   # [V, H]
+    norm: Tensor                    # [H]
+    lm_head: Tensor                 # [V, H]
+    layers: list                    # LayerWeights per decoder layer
+    mtp: Optional[MTPWeights] = None
+
+
+class WeightLoader:
+    """Reads a Checkpoint onto a backend in one precision (None: as stored)."""
+
+    def __init__(self, ckpt: Checkpoint, backend, dtype: str, precision: Optional[str], group_size: int):
+        self.ckpt, self.cfg, self.backend, self.dtype = ckpt, ckpt.config, backend, dtype
+        self.precision = precision
+        self.weight_format = QF.weight_format_of(precision)
+        self.group_size = int(group_size)
+
+    def load(self, load_mtp: bool) -> ModelWeights:
+        c, H = self.cfg, self.cfg.hidden_size
+        embed = self._t("model.embed_tokens.weight", (c.vocab_size, H))
+        norm = self._t("model.norm.weight", (H,))
+        if "lm_head.weight" in self.ckpt:
+            lm_head = self._w("lm_head.weight", (c.vocab_size, H))
+        elif c.tie_word_embeddings:
+            lm_head = embed
+        else:
+            raise CheckpointError(f"{self.ckpt.dir}: tensor 'lm_head.weight' is missing from the checkpoint")
+        layers = [self._layer(i) for i in range(c.num_hidden_layers)]
+        mtp = self._mtp(embed, lm_head) if load_mtp else None
+        return ModelWeights(embed=embed, norm=norm, lm_head=lm_head, layers=layers, mtp=mtp)
+
+    # ------------------------------------------------------------------ one tensor
+    def _w(self, name, shape) -> Tensor:
+        be, fmt = self.backend, self.weight_format
+        if fmt is None or not QF.is_quantizable(name, shape):
+            t = self.ckpt.weight(name, shape, self.dtype)
+            if t.quant is not None and not QF.is_quantizable(name, shape) and fmt is not None:
+                return self.dequantized(be.upload(t), self.dtype)
+            return be.upload(t)
+        t = self.ckpt.weight(name, shape)
+        if fmt in ("f32", "bf16"):
+            # float precisions keep these weights in that dtype (activations may differ)
+            return self.dequantized(be.upload(t), fmt) if t.quant is not None else be.upload(
+                self.ckpt.weight(name, shape, fmt))
+        qdt, block = {"int8": ("int8", (1, 0)), "int4": ("int4", (1, self.group_size)),
+                      "fp8": ("e4m3", (128, 128))}[fmt]
+        if t.quant is not None:
+            if t.dtype.name == qdt and tuple(t.quant.block) == block:
+                return be.upload(t)
+            raise CheckpointError(f"{self.ckpt.file_of(name)}: {name!r} is stored as {t.quant.describe(t.dtype)}; "
+                                  f"precision {self.precision} would re-quantize it (load it as stored, bf16 or f32)")
+        N, K = shape
+        grid = (-(-N // block[0]) if block[0] else 1, -(-K // block[1]) if block[1] else 1)
+        q = be.empty((N, K), qdt)
+        q.quant = Quant(be.empty(grid, "f32"), block)
+        be.quantize(x=be.upload(t), out=q, scale_pow2=0)
+        return q
+
+    def dequantized(self, t: Tensor, dtype: str) -> Tensor:
+        out = self.backend.empty(t.shape, dtype)
+        self.backend.dequantize(x=t, out=out)
+        return out
+
+    def _t(self, name, shape, dtype=None) -> Tensor:
+        return self.backend.upload(self.ckpt.tensor(name, shape, dtype or self.dtype))
+
+    def _opt(self, name, shape, dtype=None) -> Optional[Tensor]:
+        return self._t(name, shape, dtype) if name in self.ckpt else None
+
+    # ------------------------------------------------------------------ blocks
+    def _attention(self, a: str) -> AttentionWeights:
+        c, H, NH = self.cfg, self.cfg.hidden_size, self.cfg.num_attention_heads
+        kv_b = self._w(a + "kv_b_proj.weight", (NH * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank))
+        w = AttentionWeights(
+            kv_a=self._w(a + "kv_a_proj_with_mqa.weight", (c.cache_width, H)),
+            kv_a_bias=self._opt(a + "kv_a_proj_with_mqa.bias", (c.cache_width,)),
+            kv_a_norm=self._t(a + "kv_a_layernorm.weight", (c.kv_lora_rank,)),
+            kv_b=kv_b,
+            # mla_decode takes a plain kv_b: dequantize once, on the backend
+            kv_b_dense=self.dequantized(kv_b, self.dtype) if kv_b.quant is not None else kv_b,
+            o=self._w(a + "o_proj.weight", (H, NH * c.v_head_dim)),
+            o_bias=self._opt(a + "o_proj.bias", (H,)))
+        if c.q_lora_rank:
+            w.q_a = self._w(a + "q_a_proj.weight", (c.q_lora_rank, H))
+            w.q_a_bias = self._opt(a + "q_a_proj.bias", (c.q_lora_rank,))
+            w.q_a_norm = self._t(a + "q_a_layernorm.weight", (c.q_lora_rank,))
+            w.q_b = self._w(a + "q_b_proj.weight", (NH * c.qk_head_dim, c.q_lora_rank))
+        else:
+            w.q = self._w(a + "q_proj.weight", (NH * c.qk_head_dim, H))
+        return w
+
+    def _mlp(self, p: str, I: int) -> MLPWeights:
+        H = self.cfg.hidden_size
+        return MLPWeights(gate=self._w(p + "gate_proj.weight", (I, H)), up=self._w(p + "up_proj.weight", (I, H)),
+                          down=self._w(p + "down_proj.weight", (H, I)))
+
+    def _moe(self, m: str) -> MoEWeights:
+        c, H = self.cfg, self.cfg.hidden_size
+        E, I = c.n_routed_experts, c.moe_intermediate_size
+        return MoEWeights(
+            # the router runs in f32 like transformers (its weight is kept f32 there too)
+            gate=self._t(m + "gate.weight", (E, H), "f32"),
+            gate_bias=self._t(m + "gate.e_score_correction_bias", (E,), "f32") if c.topk_method == "noaux_tc" else None,
+            experts_gate=[self._w(f"{m}experts.{e}.gate_proj.weight", (I, H)) for e in range(E)],
+            experts_up=[self._w(f"{m}experts.{e}.up_proj.weight", (I, H)) for e in range(E)],
+            experts_down=[self._w(f"{m}experts.{e}.down_proj.weight", (H, I)) for e in range(E)],
+            shared=self._mlp(m + "shared_experts.", I * c.n_shared_experts) if c.n_shared_experts else None)
+
+    def _layer(self, i: int) -> LayerWeights:
+        c, H = self.cfg, self.cfg.hidden_size
+        p = f"model.layers.{i}."
+        w = LayerWeights(index=i, ln1=self._t(p + "input_layernorm.weight", (H,)),
+                         ln2=self._t(p + "post_attention_layernorm.weight", (H,)),
+                         attn=self._attention(p + "self_attn."))
+        if c.is_moe_layer(i):
+            w.moe = self._moe(p + "mlp.")
+        else:
+            w.mlp = self._mlp(p + "mlp.", c.intermediate_size)
+        return w
+
+    def _mtp(self, embed: Tensor, lm_head: Tensor) -> MTPWeights:
+        c, H = self.cfg, self.cfg.hidden_size
+        L = c.num_hidden_layers
+        p = f"model.layers.{L}."
+        return MTPWeights(
+            layer=self._layer(L),
+            enorm=self._t(p + "enorm.weight", (H,)),
+            hnorm=self._t(p + "hnorm.weight", (H,)),
+            eh_proj=self._w(p + "eh_proj.weight", (H, 2 * H)),
+            head_norm=self._t(p + "shared_head.norm.weight", (H,)),
+            head=(self._w(p + "shared_head.head.weight", (c.vocab_size, H))
+                  if p + "shared_head.head.weight" in self.ckpt else lm_head),
+            embed=(self._t(p + "embed_tokens.weight", (c.vocab_size, H))
+                   if p + "embed_tokens.weight" in self.ckpt else embed))
