@@ -79,6 +79,25 @@ def _cmd_run(args) -> int:
     return 0
 
 
+def _cmd_serve(args) -> int:
+    from .serve import serve
+    from .serve.app import ServerLimits
+
+    overrides = {k: v for k, v in dict(backend=args.backend, precision=args.precision, revision=args.revision,
+                                       max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+                                       max_queue=args.max_queue).items() if v is not None}
+    from .config import EngineConfig
+
+    cfg = EngineConfig.from_any(args.config, **overrides)
+    limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
+                          max_tokens=args.max_tokens)
+    print(f"deepinfer: serving {args.model or 'the embedded model'} on http://{args.host}:{args.port}/v1",
+          file=sys.stderr)
+    serve(args.model, cfg, host=args.host, port=args.port, limits=limits, served_model_name=args.served_model_name,
+          drain_timeout=args.drain_timeout, log_level="info" if args.verbose else "warning")
+    return 0
+
+
 def _cmd_eval_ppl(args) -> int:
     from .evaluate import main as eval_main
 
@@ -121,6 +140,24 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--stop", action="append", help="stop string (repeatable)")
     r.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     r.set_defaults(fn=_cmd_run)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server: deepinfer serve [MODEL]")
+    s.add_argument("model", nargs="?", help="model directory or hub id org/name (default: the embedded model)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--config", help="engine config JSON file")
+    s.add_argument("--backend")
+    s.add_argument("--precision")
+    s.add_argument("--revision", help="branch, tag or commit of a hub id")
+    s.add_argument("--served-model-name", help="the model id clients send (default: MODEL as given)")
+    s.add_argument("--max-batch", type=int, help="sequences running together")
+    s.add_argument("--max-seq-len", type=int, help="longest prompt + completion")
+    s.add_argument("--max-queue", type=int, help="requests waiting before new ones get 503 (default 1024)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    s.add_argument("--max-prompt-tokens", type=int, help="longer prompts get 400 (default max_seq_len - 1)")
+    s.add_argument("--max-tokens", type=int, help="largest max_tokens a request may ask (default max_seq_len)")
+    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGINT/SIGTERM waits for requests")
+    s.set_defaults(fn=_cmd_serve)
 
     e = sub.add_parser("eval-ppl", help="held-out perplexity and top-1 agreement against bf16")
     e.add_argument("model", nargs="?", help="model directory or hub id (default: the embedded model)")

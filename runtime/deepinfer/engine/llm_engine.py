@@ -212,11 +212,11 @@ class Engine:
             seeds.append(step_seed(p.seed, s.seq.index, s.seq.num_output_tokens) if p else 0)
         tokens = self.runner.sample(logits, temperature=temp, top_k=top_k, top_p=top_p, seeds=seeds)
         host = None
-        if any(seq.params.logprobs for _, seq in sampled):
+        if any(seq.params.logprobs is not None for _, seq in sampled):
             host = self.backend.to_numpy(logits)
         now = time.monotonic()
         for i, seq in sampled:
-            outs.append(self._advance(seq, tokens[i], host[i] if host is not None and seq.params.logprobs else None,
+            outs.append(self._advance(seq, tokens[i], host[i] if seq.params.logprobs is not None else None,
                                       now))
         return outs
 

@@ -3,7 +3,7 @@ regardless of which batch, row or step a token is sampled in."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from ..errors import ConfigError
 
@@ -28,7 +28,7 @@ class SamplingParams:
     seed: int = 0
     stop: Sequence[str] = ()        # stop strings (not included in the output)
     stop_token_ids: Sequence[int] = ()   # besides the model's eos
-    logprobs: int = 0               # > 0: also report each output token's logprob and this many top alternatives
+    logprobs: Optional[int] = None  # not None: also report each output token's logprob and this many top alternatives
     ignore_eos: bool = False        # keep going past the eos token (benchmarks)
 
     @classmethod
@@ -46,7 +46,7 @@ class SamplingParams:
             raise ConfigError(f"top_p must be in (0, 1], not {p.top_p}")
         if p.temperature < 0:
             raise ConfigError(f"temperature must be >= 0, not {p.temperature}")
-        if not 0 <= p.logprobs <= 20:
+        if p.logprobs is not None and not 0 <= p.logprobs <= 20:
             raise ConfigError(f"logprobs must be in [0, 20], not {p.logprobs}")
         if p.top_k < 0:
             raise ConfigError(f"top_k must be >= 0, not {p.top_k}")

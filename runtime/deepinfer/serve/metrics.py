@@ -1,0 +1,67 @@
+"""Prometheus metrics of the server (prometheus_client, one registry per server).
+
+Counters and histograms are updated on the engine thread as outputs arrive; gauges (running and
+waiting requests, KV blocks, tokens/s over the last 10 s) are read from the engine when /metrics is
+scraped."""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
+
+
+class ServerMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests_started = Counter("deepinfer_requests_started", "requests admitted to the engine", registry=r)
+        self.requests_finished = Counter("deepinfer_requests_finished", "requests finished", ["reason"], registry=r)
+        self.requests_aborted = Counter("deepinfer_requests_aborted", "requests aborted (client gone)", registry=r)
+        self.requests_rejected = Counter("deepinfer_requests_rejected", "requests refused", ["status"], registry=r)
+        self.prompt_tokens = Counter("deepinfer_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("deepinfer_generation_tokens", "tokens generated", registry=r)
+        self.ttft = Histogram("deepinfer_time_to_first_token_seconds", "arrival to first token", registry=r,
+                              buckets=LATENCY_BUCKETS)
+        self.itl = Histogram("deepinfer_time_per_output_token_seconds", "between consecutive tokens of a request",
+                             registry=r, buckets=LATENCY_BUCKETS)
+        self.e2e = Histogram("deepinfer_request_latency_seconds", "arrival to last token", registry=r,
+                             buckets=LATENCY_BUCKETS)
+        self.step_time = Histogram("deepinfer_engine_step_seconds", "one engine step", registry=r,
+                                   buckets=LATENCY_BUCKETS)
+        self.running = Gauge("deepinfer_requests_running", "sequences holding KV blocks", registry=r)
+        self.waiting = Gauge("deepinfer_requests_waiting", "sequences waiting for admission", registry=r)
+        self.kv_used = Gauge("deepinfer_kv_blocks_used", "KV cache blocks in use", registry=r)
+        self.kv_total = Gauge("deepinfer_kv_blocks_total", "KV cache blocks", registry=r)
+        self.prefix_hit = Gauge("deepinfer_prefix_cache_hit_ratio", "prompt tokens served from the prefix cache",
+                                registry=r)
+        self.preemptions = Gauge("deepinfer_preemptions", "sequences preempted (recomputed later)", registry=r)
+        self.plans = Gauge("deepinfer_plans", "execution plans traced", registry=r)
+        self.tokens_per_s = Gauge("deepinfer_generation_tokens_per_second", "tokens generated per second, last 10 s",
+                                  registry=r)
+        self._recent: deque = deque()
+        self._lock = threading.Lock()
+
+    def note_tokens(self, now: float, n: int) -> None:
+        with self._lock:
+            self._recent.append((now, n))
+            while self._recent and self._recent[0][0] < now - 10.0:
+                self._recent.popleft()
+
+    def render(self, snapshot: dict) -> bytes:
+        self.running.set(snapshot["running"])
+        self.waiting.set(snapshot["waiting"])
+        self.kv_used.set(snapshot["kv_blocks_used"])
+        self.kv_total.set(snapshot["kv_blocks_total"])
+        q = snapshot["prefix_cache_query_tokens"]
+        self.prefix_hit.set(snapshot["prefix_cache_hit_tokens"] / q if q else 0.0)
+        self.preemptions.set(snapshot["preemptions"])
+        self.plans.set(snapshot["plans"])
+        now = time.monotonic()
+        with self._lock:
+            while self._recent and self._recent[0][0] < now - 10.0:
+                self._recent.popleft()
+            self.tokens_per_s.set(sum(n for _, n in self._recent) / 10.0)
+        return generate_latest(self.registry)
