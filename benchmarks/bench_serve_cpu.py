@@ -123,6 +123,7 @@ def run_http(reqs: list, clients: int, tok) -> dict:
 
     async def main():
         await asyncio.gather(*(worker() for _ in range(clients)))
+        await client.close()
 
     t0 = time.perf_counter()
     asyncio.run(main())
