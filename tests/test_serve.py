@@ -209,3 +209,50 @@ def test_64_concurrent_streaming_clients_with_cancellations(server, offline):
     s = server.aengine.snapshot()
     assert (s["kv_blocks_used"], s["running"], s["waiting"]) == (0, 0, 0)
     assert s["requests_aborted"] >= 1
+
+
+def test_cli_serve_answers_then_stops_cleanly_on_sigterm():
+    """`deepinfer serve` as users start it: binds 127.0.0.1, answers, and exits 0 on SIGTERM after
+    finishing the request that was running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    cfg = _config()
+    proc = subprocess.Popen([sys.executable, "-m", "deepinfer.cli", "serve", "--port", str(port), "--backend",
+                             cfg["backend"], "--precision", "f32", "--max-seq-len", "256", "--drain-timeout", "20"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        t0 = time.time()
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.time() - t0 < 120, "server did not come up"
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        models = c.models.list().data
+        out = {}
+
+        def long_request():
+            out["r"] = c.completions.create(model=models[0].id, prompt="def f(x):", max_tokens=120, temperature=0,
+                                            extra_body={"ignore_eos": True})
+
+        th = threading.Thread(target=long_request)
+        th.start()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        th.join(timeout=60)
+        assert out["r"].usage.completion_tokens == 120          # the running request finished
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 from typing import Optional
 
 log = logging.getLogger("deepinfer")
@@ -35,5 +36,8 @@ def serve(model=None, config=None, host: str = "127.0.0.1", port: int = 8000, li
     if host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s: reachable from other machines (no authentication)", host)
 
+    # uvicorn drains on SIGTERM, then re-raises it to the handler that was there before: make that
+    # one a no-op so a drained server exits 0 (SIGINT still ends as KeyboardInterrupt, status 130)
+    signal.signal(signal.SIGTERM, lambda *_: None)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(drain_timeout),
                 limit_concurrency=None)
