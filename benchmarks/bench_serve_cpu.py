@@ -86,7 +86,7 @@ def run_engine(eng: Engine, reqs: list, clients: int, static: bool) -> dict:
             "ttft_p50_ms": float(np.percentile(ttft, 50)), "ttft_p99_ms": float(np.percentile(ttft, 99))}
 
 
-def run_http(reqs: list, clients: int, tok) -> dict:
+def run_http(reqs: list, clients: int) -> dict:
     import openai
     import uvicorn
 
@@ -117,8 +117,6 @@ def run_http(reqs: list, clients: int, tok) -> dict:
                 if not got_first and chunk.choices and chunk.choices[0].text:
                     ttft.append((time.perf_counter() - t) * 1e3)
                     got_first = True
-                if chunk.choices and chunk.choices[0].finish_reason:
-                    pass
             ntok[0] += n
 
     async def main():
@@ -164,7 +162,7 @@ def main():
         row["static"] = run_engine(eng, reqs, c, static=True)
         row["continuous"] = run_engine(eng, reqs, c, static=False)
         if not a.no_http:
-            row["http"] = run_http(reqs, c, eng.tokenizer)
+            row["http"] = run_http(reqs, c)
         rows.append(row)
         print(json.dumps(row), flush=True)
     plans = plans_after(Engine.from_pretrained(None, config=CFG), 1000, 99)

@@ -88,7 +88,8 @@ class ModelRunner:
         self.plans: "OrderedDict[tuple, Plan]" = OrderedDict()
         self._hidden: Optional[Tensor] = None     # persistent final hidden states for the MTP head
         self.last_hidden: Optional[Tensor] = None
-        self._last_layout = None
+        self._last_layout = None                  # (seq id, tokens, start) of the last keep_hidden forward
+        self._last_steps = None                   # and its (Sequence, start, n) steps, for mtp_logits
         self._sample_bufs: dict = {}
         self._offline: dict = {}                  # caller's sequence id -> Sequence (the offline API)
         self.num_cache_layers = c.num_hidden_layers + (1 if self.has_mtp else 0)

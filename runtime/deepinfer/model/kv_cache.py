@@ -7,8 +7,6 @@ by mla_decode through the block table.
 """
 from __future__ import annotations
 
-from ..errors import CacheFullError  # noqa: F401  (raised by the block manager; re-exported here)
-
 
 def block_bytes(num_layers: int, block_size: int, width: int, dtype_bytes: int) -> int:
     """Bytes one block takes across all layers."""

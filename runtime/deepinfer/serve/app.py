@@ -19,11 +19,11 @@ from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import QueueFullError, SamplingParams
-from ..errors import ConfigError, DeepinferError
+from ..errors import ConfigError
 from .async_engine import AsyncEngine, EngineStopped
 from .protocol import ChatCompletionRequest, CompletionRequest
 
@@ -250,6 +250,38 @@ def create_app(aengine: AsyncEngine, model_name: str, limits: Optional[ServerLim
     def sse(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
+    def usage(n_prompt: int, n_out: int) -> dict:
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+    async def stream_events(req, sub_ids: list, q: asyncio.Queue, base: dict, n_prompt: int, choice, prelude=()):
+        """Server-sent events for the requests' outputs: `choice(o)` is the chunk's choice entry (None:
+        nothing to send), then the usage chunk when asked for and [DONE]. A client that goes away
+        (the generator is closed early) or an engine failure aborts the requests."""
+        left, n_out = len(sub_ids), 0
+        try:
+            for chunk in prelude:
+                yield sse(chunk)
+            while left:
+                o = await q.get()
+                if o is None:
+                    left -= 1
+                    continue
+                if isinstance(o, Exception):
+                    yield sse({"error": {"message": str(o), "type": "server_error", "param": None, "code": None}})
+                    break
+                if o.finished:
+                    n_out += o.num_output_tokens
+                c = choice(o)
+                if c is not None:
+                    yield sse({**base, "choices": [c]})
+            if req.stream_options and req.stream_options.include_usage and not left:
+                yield sse({**base, "choices": [], "usage": usage(n_prompt, n_out)})
+            yield "data: [DONE]\n\n"
+        finally:
+            if left:        # the client went away (or the engine failed): free the blocks now
+                for s in sub_ids:
+                    aengine.abort(s)
+
     # ------------------------------------------------------------------ /v1/completions
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -294,40 +326,20 @@ def create_app(aengine: AsyncEngine, model_name: str, limits: Optional[ServerLim
             choices = [{"index": k, "text": text.get(k, ""), "logprobs": lp.get(k) if want_lp else None,
                         "finish_reason": reason.get(k)} for k in range(len(sub_ids) * req.n)]
             return {**base, "choices": choices,
-                    "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}}
+                    "usage": usage(n_prompt, n_out)}
 
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        sent = {}       # characters streamed per choice (logprobs' text_offset)
 
-        async def events():
-            left, n_out, sent = len(sub_ids), 0, {}
-            try:
-                while left:
-                    o = await q.get()
-                    if o is None:
-                        left -= 1
-                        continue
-                    if isinstance(o, Exception):
-                        yield sse({"error": {"message": str(o), "type": "server_error", "param": None, "code": None}})
-                        break
-                    k = index[o.request_id] * req.n + o.index
-                    if not (o.text or o.finished or (want_lp and o.token_ids)):
-                        continue
-                    lp = logprob_block(o, sent.get(k, 0)) if want_lp and o.token_ids else None
-                    sent[k] = sent.get(k, 0) + len(o.text)
-                    if o.finished:
-                        n_out += o.num_output_tokens
-                    yield sse({**base, "choices": [{"index": k, "text": o.text, "logprobs": lp,
-                                                    "finish_reason": o.finish_reason if o.finished else None}]})
-                if include_usage and not left:
-                    yield sse({**base, "choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
-                                                                "total_tokens": n_prompt + n_out}})
-                yield "data: [DONE]\n\n"
-            finally:
-                if left:        # the client went away (or the engine failed): free the blocks now
-                    for s in sub_ids:
-                        aengine.abort(s)
+        def choice(o):
+            k = index[o.request_id] * req.n + o.index
+            if not (o.text or o.finished or (want_lp and o.token_ids)):
+                return None
+            lp = logprob_block(o, sent.get(k, 0)) if want_lp and o.token_ids else None
+            sent[k] = sent.get(k, 0) + len(o.text)
+            return {"index": k, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason if o.finished else None}
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(stream_events(req, sub_ids, q, base, n_prompt, choice), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
     # ------------------------------------------------------------------ /v1/chat/completions
     @app.post("/v1/chat/completions")
@@ -361,42 +373,20 @@ def create_app(aengine: AsyncEngine, model_name: str, limits: Optional[ServerLim
             choices = [{"index": k, "message": {"role": "assistant", "content": text.get(k, "")}, "logprobs": None,
                         "finish_reason": reason.get(k)} for k in range(req.n)]
             return {**base, "choices": choices,
-                    "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}}
+                    "usage": usage(n_prompt, n_out)}
 
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         base = {**base, "object": "chat.completion.chunk"}
 
-        async def events():
-            left, n_out = 1, 0
-            try:
-                for k in range(req.n):
-                    yield sse({**base, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
-                                                    "logprobs": None, "finish_reason": None}]})
-                while left:
-                    o = await q.get()
-                    if o is None:
-                        left -= 1
-                        continue
-                    if isinstance(o, Exception):
-                        yield sse({"error": {"message": str(o), "type": "server_error", "param": None, "code": None}})
-                        break
-                    if not (o.text or o.finished):
-                        continue
-                    if o.finished:
-                        n_out += o.num_output_tokens
-                    delta = {"content": o.text} if o.text else {}
-                    yield sse({**base, "choices": [{"index": o.index, "delta": delta, "logprobs": None,
-                                                    "finish_reason": o.finish_reason if o.finished else None}]})
-                if include_usage and not left:
-                    yield sse({**base, "choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
-                                                                "total_tokens": n_prompt + n_out}})
-                yield "data: [DONE]\n\n"
-            finally:
-                if left:
-                    for s in sub_ids:
-                        aengine.abort(s)
+        def choice(o):
+            if not (o.text or o.finished):
+                return None
+            return {"index": o.index, "delta": {"content": o.text} if o.text else {}, "logprobs": None,
+                    "finish_reason": o.finish_reason if o.finished else None}
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        roles = [{**base, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                       "finish_reason": None}]} for k in range(req.n)]
+        return StreamingResponse(stream_events(req, sub_ids, q, base, n_prompt, choice, roles),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     return app
 
