@@ -132,6 +132,26 @@ class Backend:
     def device_count(self) -> int:
         return 1
 
+    # ------------------------------------------------------------------ the working stream and graphs
+    # Every op, copy and synchronize() of a backend goes to its working stream (None: the default
+    # stream). A runner that captures graphs gives it a stream of its own (the default stream
+    # cannot be captured); host backends have nothing to capture.
+    @property
+    def supports_graphs(self) -> bool:
+        return False
+
+    def set_stream(self, stream: Optional["Stream"]) -> None:
+        self._working_stream = stream
+
+    @property
+    def stream(self) -> Optional["Stream"]:
+        return getattr(self, "_working_stream", None)
+
+    def capture(self, calls) -> "Graph":
+        """Run `calls` (prepared ops) under graph capture on the working stream; the Graph replays them."""
+        raise UnsupportedOpError("graph_begin", abi.UNIMPLEMENTED, "UNIMPLEMENTED",
+                                 f"backend {self.name!r} has no graph capture")
+
     def memory_info(self) -> tuple[int, int]:
         """(free, total) bytes of the memory this backend allocates from (host: MemAvailable, MemTotal)."""
         found = {}
@@ -207,6 +227,16 @@ class Event(_Handle):
             self.backend._event_sync(self.handle)
 
 
+class Graph(_Handle):
+    """A captured sequence of ops; launch() replays it on the backend's working stream."""
+
+    def _release(self, handle) -> None:
+        self.backend._graph_destroy(handle)
+
+    def launch(self) -> None:
+        self.backend._graph_launch(self.handle)
+
+
 class HostRegistration(_Handle):
     """A host range registered with a backend; unregistered by close() or on leaving a `with` block."""
 
@@ -252,6 +282,7 @@ class NativeBackend(Backend):
         self._array_cache: dict = {}
         self._device_type = abi.const("DI_DEVICE_CPU") if info.device == "cpu" else None
         self._workspace: Optional[DeviceBuffer] = None
+        self._stream_h = ffi.NULL     # the working stream's handle (ops, copies, synchronize)
         info.attributes = self.attributes()
         if info.device != "cpu":
             self._device_type = {"cuda": abi.const("DI_DEVICE_CUDA"), "rocm": abi.const("DI_DEVICE_ROCM")}.get(
@@ -312,7 +343,7 @@ class NativeBackend(Backend):
 
     def _copy(self, dst: int, src: int, nbytes: int, kind: str) -> None:
         self._check("mem_copy", self._api.mem_copy(
-            self._ctx, ffi.cast("void*", dst), ffi.cast("void*", src), nbytes, abi.const(kind), ffi.NULL))
+            self._ctx, ffi.cast("void*", dst), ffi.cast("void*", src), nbytes, abi.const(kind), self._stream_h))
 
     def upload(self, t) -> Tensor:
         t = t if isinstance(t, Tensor) else Tensor.from_numpy(np.asarray(t))
@@ -354,7 +385,45 @@ class NativeBackend(Backend):
 
     def synchronize(self) -> None:
         if self._has("stream_synchronize"):
-            self._check("stream_synchronize", self._api.stream_synchronize(self._ctx, ffi.NULL))
+            self._check("stream_synchronize", self._api.stream_synchronize(self._ctx, self._stream_h))
+
+    # -- the working stream and graph capture
+    @property
+    def supports_graphs(self) -> bool:
+        return self.device != "cpu" and all(
+            self._has(e) for e in ("graph_begin", "graph_end", "graph_launch", "graph_destroy"))
+
+    def set_stream(self, stream: Optional[Stream]) -> None:
+        """Make `stream` the working stream of every later op, copy and synchronize(); work already
+        issued on the previous one is finished first, so nothing reorders. Prepared calls keep the
+        stream they were prepared with."""
+        self.synchronize()
+        self._working_stream = stream
+        self._stream_h = stream.handle if stream is not None and stream.handle is not None else ffi.NULL
+
+    def capture(self, calls) -> Graph:
+        self._need("graph_begin", "graph_end", "graph_launch", "graph_destroy")
+        if self._stream_h == ffi.NULL:
+            raise ValueError("graph capture needs a working stream of its own (set_stream(create_stream()))")
+        self._check("graph_begin", self._api.graph_begin(self._ctx, self._stream_h))
+        try:
+            for call in calls:
+                call()
+        except BaseException:
+            g = ffi.new("DI_Graph**")
+            if self._api.graph_end(self._ctx, self._stream_h, g) == abi.OK and g[0] != ffi.NULL:
+                self._api.graph_destroy(self._ctx, g[0])
+            raise
+        g = ffi.new("DI_Graph**")
+        self._check("graph_end", self._api.graph_end(self._ctx, self._stream_h, g))
+        return Graph(self, g[0])
+
+    def _graph_launch(self, h) -> None:
+        self._check("graph_launch", self._api.graph_launch(self._ctx, h, self._stream_h))
+
+    def _graph_destroy(self, h) -> None:
+        if self._ctx is not None:
+            self._check("graph_destroy", self._api.graph_destroy(self._ctx, h))
 
     # -- streams, events, host memory, async copies (ABI 1.1)
     def _need(self, *entries: str) -> None:
@@ -436,7 +505,10 @@ class NativeBackend(Backend):
         kind = {(True, False): "DI_COPY_HOST_TO_DEVICE", (False, True): "DI_COPY_DEVICE_TO_HOST",
                 (False, False): "DI_COPY_DEVICE_TO_DEVICE", (True, True): "DI_COPY_HOST_TO_HOST"}[
             (src.on_host, dst.on_host)]
-        h = stream.handle if stream is not None and stream.handle is not None else ffi.NULL
+        if stream is None:
+            h = self._stream_h
+        else:
+            h = stream.handle if stream.handle is not None else ffi.NULL
         entry = "mem_copy_async" if self._has("mem_copy_async") else "mem_copy"
         self._check(entry, getattr(self._api, entry)(
             self._ctx, ffi.cast("void*", dst.data_ptr + dst.offset), ffi.cast("void*", src.data_ptr + src.offset),
@@ -579,6 +651,7 @@ class NativeBackend(Backend):
             raise UnsupportedOpError(op, abi.UNIMPLEMENTED, "UNIMPLEMENTED",
                                      f"backend {self.name!r} does not implement {op}")
         args, keep = self._marshal(op, kwargs)
+        args.header.stream = self._stream_h
         if self.device != "cpu" and self._has("op_query"):
             res = ffi.new("DI_OpQuery*")
             res.struct_size = ffi.sizeof("DI_OpQuery")

@@ -29,6 +29,9 @@ class EngineConfig:
     kv_block_size: int = 16              # tokens per cache block
     max_num_batched_tokens: Optional[int] = None   # prompt tokens per prefill step (None: max(512, max_batch))
     enable_prefix_cache: bool = True     # share the KV of equal prompt prefixes (full blocks) between requests
+    # device backends replay each decode step as one captured graph; true runs every op from Python
+    # (the debug path: an op's failure names the op)
+    enforce_eager: bool = False
     max_queue: int = 1024                # requests waiting for admission before add_request refuses more
     num_threads: int = 0                 # host threads for the CPU backend (0: all)
     device_id: int = 0
@@ -83,6 +86,8 @@ class EngineConfig:
             v = getattr(self, k)
             if v is not None and (not isinstance(v, int) or v <= 0):
                 raise ConfigError(f"{k} must be a positive integer or null, not {v!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ConfigError(f"enforce_eager must be true or false, not {self.enforce_eager!r}")
         if not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise ConfigError(f"max_queue must be a non-negative integer, not {self.max_queue!r}")
         if self.activation_dtype not in ("auto", "f32", "bf16"):

@@ -2,7 +2,7 @@
 
 It owns the weights (model.weights), the graph (model.deepseek), the KV cache memory, the block
 manager, the execution plans and the arena they share, the host staging of each step's inputs and
-the sampling buffers (and, later, graph capture). The scheduler hands it a batch of
+the sampling buffers, and graph capture. The scheduler hands it a batch of
 (Sequence, start, n_tokens); it pads the batch up to a bucket, fills the inputs, runs the plan and
 returns the logits.
 
@@ -12,6 +12,11 @@ steady state. Padding uses the ABI's own semantics: a padded token writes no cac
 in decode mode, attends to nothing (kv_len 0); in prefill mode padded tokens trail the last real
 sequence (causal attention keeps them out of every real token's output); padded sequences are
 empty (cu_seqlens repeats) and their logits rows are never read.
+
+Graphs: on a device backend with graph capture, the runner works on a stream of its own and each
+decode plan is captured after its first (eager) run, so a decode step costs one input copy, one
+graph launch, the sample op and one read of the sampled ids. Prefill plans run op by op (their
+launch overhead is small next to their work). enforce_eager=True keeps every step op by op.
 
 The offline API (forward / free / score / mtp_logits with caller-chosen sequence ids) serves tests,
 perplexity and benchmarks; it keeps a Sequence per id, so positions still live in one place.
@@ -63,7 +68,7 @@ class ModelRunner:
                  num_cache_blocks: Optional[int] = None, block_size: int = 16, dtype: str = "f32",
                  load_mtp: bool = True, precision: Optional[str] = None, group_size: int = 64,
                  max_num_batched_tokens: Optional[int] = None, kv_cache_memory_fraction: Optional[float] = None,
-                 enable_prefix_cache: bool = True):
+                 enable_prefix_cache: bool = True, enforce_eager: bool = False):
         ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
         if dtype not in ("f32", "bf16"):
             raise ValueError(f"activation dtype must be 'f32' or 'bf16', not {dtype!r}")
@@ -81,6 +86,13 @@ class ModelRunner:
         self.max_num_batched_tokens = int(max_num_batched_tokens or max(512, self.max_batch))
         self.eos_token_id = c.eos_token_id
         self.bos_token_id = c.bos_token_id
+        # graphs need a stream of our own (the default stream cannot be captured); the backend's
+        # copies and ops all go there from now on, so nothing reorders around the captured steps
+        self.use_graphs = bool(backend.supports_graphs and not enforce_eager)
+        self.stream = None
+        if self.use_graphs:
+            self.stream = backend.create_stream()
+            backend.set_stream(self.stream)
         self.has_mtp = bool(load_mtp and c.has_mtp and f"model.layers.{c.num_hidden_layers}.eh_proj.weight" in ckpt)
         self.weights = WeightLoader(ckpt, backend, dtype, precision, group_size).load(self.has_mtp)
         self.graph = DeepseekGraph(c, self.weights, [], dtype, self.act_quant)
@@ -185,6 +197,8 @@ class ModelRunner:
         Tb, Sb = bucket(T), bucket(S)
         p = self.plan(kind, mode, Tb, Sb, all_logits, keep_hidden)
         self._fill(p, batch, mode, T, Tb, Sb)
+        if self.use_graphs and mode == "decode" and p.graph is None and p.runs >= 1:
+            p.capture(self.backend)
         p.run(self.backend)
         if keep_hidden:
             self.last_hidden = self._hidden.narrow(0, 0, T)
@@ -236,22 +250,15 @@ class ModelRunner:
 
     # ================================================================== sampling
     def sample(self, logits: Tensor, temperature, top_k=None, top_p=None, seeds=None) -> list:
-        """One token per row of logits through the backend's sample op."""
+        """One token per row of logits through the backend's sample op: the four parameter arrays go
+        in one copy and the ids come back in one (pinned buffers on device backends)."""
         B = logits.shape[0]
         bufs = self._sample_bufs.get(B)
         if bufs is None:
-            be = self.backend
-            bufs = {"temperature": be.empty((B,), "f32"), "top_k": be.empty((B,), "int32"),
-                    "top_p": be.empty((B,), "f32"), "seeds": be.empty((B,), "uint64"), "out": be.empty((B,), "int32")}
-            self._sample_bufs[B] = bufs
-        vals = {"temperature": np.asarray(temperature, np.float32),
-                "top_k": np.asarray(top_k if top_k is not None else [0] * B, np.int32),
-                "top_p": np.asarray(top_p if top_p is not None else [1.0] * B, np.float32),
-                "seeds": np.asarray(seeds if seeds is not None else [0] * B, np.uint64)}
-        for k, v in vals.items():
-            self.backend.write(bufs[k], v.reshape(B))
-        self.backend.sample(logits=logits, out=bufs["out"], **{k: bufs[k] for k in vals})
-        return [int(t) for t in self.backend.to_numpy(bufs["out"])]
+            bufs = self._sample_bufs[B] = _SampleBuffers(self.backend, B)
+        bufs.set(temperature, top_k, top_p, seeds)
+        self.backend.sample(logits=logits, out=bufs.out, **bufs.params)
+        return bufs.result()
 
     # ================================================================== the offline API
     def new_sequence(self) -> int:
@@ -388,7 +395,8 @@ def load_runner(model_dir, backend, engine_config=None) -> ModelRunner:
     group = scheme.group_size if scheme is not None and scheme.format == "int4" else ec.group_size
     kw = dict(max_batch=int(ec.max_batch), max_seq_len=int(ec.max_seq_len), block_size=bs, group_size=int(group),
               max_num_batched_tokens=getattr(ec, "max_num_batched_tokens", None),
-              enable_prefix_cache=bool(getattr(ec, "enable_prefix_cache", True)))
+              enable_prefix_cache=bool(getattr(ec, "enable_prefix_cache", True)),
+              enforce_eager=bool(getattr(ec, "enforce_eager", False)))
     tokens = getattr(ec, "kv_cache_tokens", None)
     if tokens:
         kw["num_cache_blocks"] = -(-int(tokens) // bs)
@@ -410,3 +418,50 @@ def load_runner(model_dir, backend, engine_config=None) -> ModelRunner:
     runner.precision_reason = reason
     runner.precision_lossy = lossy   # the weights compute something other than the stored ones
     return runner
+
+
+class _SampleBuffers:
+    """The sample op's per-row parameters packed in one buffer (temperature f32, top_k i32, top_p
+    f32, seeds u64: each block 256-byte aligned) with a host mirror, and its output ids."""
+
+    FIELDS = (("seeds", "uint64"), ("temperature", "f32"), ("top_k", "int32"), ("top_p", "f32"))
+
+    def __init__(self, backend, B: int):
+        self.backend, self.B = backend, B
+        self.offsets, off = {}, 0
+        for name, dt in self.FIELDS:
+            self.offsets[name] = off
+            off += -(-B * (8 if dt == "uint64" else 4) // 256) * 256
+        device = backend.device != "cpu"
+        self.store = backend.empty((off,), "uint8")
+        self.host = self.store
+        self.out = backend.empty((B,), "int32")
+        self.out_host = self.out
+        if device:
+            try:
+                self.host = backend.host_empty((off,), "uint8")
+                self.out_host = backend.host_empty((B,), "int32")
+            except Exception:   # no pinned memory in this library: pageable copies
+                self.host, self.out_host = Tensor.empty((off,), "uint8"), Tensor.empty((B,), "int32")
+        raw = self.host.numpy()
+        self.views, self.params = {}, {}
+        for name, dt in self.FIELDS:
+            o = self.offsets[name]
+            t = Tensor(self.store.buffer, (B,), dt, None, self.store.offset + o)
+            self.params[name] = t
+            self.views[name] = raw[o:o + t.nbytes].view(t.dtype.np)
+
+    def set(self, temperature, top_k, top_p, seeds) -> None:
+        B, v = self.B, self.views
+        v["temperature"][:] = np.asarray(temperature, np.float32).reshape(B)
+        v["top_k"][:] = np.asarray(top_k, np.int32).reshape(B) if top_k is not None else 0
+        v["top_p"][:] = np.asarray(top_p, np.float32).reshape(B) if top_p is not None else 1.0
+        v["seeds"][:] = np.asarray(seeds, np.uint64).reshape(B) if seeds is not None else 0
+        if self.host is not self.store:
+            self.backend.copy_async(self.store, self.host)
+
+    def result(self) -> list:
+        if self.out_host is not self.out:
+            self.backend.copy_async(self.out_host, self.out)
+            self.backend.synchronize()   # the one host synchronization of a step
+        return [int(t) for t in self.out_host.numpy()]

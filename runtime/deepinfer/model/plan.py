@@ -10,7 +10,14 @@ different layers with the same shape land on the same bytes. Binding swaps each 
 for a view into the arena; executing is a loop of backend calls with no allocation at all.
 
 Per-step inputs (token ids, positions, slots, block tables...) are small int32 buffers outside
-the arena that `set_input` overwrites before each run.
+the arena, all in one input store. The host writes them through `host_input` views: on a host
+backend those views are the store itself; on a device backend they are views of one pinned
+staging buffer with the store's layout, which `run` sends in one asynchronous copy.
+
+A plan can also be captured as a graph (`capture`): the bound calls are recorded once on the
+backend's working stream and every later `run` is the input copy plus one graph launch. The
+buffers never move while the plan stays bound, which is what makes a replay valid; rebinding (the
+arena grew) drops the graph.
 """
 from __future__ import annotations
 
@@ -146,6 +153,11 @@ class Plan:
     _arena_gen: int = -1
     _prepared: Optional[list] = None
     _host_inputs: dict = field(default_factory=dict)
+    _staging: Optional[Tensor] = None      # pinned host copy of the input store (device backends)
+    _staged: object = None                 # event after the last input copy (None: nothing in flight)
+    _pending: bool = False
+    graph: object = None                   # the captured calls (backend.Graph), None: run op by op
+    runs: int = 0
 
     @classmethod
     def from_tracer(cls, key, tr: Tracer) -> "Plan":
@@ -169,7 +181,14 @@ class Plan:
         if self._arena_gen == arena.generation and self.bound:
             return
         if not self.bound_inputs:
-            self._input_store = backend.empty((max(self.input_bytes, 1),), "uint8")
+            n = max(self.input_bytes, 1)
+            self._input_store = backend.empty((n,), "uint8")
+            if backend.device != "cpu":
+                try:
+                    self._staging = backend.host_empty((n,), "uint8")
+                    self._staged = backend.create_event()
+                except Exception:   # a library without pinned memory or events: a pageable staging copy
+                    self._staging, self._staged = Tensor.empty((n,), "uint8"), None
         memo: dict = {}
 
         def real(t):
@@ -194,20 +213,46 @@ class Plan:
         self.bound_outputs = {k: real(v) for k, v in self.outputs.items()}
         self._arena_gen = arena.generation
         self._prepared = None
-        self._host_inputs = {k: np.zeros(v.shape, v.dtype.np) for k, v in self.inputs.items()}
+        self.graph = None
+        # host views of the inputs: the store itself on a host backend, else the pinned staging
+        host = self._input_store if self._staging is None else self._staging
+        raw = host.numpy()
+        self._host_inputs = {}
+        for k, v in self.inputs.items():
+            off = v.buffer.offset
+            self._host_inputs[k] = raw[off:off + v.nbytes].view(v.dtype.np).reshape(v.shape)
 
     def host_input(self, name: str) -> np.ndarray:
-        """A host staging array for an input; fill it, then `run` copies it in."""
+        """The host view of an input; fill it, then `run` makes it the device's."""
+        if self._pending:
+            # the previous run's input copy may still be reading the staging buffer
+            self._staged.synchronize()
+            self._pending = False
         return self._host_inputs[name]
 
-    def run(self, backend) -> None:
-        for name, t in self.bound_inputs.items():
-            backend.write(t, self._host_inputs[name])
+    def prepared(self, backend) -> list:
         if self._prepared is None:
             # the buffers never move between runs of a plan, so each call is bound once
             self._prepared = [backend.prepare(op, **kw) for op, kw in self.bound]
-        for call in self._prepared:
-            call()
+        return self._prepared
+
+    def run(self, backend) -> None:
+        if self._staging is not None:
+            backend.copy_async(self._input_store, self._staging)
+            if self._staged is not None:
+                self._staged.record(backend.stream)
+                self._pending = True
+        if self.graph is not None:
+            self.graph.launch()
+        else:
+            for call in self.prepared(backend):
+                call()
+        self.runs += 1
+
+    def capture(self, backend) -> None:
+        """Record the bound calls as one graph; later runs replay it (the plan must have run once,
+        so that libraries have done their first-call set-up outside the capture)."""
+        self.graph = backend.capture(self.prepared(backend))
 
 
 class Arena:
