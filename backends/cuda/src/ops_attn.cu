@@ -5,6 +5,8 @@
 // mla_decode absorbs kv_b_proj: q_lat = q_nope @ W_uk (kernel 1), attention over the latent cache
 // split across position chunks (kernel 2, flash-decoding style), then merge of the chunks and
 // out = W_uv @ o_lat (kernel 3).
+#include <algorithm>
+
 #include "device.cuh"
 
 using namespace di;
@@ -97,6 +99,199 @@ __global__ __launch_bounds__(128) void k_mla_prefill(DTensor q, DTensor kv, DTen
     }
 }
 
+// ------------------------------------------------------------------------------ prefill, tensor cores
+// FlashAttention-2 on mma.sync m16n8k16 (bf16 in, f32 accumulate) for the DeepSeek head shape:
+// Dn + Dr = 192 query/key dims (k = [k_nope | k_pe], k_pe shared by the heads), Dv = 128, all bf16
+// with 16-byte aligned rows. A block owns 64 consecutive packed tokens of one head (16 per warp)
+// and walks 64-key tiles from the first token's sequence start to its last token; each row masks
+// keys outside [its sequence's start, itself], so tiles may straddle sequences and no per-step
+// schedule is needed. S = Q K^T stays in registers; its C fragments are P's A fragments for P V.
+// Other shapes or dtypes use k_mla_prefill above.
+constexpr int FA_Q = 64, FA_K = 64, FA_DQ = 192, FA_DV = 128;
+constexpr int FA_KS = FA_DQ + 8;    // K row stride in smem (bf16): +8 keeps the B-fragment reads conflict-free
+constexpr int FA_VS = FA_K + 8;     // V^T row stride
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define DI_FA_MMA 1
+#endif
+
+__device__ __forceinline__ void fa_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#ifdef DI_FA_MMA
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+__device__ __forceinline__ uint32_t fa_pack(float lo, float hi) {
+    return (uint32_t)f_to_bf16(lo) | ((uint32_t)f_to_bf16(hi) << 16);
+}
+
+__device__ __forceinline__ int64_t fa_seq_start(const DTensor& cu, int64_t S, int64_t i) {
+    int64_t lo = 0, hi = S;   // largest s with cu[s] <= i
+    while (hi - lo > 1) {
+        const int64_t mid = (lo + hi) / 2;
+        if (load_i(cu.dt, cu.base, mid * cu.strides[0]) <= i) lo = mid;
+        else hi = mid;
+    }
+    return load_i(cu.dt, cu.base, lo * cu.strides[0]);
+}
+
+__global__ __launch_bounds__(128) void k_mla_prefill_tc(DTensor q, DTensor kv, DTensor kpe, DTensor cu, DTensor out,
+                                                        int64_t T, int64_t S, float scale_log2) {
+    __shared__ __align__(16) uint16_t ks[FA_K * FA_KS];    // Q tile first, then each K tile
+    __shared__ __align__(16) uint16_t vt[FA_DV * FA_VS];   // V tile, transposed: vt[dv][key]
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c4 = lane & 3;
+    const int64_t h = blockIdx.y, i0 = (int64_t)blockIdx.x * FA_Q;
+    if (i0 >= T) return;
+    const char* qb = q.base;
+    // Q tile -> smem -> A fragments (12 k-steps of 16 dims)
+    for (int u = threadIdx.x; u < FA_Q * (FA_DQ / 8); u += blockDim.x) {
+        const int r = u / (FA_DQ / 8), c = (u % (FA_DQ / 8)) * 8;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (i0 + r < T) v = *reinterpret_cast<const uint4*>(qb + 2 * ((i0 + r) * q.strides[0] + h * q.strides[1] + c));
+        *reinterpret_cast<uint4*>(&ks[r * FA_KS + c]) = v;
+    }
+    __syncthreads();
+    uint32_t qa[FA_DQ / 16][4];
+    const int rw = warp * 16;
+#pragma unroll
+    for (int k = 0; k < FA_DQ / 16; ++k) {
+        const int col = k * 16 + 2 * c4;
+        qa[k][0] = *reinterpret_cast<const uint32_t*>(&ks[(rw + g) * FA_KS + col]);
+        qa[k][1] = *reinterpret_cast<const uint32_t*>(&ks[(rw + g + 8) * FA_KS + col]);
+        qa[k][2] = *reinterpret_cast<const uint32_t*>(&ks[(rw + g) * FA_KS + col + 8]);
+        qa[k][3] = *reinterpret_cast<const uint32_t*>(&ks[(rw + g + 8) * FA_KS + col + 8]);
+    }
+    // this thread's two rows, their sequence starts, and the block's key range
+    const int64_t ra = i0 + rw + g, rb = ra + 8;
+    const int64_t sa = ra < T ? fa_seq_start(cu, S, ra) : T, sb = rb < T ? fa_seq_start(cu, S, rb) : T;
+    const int64_t kbeg = fa_seq_start(cu, S, i0), kend = min(T, i0 + FA_Q);
+    float o[FA_DV / 8][4];
+#pragma unroll
+    for (int n = 0; n < FA_DV / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float ma = -INFINITY, mb = -INFINITY, la = 0.f, lb = 0.f;
+    for (int64_t j0 = kbeg; j0 < kend; j0 += FA_K) {
+        __syncthreads();   // the previous tile (or the Q tile) is no longer read
+        for (int u = threadIdx.x; u < FA_K * (FA_DQ / 8); u += blockDim.x) {
+            const int r = u / (FA_DQ / 8), c = (u % (FA_DQ / 8)) * 8;
+            const int64_t j = j0 + r;
+            uint4 v = make_uint4(0, 0, 0, 0);
+            if (j < kend) {
+                const int dn = FA_DQ - 64;
+                const char* src = c < dn ? kv.base + 2 * (j * kv.strides[0] + h * kv.strides[1] + c)
+                                         : kpe.base + 2 * (j * kpe.strides[0] + (c - dn));
+                v = *reinterpret_cast<const uint4*>(src);
+            }
+            *reinterpret_cast<uint4*>(&ks[r * FA_KS + c]) = v;
+        }
+        for (int u = threadIdx.x; u < FA_K * (FA_DV / 8); u += blockDim.x) {
+            const int r = u / (FA_DV / 8), c = (u % (FA_DV / 8)) * 8;
+            const int64_t j = j0 + r;
+            uint4 v = make_uint4(0, 0, 0, 0);
+            if (j < kend)
+                v = *reinterpret_cast<const uint4*>(kv.base + 2 * (j * kv.strides[0] + h * kv.strides[1] + (FA_DQ - 64) + c));
+            const uint16_t* e = reinterpret_cast<const uint16_t*>(&v);
+#pragma unroll
+            for (int x = 0; x < 8; ++x) vt[(c + x) * FA_VS + r] = e[x];
+        }
+        __syncthreads();
+        // S = Q K^T for 16 rows x 64 keys per warp
+        float sc[FA_K / 8][4];
+#pragma unroll
+        for (int n = 0; n < FA_K / 8; ++n) {
+            sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+#pragma unroll
+            for (int k = 0; k < FA_DQ / 16; ++k) {
+                const uint16_t* kr = &ks[(n * 8 + g) * FA_KS + k * 16 + 2 * c4];
+                fa_mma(sc[n], qa[k], *reinterpret_cast<const uint32_t*>(kr), *reinterpret_cast<const uint32_t*>(kr + 8));
+            }
+        }
+        // mask (own sequence, causal), scale, online softmax per row
+        float mxa = -INFINITY, mxb = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < FA_K / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int64_t j = j0 + n * 8 + 2 * c4 + e;
+                sc[n][e] = (j >= sa && j <= ra && j < kend) ? sc[n][e] * scale_log2 : -INFINITY;
+                sc[n][2 + e] = (j >= sb && j <= rb && j < kend) ? sc[n][2 + e] * scale_log2 : -INFINITY;
+                mxa = fmaxf(mxa, sc[n][e]);
+                mxb = fmaxf(mxb, sc[n][2 + e]);
+            }
+        }
+        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 1));
+        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 2));
+        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 1));
+        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
+        const float na = fmaxf(ma, mxa), nb = fmaxf(mb, mxb);
+        const float ua = na == -INFINITY ? 0.f : na, ub = nb == -INFINITY ? 0.f : nb;
+        const float ca = exp2f(ma - ua), cb = exp2f(mb - ub);   // exp2(-inf) = 0 on the first tile
+        ma = na;
+        mb = nb;
+        la *= ca;
+        lb *= cb;
+#pragma unroll
+        for (int n = 0; n < FA_DV / 8; ++n) {
+            o[n][0] *= ca;
+            o[n][1] *= ca;
+            o[n][2] *= cb;
+            o[n][3] *= cb;
+        }
+        uint32_t pa[FA_K / 16][4];
+#pragma unroll
+        for (int n = 0; n < FA_K / 8; ++n) {
+            const float p0 = exp2f(sc[n][0] - ua), p1 = exp2f(sc[n][1] - ua);
+            const float p2 = exp2f(sc[n][2] - ub), p3 = exp2f(sc[n][3] - ub);
+            la += p0 + p1;
+            lb += p2 + p3;
+            pa[n / 2][(n & 1) * 2 + 0] = fa_pack(p0, p1);
+            pa[n / 2][(n & 1) * 2 + 1] = fa_pack(p2, p3);
+        }
+        // O += P V
+#pragma unroll
+        for (int n = 0; n < FA_DV / 8; ++n) {
+#pragma unroll
+            for (int k = 0; k < FA_K / 16; ++k) {
+                const uint16_t* vr = &vt[(n * 8 + g) * FA_VS + k * 16 + 2 * c4];
+                fa_mma(o[n], pa[k], *reinterpret_cast<const uint32_t*>(vr), *reinterpret_cast<const uint32_t*>(vr + 8));
+            }
+        }
+    }
+    la += __shfl_xor_sync(0xffffffffu, la, 1);
+    la += __shfl_xor_sync(0xffffffffu, la, 2);
+    lb += __shfl_xor_sync(0xffffffffu, lb, 1);
+    lb += __shfl_xor_sync(0xffffffffu, lb, 2);
+    const float ia = la > 0.f ? 1.f / la : 0.f, ib = lb > 0.f ? 1.f / lb : 0.f;
+#pragma unroll
+    for (int n = 0; n < FA_DV / 8; ++n) {
+        const int dv = n * 8 + 2 * c4;
+        if (ra < T) {
+            store_f(out.dt, out.base, ra * out.strides[0] + h * out.strides[1] + dv, o[n][0] * ia);
+            store_f(out.dt, out.base, ra * out.strides[0] + h * out.strides[1] + dv + 1, o[n][1] * ia);
+        }
+        if (rb < T) {
+            store_f(out.dt, out.base, rb * out.strides[0] + h * out.strides[1] + dv, o[n][2] * ib);
+            store_f(out.dt, out.base, rb * out.strides[0] + h * out.strides[1] + dv + 1, o[n][3] * ib);
+        }
+    }
+}
+
+// the tensor-core kernel's preconditions: its head shape, bf16 operands, 16-byte aligned rows
+static bool prefill_tc_ok(const DI_Context* ctx, const QTensor& q, const QTensor& kv, const QTensor& kpe,
+                          int64_t Dn, int64_t Dr, int64_t Dv) {
+    if (ctx->prop.major < 8 || Dn + Dr != FA_DQ || Dr != 64 || Dv != FA_DV) return false;
+    if (q.q.dt != DT_BF16 || kv.q.dt != DT_BF16 || kpe.q.dt != DT_BF16) return false;
+    auto al = [](const DTensor& t, int lead) {
+        if (reinterpret_cast<uintptr_t>(t.base) % 16) return false;
+        for (int d = 0; d < lead; ++d)
+            if (t.strides[d] % 8) return false;
+        return true;
+    };
+    return al(q.q, 2) && al(kv.q, 2) && al(kpe.q, 1);
+}
+
 #define FLOATS DT_F32, DT_BF16   // DI_DTS_FLOAT of the op table
 
 DI_Status op_mla_prefill(DI_Context* ctx, const DI_MLAPrefillArgs* a, OpMode* mode) {
@@ -135,6 +330,12 @@ DI_Status op_mla_prefill(DI_Context* ctx, const DI_MLAPrefillArgs* a, OpMode* mo
     const unsigned grid = grid_for(T * H, 1, 1 << 20);
     cudaStream_t s = (cudaStream_t)a->header.stream;
     const int64_t S = cu.q.shape[0] - 1;
+    if (prefill_tc_ok(ctx, q, kv, kpe, Dn, Dr, Dv) && getenv("DEEPINFER_CUDA_PREFILL_SCALAR") == nullptr) {
+        if (H > 65535) return set_error(ctx, DI_UNIMPLEMENTED, "%s: %lld heads", op, (long long)H);
+        dim3 g((unsigned)ceil_div(T, FA_Q), (unsigned)H);
+        k_mla_prefill_tc<<<g, 128, 0, s>>>(q.q, kv.q, kpe.q, cu.q, out.q, T, S, a->scale * 1.4426950408889634f);
+        return launch_status(ctx, op);
+    }
     if (Dq <= 256 && Dv <= 128)
         k_mla_prefill<8, 4><<<grid, 128, 0, s>>>(q.q, kv.q, kpe.q, cu.q, out.q, T, H, S, (int)Dn, (int)Dr, (int)Dv, a->scale);
     else if (Dv <= 128)
@@ -147,29 +348,66 @@ DI_Status op_mla_prefill(DI_Context* ctx, const DI_MLAPrefillArgs* a, OpMode* mo
 }
 
 // ---------------------------------------------------------------------------------------- decode
+// Four kernels per call, each shaped so the absorbed weights are read once per step, not once per
+// (token, head) (reading W_uk / W_uv per token and head was most of the op's time at batch 1 and
+// made it L2-bound at batch 32):
+//   qlat   qf[t, h] = [q_nope[t, h] @ W_uk[h] (Dc), q_pe[t, h] (Dr)]: a block owns one head, 64
+//          latent columns and up to 16 tokens; its weight tile is read once for all of them.
+//   attn   partial softmax states over position chunks (flash-decoding); the chunk length follows
+//          each token's kv_len on the device, so a short context uses few chunks and a long one
+//          fills the GPU, with the grid fixed (graph replay keeps it).
+//   merge  o_lat[t, h] = LSE-weighted sum of the active chunks' states.
+//   uv     out[t, h] = W_uv[h] @ o_lat[t, h]: a block owns one head, 16 value rows and up to 16
+//          tokens.
 struct DecodeDims {
     int64_t T, H, S, MB, NB, BS;
-    int     Dn, Dr, Dv, Dc, splits, chunk;
+    int     Dn, Dr, Dv, Dc, splits;
 };
 
-// qf[t, h] = [q_nope @ W_uk[h] (Dc), q_pe (Dr)] in f32
-__global__ void k_mla_qlat(DTensor q, DTensor w, float* qf, DecodeDims d) {
-    extern __shared__ float qn[];
+constexpr int MLA_TT = 16;        // tokens per qlat / uv block
+constexpr int MLA_QCOLS = 64;     // latent columns per qlat block
+constexpr int MLA_UV_ROWS = 16;   // value rows per uv block (2 per warp)
+constexpr int MLA_MIN_CHUNK = 16; // positions: smaller chunks cost more in the merge than they save
+
+__global__ __launch_bounds__(256) void k_mla_qlat(DTensor q, DTensor w, float* qf, DecodeDims d, int tt) {
+    extern __shared__ float qs[];                      // [tt][Dn] q_nope of the block's tokens
+    __shared__ float red[4][MLA_TT][MLA_QCOLS];
+    const int col = threadIdx.x & (MLA_QCOLS - 1), kq = threadIdx.x >> 6;   // 4 quarters of the k range
+    const int64_t h = blockIdx.x, c = (int64_t)blockIdx.y * MLA_QCOLS + col, t0 = (int64_t)blockIdx.z * tt;
     const int Dk = d.Dc + d.Dr;
-    for (int64_t bi = blockIdx.x; bi < d.T * d.H; bi += gridDim.x) {
-        const int64_t t = bi / d.H, h = bi % d.H, qo = t * q.strides[0] + h * q.strides[1];
-        for (int i = threadIdx.x; i < d.Dn; i += blockDim.x) qn[i] = load_f(q.dt, q.base, qo + i);
-        __syncthreads();
-        float* dst = qf + bi * Dk;
+    const int nt = (int)min((int64_t)tt, d.T - t0);
+    for (int i = threadIdx.x; i < tt * d.Dn; i += blockDim.x) {
+        const int t = i / d.Dn, k = i % d.Dn;
+        qs[i] = t < nt ? load_f(q.dt, q.base, (t0 + t) * q.strides[0] + h * q.strides[1] + k) : 0.f;
+    }
+    __syncthreads();
+    float acc[MLA_TT];
+#pragma unroll
+    for (int t = 0; t < MLA_TT; ++t) acc[t] = 0.f;
+    if (c < d.Dc) {
         const int64_t wrow = h * (int64_t)(d.Dn + d.Dv);
-        for (int c = threadIdx.x; c < d.Dc; c += blockDim.x) {
-            float acc = 0.f;
-#pragma unroll 16
-            for (int i = 0; i < d.Dn; ++i) acc += qn[i] * load_f(w.dt, w.base, (wrow + i) * w.strides[0] + c);
-            dst[c] = acc;
+#pragma unroll 4
+        for (int k = kq; k < d.Dn; k += 4) {
+            const float wv = load_f(w.dt, w.base, (wrow + k) * w.strides[0] + c);
+#pragma unroll
+            for (int t = 0; t < MLA_TT; ++t)
+                if (t < nt) acc[t] += qs[t * d.Dn + k] * wv;
         }
-        for (int r = threadIdx.x; r < d.Dr; r += blockDim.x) dst[d.Dc + r] = load_f(q.dt, q.base, qo + d.Dn + r);
-        __syncthreads();
+    }
+#pragma unroll
+    for (int t = 0; t < MLA_TT; ++t) red[kq][t][col] = acc[t];
+    __syncthreads();
+    for (int i = threadIdx.x; i < nt * MLA_QCOLS; i += blockDim.x) {
+        const int t = i / MLA_QCOLS, cc = i % MLA_QCOLS;
+        const int64_t cg = (int64_t)blockIdx.y * MLA_QCOLS + cc;
+        if (cg < d.Dc) qf[((t0 + t) * d.H + h) * Dk + cg] = red[0][t][cc] + red[1][t][cc] + red[2][t][cc] + red[3][t][cc];
+    }
+    if (blockIdx.y == 0) {   // the rope part is q's own
+        for (int i = threadIdx.x; i < nt * d.Dr; i += blockDim.x) {
+            const int t = i / d.Dr, r = i % d.Dr;
+            qf[((t0 + t) * d.H + h) * Dk + d.Dc + r] =
+                load_f(q.dt, q.base, (t0 + t) * q.strides[0] + h * q.strides[1] + d.Dn + r);
+        }
     }
 }
 
@@ -182,6 +420,13 @@ __device__ __forceinline__ int64_t decode_len(const DTensor& seq, const DTensor&
     if (len > d.MB * d.BS) len = d.MB * d.BS;  // never index past the block table
     *s_out = s;
     return len;
+}
+
+// positions per chunk for a token with `len` keys: the fixed number of splits shares them, in
+// multiples of MLA_MIN_CHUNK; chunks at or past len are inactive (neither written nor merged)
+__device__ __forceinline__ int64_t decode_chunk(int64_t len, int splits) {
+    int64_t c = ceil_div(len, (int64_t)splits);
+    return c < MLA_MIN_CHUNK ? MLA_MIN_CHUNK : ceil_div(c, MLA_MIN_CHUNK) * MLA_MIN_CHUNK;
 }
 
 // partial[(t*H + h) * splits + split] = [m, l, o (Dc)] over the positions of one chunk.
@@ -203,7 +448,9 @@ __global__ __launch_bounds__(256) void k_mla_attn(const float* qf, DTensor cache
     const int ng = (int)min((int64_t)MLA_HG, d.H - h0);
     int64_t s;
     const int64_t len = decode_len(seq, kvl, d, t, &s);
-    const int64_t p0 = split * (int64_t)d.chunk, p1 = min(len, p0 + (int64_t)d.chunk);
+    const int64_t chunk = decode_chunk(len, d.splits);
+    const int64_t p0 = split * chunk, p1 = min(len, p0 + chunk);
+    if (p0 >= len && split > 0) return;   // inactive chunk (chunk 0 always reports, even for len 0)
     for (int i = threadIdx.x; i < MLA_HG * NQ * 32; i += blockDim.x) {
         int g = i / (NQ * 32), k = i % (NQ * 32);
         sm_q[g][k] = (g < ng && k < Dk) ? qf[(t * d.H + h0 + g) * Dk + k] : 0.f;
@@ -281,46 +528,74 @@ __global__ __launch_bounds__(256) void k_mla_attn(const float* qf, DTensor cache
     }
 }
 
-// merge the chunks, then out[t, h] = W_uv[h] @ o_lat
-__global__ __launch_bounds__(256) void k_mla_out(const float* part, DTensor w, DTensor out, DecodeDims d) {
-    extern __shared__ float ol[];          // Dc merged latent values, then splits weights
+// ol[t, h] = the active chunks' states merged (0 for a token with no keys)
+__global__ __launch_bounds__(128) void k_mla_merge(const float* part, DTensor seq, DTensor kvl, float* ol,
+                                                   DecodeDims d) {
+    __shared__ float wgt[1024];
     __shared__ float red[32];
-    float* wgt = ol + d.Dc;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     const int64_t stride = d.Dc + 2;
     for (int64_t bi = blockIdx.x; bi < d.T * d.H; bi += gridDim.x) {
-        const int64_t t = bi / d.H, h = bi % d.H;
+        const int64_t t = bi / d.H;
+        int64_t s;
+        const int64_t len = decode_len(seq, kvl, d, t, &s);
+        const int64_t chunk = decode_chunk(len, d.splits);
+        const int active = (int)max((int64_t)1, min((int64_t)d.splits, ceil_div(len, chunk)));
         const float* src = part + bi * d.splits * stride;
         float M = -INFINITY;
-        for (int sp = threadIdx.x; sp < d.splits; sp += blockDim.x) M = fmaxf(M, src[sp * stride]);
+        for (int sp = threadIdx.x; sp < active; sp += blockDim.x) M = fmaxf(M, src[sp * stride]);
         M = block_max(M, red);
         float L = 0.f;
-        for (int sp = threadIdx.x; sp < d.splits; sp += blockDim.x) {
-            float ms = src[sp * stride];
-            float wv = ms == -INFINITY ? 0.f : expf(ms - M);
-            wgt[sp] = wv;
+        for (int sp = threadIdx.x; sp < active; sp += blockDim.x) {
+            const float ms = src[sp * stride];
+            const float wv = ms == -INFINITY ? 0.f : expf(ms - M);
+            if (sp < 1024) wgt[sp] = wv;
             L += src[sp * stride + 1] * wv;
         }
         L = block_sum(L, red);  // its barriers also publish wgt
         const float inv = L > 0.f ? 1.f / L : 0.f;
         for (int c = threadIdx.x; c < d.Dc; c += blockDim.x) {
             float o = 0.f;
-#pragma unroll 8
-            for (int sp = 0; sp < d.splits; ++sp) o += src[sp * stride + 2 + c] * wgt[sp];
-            ol[c] = o * inv;
+            for (int sp = 0; sp < active; ++sp) {
+                const float wv = sp < 1024 ? wgt[sp] : (src[sp * stride] == -INFINITY ? 0.f : expf(src[sp * stride] - M));
+                o += src[sp * stride + 2 + c] * wv;
+            }
+            ol[bi * d.Dc + c] = o * inv;
         }
         __syncthreads();
-        const int64_t wrow = h * (int64_t)(d.Dn + d.Dv) + d.Dn;
-        const int64_t oo = t * out.strides[0] + h * out.strides[1];
-        for (int j = warp; j < d.Dv; j += nw) {
-            const int64_t ro = (wrow + j) * w.strides[0];
-            float acc = 0.f;
-#pragma unroll 16
-            for (int c = lane; c < d.Dc; c += 32) acc += load_f(w.dt, w.base, ro + c) * ol[c];
-            acc = warp_sum(acc);
-            if (lane == 0) store_f(out.dt, out.base, oo + j, acc);
+    }
+}
+
+// out[t, h, j] = sum_c W_uv[h][j, c] * ol[t, h, c]
+__global__ __launch_bounds__(256) void k_mla_uv(const float* ol, DTensor w, DTensor out, DecodeDims d, int tt) {
+    extern __shared__ float os[];                      // [tt][Dc]
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t h = blockIdx.x, t0 = (int64_t)blockIdx.z * tt;
+    const int nt = (int)min((int64_t)tt, d.T - t0);
+    for (int i = threadIdx.x; i < nt * d.Dc; i += blockDim.x) {
+        const int t = i / d.Dc, c = i % d.Dc;
+        os[i] = ol[((t0 + t) * d.H + h) * d.Dc + c];
+    }
+    __syncthreads();
+    for (int jj = 0; jj < MLA_UV_ROWS / 8; ++jj) {
+        const int64_t j = (int64_t)blockIdx.y * MLA_UV_ROWS + warp * (MLA_UV_ROWS / 8) + jj;
+        if (j >= d.Dv) break;
+        const int64_t ro = (h * (int64_t)(d.Dn + d.Dv) + d.Dn + j) * w.strides[0];
+        float acc[MLA_TT];
+#pragma unroll
+        for (int t = 0; t < MLA_TT; ++t) acc[t] = 0.f;
+#pragma unroll 4
+        for (int c = lane; c < d.Dc; c += 32) {
+            const float wv = load_f(w.dt, w.base, ro + c);
+#pragma unroll
+            for (int t = 0; t < MLA_TT; ++t)
+                if (t < nt) acc[t] += wv * os[t * d.Dc + c];
         }
-        __syncthreads();
+#pragma unroll
+        for (int t = 0; t < MLA_TT; ++t) {
+            if (t >= nt) break;
+            const float v = warp_sum(acc[t]);
+            if (lane == 0) store_f(out.dt, out.base, (t0 + t) * out.strides[0] + h * out.strides[1] + j, v);
+        }
     }
 }
 
@@ -365,48 +640,53 @@ DI_Status op_mla_decode(DI_Context* ctx, const DI_MLADecodeArgs* a, OpMode* mode
     if (d.Dc + d.Dr > 32 * ATT_DEC_MAXQ)
         return set_error(ctx, DI_UNIMPLEMENTED, "%s: Dc + Dr = %d exceeds this kernel's %d", op, d.Dc + d.Dr,
                          32 * ATT_DEC_MAXQ);
-    if (d.Dn > 12 * 1024 || d.Dc > 12 * 1024)
-        return set_error(ctx, DI_UNIMPLEMENTED, "%s: Dn=%d / Dc=%d too large", op, d.Dn, d.Dc);
-    // Split positions so that small batches still fill the GPU; the chunk count is fixed by the
-    // block table's capacity (kv_len lives on the device), chunks past kv_len exit at once.
+    // q_nope and o_lat tiles of at least one token must fit a block's shared memory
+    if ((int64_t)d.Dn * 4 > 32 * 1024 || (int64_t)d.Dc * 4 > 48 * 1024)
+        return set_error(ctx, DI_UNIMPLEMENTED, "%s: Dn=%d / Dc=%d too large for this kernel", op, d.Dn, d.Dc);
+    // Splits: enough (token, head group, chunk) blocks for two waves at any batch; how many of them
+    // work is decided on the device from kv_len (decode_chunk), so the grid never depends on it.
     const int64_t cap = d.MB * d.BS, TH = d.T * d.H;
-    int64_t splits = ceil_div(cap, 64);
     const int64_t TG = d.T * ceil_div(d.H, MLA_HG);  // blocks per split
-    int64_t max_splits = TG >= 4096 ? 1 : 4096 / (TG > 0 ? TG : 1);
-    if (splits > max_splits) splits = max_splits;
+    const int64_t sms = ctx->sm_count > 0 ? ctx->sm_count : 132;
+    int64_t splits = ceil_div(2 * sms, TG > 0 ? TG : 1);
+    const int64_t max_useful = ceil_div(cap, MLA_MIN_CHUNK);
+    if (splits > max_useful) splits = max_useful;
     if (splits < 1) splits = 1;
-    if (splits > 65535) splits = 65535;
     d.splits = (int)splits;
-    d.chunk = (int)(cap > 0 ? ceil_div(cap, splits) : 1);
-    const uint64_t qf_bytes = align256((uint64_t)TH * (d.Dc + d.Dr) * 4);
+    const uint64_t qf_bytes = align256((uint64_t)TH * (d.Dc + d.Dr) * 4);   // later reused for o_lat
     const uint64_t part_bytes = align256((uint64_t)TH * splits * (d.Dc + 2) * 4);
     mode->workspace = qf_bytes + part_bytes;
     if (!mode->launch || TH == 0 || d.Dv == 0) return DI_OK;
+    if (TH > (1ll << 31) - 1 || d.H > 65535 * 8)
+        return set_error(ctx, DI_UNIMPLEMENTED, "%s: T*H = %lld too large", op, (long long)TH);
     cudaStream_t s = (cudaStream_t)a->header.stream;
     Workspace ws;
     DI_TRY(ws.acquire(ctx, a->header, mode->workspace));
     float* qf = static_cast<float*>(ws.ptr);
     float* part = reinterpret_cast<float*>(static_cast<char*>(ws.ptr) + qf_bytes);
-    size_t sm1 = (size_t)(d.Dn > 0 ? d.Dn : 1) * 4, sm3 = (size_t)(d.Dc + splits) * 4;
-    if (sm1 > 48 * 1024) cudaFuncSetAttribute(k_mla_qlat, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm1);
-    if (sm3 > 48 * 1024) cudaFuncSetAttribute(k_mla_out, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm3);
+    const int tt_q = (int)std::min<int64_t>(MLA_TT, std::max<int64_t>(1, (32 * 1024) / (std::max(d.Dn, 1) * 4)));
+    const int tt_v = (int)std::min<int64_t>(MLA_TT, std::max<int64_t>(1, (48 * 1024) / (std::max(d.Dc, 1) * 4)));
+    const size_t sm_q = (size_t)tt_q * std::max(d.Dn, 1) * 4, sm_v = (size_t)tt_v * std::max(d.Dc, 1) * 4;
     DI_Status st = DI_OK;
-    k_mla_qlat<<<grid_for(TH, 1, 1 << 20), 256, sm1, s>>>(q.q, w.q, qf, d);
+    dim3 gq((unsigned)d.H, (unsigned)ceil_div(d.Dc, MLA_QCOLS), (unsigned)ceil_div(d.T, tt_q));
+    k_mla_qlat<<<gq, 256, sm_q, s>>>(q.q, w.q, qf, d, tt_q);
     st = launch_status(ctx, op);
     if (st == DI_OK) {
-        if (TH > (1ll << 31) - 1) st = set_error(ctx, DI_UNIMPLEMENTED, "%s: T*H too large", op);
-        else {
-            dim3 grid((unsigned)(d.T * ceil_div(d.H, MLA_HG)), (unsigned)splits);
-            const int nq = (int)ceil_div(d.Dc + d.Dr, 32);
-            if (nq <= 4) k_mla_attn<4><<<grid, 256, 0, s>>>(qf, cache.q, btab.q, seq.q, kvl.q, part, d, a->scale);
-            else if (nq <= 8) k_mla_attn<8><<<grid, 256, 0, s>>>(qf, cache.q, btab.q, seq.q, kvl.q, part, d, a->scale);
-            else if (nq <= 12) k_mla_attn<12><<<grid, 256, 0, s>>>(qf, cache.q, btab.q, seq.q, kvl.q, part, d, a->scale);
-            else k_mla_attn<18><<<grid, 256, 0, s>>>(qf, cache.q, btab.q, seq.q, kvl.q, part, d, a->scale);
-            st = launch_status(ctx, op);
-        }
+        dim3 grid((unsigned)TG, (unsigned)splits);
+        const int nq = (int)ceil_div(d.Dc + d.Dr, 32);
+        if (nq <= 4) k_mla_attn<4><<<grid, 256, 0, s>>>(qf, cache.q, btab.q, seq.q, kvl.q, part, d, a->scale);
+        else if (nq <= 8) k_mla_attn<8><<<grid, 256, 0, s>>>(qf, cache.q, btab.q, seq.q, kvl.q, part, d, a->scale);
+        else if (nq <= 12) k_mla_attn<12><<<grid, 256, 0, s>>>(qf, cache.q, btab.q, seq.q, kvl.q, part, d, a->scale);
+        else k_mla_attn<18><<<grid, 256, 0, s>>>(qf, cache.q, btab.q, seq.q, kvl.q, part, d, a->scale);
+        st = launch_status(ctx, op);
     }
     if (st == DI_OK) {
-        k_mla_out<<<grid_for(TH, 1, 1 << 20), 256, sm3, s>>>(part, w.q, out.q, d);
+        k_mla_merge<<<grid_for(TH, 1, 1 << 20), 128, 0, s>>>(part, seq.q, kvl.q, qf, d);
+        st = launch_status(ctx, op);
+    }
+    if (st == DI_OK) {
+        dim3 gv((unsigned)d.H, (unsigned)ceil_div(d.Dv, MLA_UV_ROWS), (unsigned)ceil_div(d.T, tt_v));
+        k_mla_uv<<<gv, 256, sm_v, s>>>(qf, w.q, out.q, d, tt_v);
         st = launch_status(ctx, op);
     }
     ws.release();

@@ -637,6 +637,8 @@ def gen_mla_prefill(p, s):
         yield mla_prefill(s(), [0], 2, 8, 4, 8, dt)
         yield mla_prefill(s(), [3, 0, 5], 2, 8, 4, 8, dt)
         yield mla_prefill(s(), [1], 1, 4, 2, 6, dt)
+        # DeepSeek's head shape (libraries' tensor-core path): sequences straddling 64-token tiles
+        yield mla_prefill(s(), [70, 1, 33, 130], 2, 128, 64, 128, dt)
         for _ in range(p.random_draws):
             r = s.rng
             yield mla_prefill(s(), list(r.integers(0, 9, int(r.integers(1, 4)))), int(r.integers(1, 4)),
@@ -648,6 +650,8 @@ def gen_mla_decode(p, s):
         yield mla_decode(s(), 0, 1, 2, 8, 4, 8, 16, 4, 4, 2, dt)
         yield mla_decode(s(), 5, 2, 2, 8, 4, 8, 16, 8, 4, 3, dt)
         yield mla_decode(s(), 3, 1, 3, 4, 2, 6, 12, 5, 5, 4, dt)
+        # DeepSeek's latent shape: more tokens than one 16-token tile, contexts over many chunks
+        yield mla_decode(s(), 20, 3, 3, 128, 64, 128, 512, 64, 16, 20, dt)
         for _ in range(p.random_draws):
             r = s.rng
             S = int(r.integers(1, 4))
