@@ -157,3 +157,63 @@ def test_a_new_batch_shape_marshals_no_weight_descriptor_again(tiny_checkpoint, 
         assert all(id(t.buffer) in stores for t in second if t.buffer is not None and not t.quant), second[:3]
     finally:
         be._fill_new = real
+
+
+def _graph_backend():
+    """The reference backend with a pretend graph capture: capture() records the prepared calls and
+    the graph's launch replays them, so the runner's capture logic (when it captures, that replays
+    read each step's fresh inputs) is checked without a GPU."""
+    from deepinfer.reference import ReferenceBackend
+
+    class Replay:
+        def __init__(self, calls):
+            self.calls, self.launches = list(calls), 0
+
+        def launch(self):
+            self.launches += 1
+            for c in self.calls:
+                c()
+
+    class GraphReference(ReferenceBackend):
+        supports_graphs = True
+
+        def __init__(self):
+            super().__init__()
+            self.captured = []
+
+        def capture(self, calls):
+            self.captured.append(Replay(calls))
+            return self.captured[-1]
+
+    return GraphReference()
+
+
+def test_decode_plans_are_captured_and_replayed(tiny_checkpoint):
+    graph_backend = _graph_backend()
+    path, _, _ = tiny_checkpoint("v3")
+    eager = ModelRunner(path, deepinfer.get_backend("reference"), max_batch=4, max_seq_len=64, block_size=4,
+                        enforce_eager=True)
+    graphed = ModelRunner(path, graph_backend, max_batch=4, max_seq_len=64, block_size=4)
+    assert graphed.use_graphs and not eager.use_graphs
+    rng = np.random.default_rng(0)
+    # a changing batch in the same bucket (3 and 4 sequences share bucket 4), then a smaller one
+    prompts = [rng.integers(0, 200, n).tolist() for n in (5, 3, 7, 4)]
+    steps = [[0, 1, 2], [0, 1, 2, 3], [1, 3], [0, 1, 2, 3], [2]]
+    for m in (eager, graphed):
+        for i, p in enumerate(prompts):
+            m.forward([i], [p], [0])
+    pos = [len(p) for p in prompts]
+    for k, seqs in enumerate(steps):
+        toks = [[int(rng.integers(0, 200))] for _ in seqs]
+        starts = [pos[s] for s in seqs]
+        a = eager.backend.to_numpy(eager.forward(seqs, toks, starts))
+        b = graphed.backend.to_numpy(graphed.forward(seqs, toks, starts))
+        np.testing.assert_array_equal(a, b)
+        for s in seqs:
+            pos[s] += 1
+    decode = [p for k, p in graphed.plans.items() if k[1] == "decode"]
+    prefill = [p for k, p in graphed.plans.items() if k[1] == "prefill"]
+    assert decode and all(p.graph is not None for p in decode if p.runs > 1)
+    assert all(p.graph is None for p in prefill)
+    assert sum(g.launches for g in graph_backend.captured) >= 2
+    assert not any(p.graph is not None for p in eager.plans.values())
