@@ -46,12 +46,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
-from bench_gpu_prefill_profile import OpProfiler, category, make_checkpoint  # noqa: E402
+from bench_gpu_prefill_profile import category, make_checkpoint  # noqa: E402
 
 from deepinfer.loader import load_library  # noqa: E402
-from deepinfer.engine.model_runner import ModelRunner, bucket  # noqa: E402
+from deepinfer.engine.model_runner import ModelRunner  # noqa: E402
 from deepinfer.model import Checkpoint  # noqa: E402
-from deepinfer.tensor import Tensor  # noqa: E402
 
 DEVICE = "cuda"   # the smoke test of this script sets "cpu"
 PRECISION_ARG = {"bf16": None, "fp8": "fp8", "int8": "int8", "int4": "int4", "w8a8": "w8a8", "w4a8": "w4a8"}
@@ -198,42 +197,138 @@ def di_ttft(runner: ModelRunner, prompt: list, repeats: int = 3) -> float:
     return float(np.median(ts[1:])) * 1e3
 
 
-def di_profile(runner: ModelRunner, prompt: list, steps: int = 8) -> dict:
-    """Per-op ms of one batch-1 decode step, every op synchronized alone (graphs off meanwhile)."""
-    use = runner.use_graphs
-    runner.use_graphs = False
-    for p in runner.plans.values():
-        p.graph = None
-    sid = runner.new_sequence()
-    try:
-        lg = runner.forward([sid], [prompt], [0])
-        tok = runner.sample(lg, temperature=[0.0])
-        pos = len(prompt)
-        # eager wall time of a step, for the graph's gain
-        ts = []
-        for i in range(steps):
-            t0 = time.perf_counter()
-            lg = runner.forward([sid], [tok], [pos])
-            tok = runner.sample(lg, temperature=[0.0])
-            ts.append(time.perf_counter() - t0)
-            pos += 1
-        with OpProfiler(runner) as prof:
-            for i in range(steps):
-                lg = runner.forward([sid], [tok], [pos])
-                tok = runner.sample(lg, temperature=[0.0])
-                pos += 1
-        ops = {op: {"us": s / steps * 1e6, "calls": c // steps}
-               for op, (s, c) in sorted(prof.ops.items(), key=lambda kv: -kv[1][0])}
+class EventProfiler:
+    """GPU time of every op of the runner's steps, from CUDA events recorded around each bound call
+    on the runner's stream (no host synchronization between ops). Each profiled step starts behind a
+    sleep kernel on the stream, so the host has queued the whole step before the GPU reaches it and
+    the events time the kernels back to back, not the host's pace. Graphs are off meanwhile."""
+
+    def __init__(self, runner: ModelRunner):
+        from bench_gpu_prefill_profile import weight_roles
+
+        self.r, self.be = runner, runner.backend
+        h = runner.stream.handle if runner.stream is not None else None
+        ptr = int(ffi_cast_uintptr(h)) if h is not None else 0
+        self.stream = torch.cuda.ExternalStream(ptr) if ptr else torch.cuda.current_stream()
+        self.roles = weight_roles(runner)
+        self.marks: list = []
+
+    def _unbind(self) -> None:
+        for p in self.r.plans.values():
+            p._prepared = None
+            p.graph = None
+
+    def __enter__(self):
+        be, orig = self.be, type(self.be).prepare
+        self._graphs, self.r.use_graphs = self.r.use_graphs, False
+
+        def prepare(op, **kw):
+            run = orig(be, op, **kw)
+            name = op
+            if op == "linear":
+                name = f"linear:{self.roles.get(id(kw['w']), '?')}"
+
+            def timed():
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record(self.stream)
+                run()
+                b.record(self.stream)
+                self.marks.append((name, a, b))
+            return timed
+
+        self._unbind()
+        be.prepare = prepare
+        return self
+
+    def __exit__(self, *exc):
+        del self.be.prepare
+        self._unbind()
+        self.r.use_graphs = self._graphs
+
+    def sleep(self) -> None:
+        with torch.cuda.stream(self.stream):
+            torch.cuda._sleep(40_000_000)   # about 20 ms: the host queues the step meanwhile
+
+    def collect(self, steps: int) -> dict:
+        torch.cuda.synchronize()
+        self.be.synchronize()
+        per: dict = {}
+        for name, a, b in self.marks:
+            rec = per.setdefault(name, [0.0, 0])
+            rec[0] += a.elapsed_time(b) * 1e3
+            rec[1] += 1
+        span = 0.0
+        # the span of each step: first op start to last op end
+        n = len(self.marks) // steps if steps else 0
+        for k in range(steps):
+            ms = self.marks[k * n:(k + 1) * n]
+            if ms:
+                span += ms[0][1].elapsed_time(ms[-1][2]) * 1e3
+        self.marks = []
+        ops = {k: {"us": v[0] / steps, "calls": v[1] // steps} for k, v in sorted(per.items(), key=lambda kv: -kv[1][0])}
         cats: dict = {}
-        for op, r in ops.items():
-            cats[category(op)] = cats.get(category(op), 0.0) + r["us"]
-        lin = {k: {"us": s / steps * 1e6, "calls": c // steps, "shape": sh}
-               for k, (s, c, sh) in sorted(prof.linears.items(), key=lambda kv: -kv[1][0])}
-        return {"eager_step_ms": float(np.median(ts[2:])) * 1e3, "ops_us": sum(r["us"] for r in ops.values()),
-                "per_op": ops, "per_category_us": cats, "linear_by_weight": lin}
+        for k, v in ops.items():
+            c = category(k.split(":")[0])
+            cats[c] = cats.get(c, 0.0) + v["us"]
+        return {"gpu_span_us": span / steps, "ops_us": sum(v["us"] for v in ops.values()), "per_op": ops,
+                "per_category_us": cats}
+
+
+def ffi_cast_uintptr(h):
+    from deepinfer import abi
+
+    return abi.ffi.cast("uintptr_t", h)
+
+
+def di_profile(runner: ModelRunner, prompts: list, steps: int = 6) -> dict:
+    """Per-op GPU us of one decode step of len(prompts) sequences (EventProfiler), and the eager and
+    graph wall times of a step beside it."""
+    B = len(prompts)
+    sids = [runner.new_sequence() for _ in prompts]
+    try:
+        lg = runner.forward(sids, prompts, [0] * B)
+        toks = runner.sample(lg, temperature=[0.0] * B)
+        pos = len(prompts[0])
+
+        def step():
+            nonlocal toks, pos
+            lg = runner.forward(sids, [[t] for t in toks], [pos] * B)
+            toks = runner.sample(lg, temperature=[0.0] * B)
+            pos += 1
+
+        with EventProfiler(runner) as prof:
+            for i in range(steps):
+                t0 = time.perf_counter()
+                step()
+                if i == 2:
+                    eager = []
+                if i >= 2:
+                    eager.append(time.perf_counter() - t0)
+            prof.marks = []
+            for i in range(steps):
+                prof.sleep()
+                step()
+            out = prof.collect(steps)
+        out["eager_step_ms"] = float(np.median(eager)) * 1e3
+        return out
     finally:
+        for s in sids:
+            runner.free(s)
+
+
+def di_prefill_profile(runner: ModelRunner, prompt: list, steps: int = 3) -> dict:
+    """Per-op GPU us of one prefill of `prompt` (EventProfiler)."""
+    with EventProfiler(runner) as prof:
+        sid = runner.new_sequence()
+        runner.forward([sid], [prompt], [0])
         runner.free(sid)
-        runner.use_graphs = use
+        prof.marks = []
+        for i in range(steps):
+            sid = runner.new_sequence()
+            prof.sleep()
+            runner.forward([sid], [prompt], [0])
+            runner.free(sid)
+        return prof.collect(steps)
 
 
 def first_diff(a: list, b: list) -> int:
@@ -275,14 +370,13 @@ def write(res: dict, out_dir: Path) -> None:
     for g in res["greedy"]:
         lines.append(f"| {g['layers']} | {g['precision']} | {g['equal_prefix']}/{g['n']} | {g['first_diff']} | "
                      f"{g['hf_margin_at_diff'] if g['hf_margin_at_diff'] is not None else ''} |")
-    for L, prof in res.get("profiles", {}).items():
-        lines += ["", f"Per-op profile, one batch-1 bf16 decode step, {L} layers (op by op, each synchronized; "
-                      f"eager step {prof['eager_step_ms']:.2f} ms, ops {prof['ops_us'] / 1e3:.2f} ms):", "",
-                  "| op | us | calls |", "|---|---|---|"]
+    for what, prof in res.get("profiles", {}).items():
+        eager = f", eager (op-by-op) step {prof['eager_step_ms']:.2f} ms" if "eager_step_ms" in prof else ""
+        lines += ["", f"GPU time per op, bf16, {what} (CUDA events around each op, queued behind a sleep so the "
+                      f"kernels run back to back): span {prof['gpu_span_us']:.0f} us, ops {prof['ops_us']:.0f} us{eager}.",
+                  "", "| op (linear: by weight) | us | calls | us per call |", "|---|---|---|---|"]
         for op, v in prof["per_op"].items():
-            lines.append(f"| {op} | {v['us']:.0f} | {v['calls']} |")
-        lines += ["", "linear by weight: " + ", ".join(f"{k} {v['us']:.0f} us/{v['calls']} [{v['shape']}]"
-                                                        for k, v in prof["linear_by_weight"].items())]
+            lines.append(f"| {op} | {v['us']:.1f} | {v['calls']} | {v['us'] / max(v['calls'], 1):.1f} |")
     (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 
@@ -302,6 +396,7 @@ def main() -> int:
     ap.add_argument("--full-layers-batches", default="1", help="batches for layer counts above the first")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (the debug path)")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--no-profile", action="store_true")
     a = ap.parse_args()
 
     be = load_library(a.lib)
@@ -373,9 +468,15 @@ def main() -> int:
                         res["rows"].append({"kind": "ttft", "layers": L, "engine": "deepinfer", "precision": prec,
                                             "prompt": n, "ttft_ms": di_ttft(runner, p)})
                         print(f"[{L}] deepinfer {prec} ttft {n}: {res['rows'][-1]['ttft_ms']:.1f} ms", flush=True)
-                if prec == "bf16":
-                    res["profiles"][str(L)] = di_profile(runner, prompts[0])
-                    print(f"[{L}] profile: {json.dumps(res['profiles'][str(L)]['per_category_us'])}", flush=True)
+                if prec == "bf16" and not a.no_profile:
+                    for B in sorted({1, max(b for b in bl if b <= 32)}):
+                        pr = res["profiles"][f"{L} layers, decode B={B}"] = di_profile(runner, prompts[:B])
+                        print(f"[{L}] decode B={B} profile: span {pr['gpu_span_us']:.0f} us, "
+                              f"{json.dumps({k: round(v) for k, v in pr['per_category_us'].items()})}", flush=True)
+                    n = max(n for n in ttft_prompts if n <= 512)
+                    pr = res["profiles"][f"{L} layers, prefill {n}"] = di_prefill_profile(runner, ttft_prompts[n])
+                    print(f"[{L}] prefill {n} profile: span {pr['gpu_span_us']:.0f} us, "
+                          f"{json.dumps({k: round(v) for k, v in pr['per_category_us'].items()})}", flush=True)
                 write(res, out_dir)
                 del runner
         finally:
