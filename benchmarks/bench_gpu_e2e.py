@@ -98,8 +98,10 @@ def step_bytes(runner: ModelRunner, B: int, context: int) -> dict:
     for L in w.layers:
         a = L.attn
         # decode reads kv_b through its dense copy (mla_decode absorbs it), never the quantized one
+        # (q / q_a and kv_a are views of x_proj when it is there: counted once)
+        fused = ("q", "q_a", "kv_a") if a.x_proj is not None else ()
         parts["attention"] += sum(nbytes(getattr(a, f.name)) for f in dataclasses.fields(a)
-                                  if f.name not in ("kv_b",))
+                                  if f.name != "kv_b" and f.name not in fused)
         parts["norms"] += nbytes(L.ln1) + nbytes(L.ln2)
         if L.mlp is not None:
             parts["dense_mlp"] += nbytes(L.mlp.gate) + nbytes(L.mlp.up) + nbytes(L.mlp.down)
@@ -316,6 +318,39 @@ def di_profile(runner: ModelRunner, prompts: list, steps: int = 6) -> dict:
             runner.free(s)
 
 
+def kernel_profile(runner: ModelRunner, prompts: list, steps: int = 5) -> dict:
+    """GPU us per kernel of graph-replayed decode steps (torch.profiler through CUPTI sees the
+    library's kernels), top 25 by time, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    B = len(prompts)
+    sids = [runner.new_sequence() for _ in prompts]
+    try:
+        lg = runner.forward(sids, prompts, [0] * B)
+        toks = runner.sample(lg, temperature=[0.0] * B)
+        pos = len(prompts[0])
+        for i in range(3):   # capture
+            toks = runner.sample(runner.forward(sids, [[t] for t in toks], [pos] * B), temperature=[0.0] * B)
+            pos += 1
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(steps):
+                toks = runner.sample(runner.forward(sids, [[t] for t in toks], [pos] * B), temperature=[0.0] * B)
+                pos += 1
+        rows = {}
+        for e in prof.events():
+            if e.device_type.name == "CUDA":
+                r = rows.setdefault(e.name[:90], [0.0, 0])
+                r[0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+                r[1] += 1
+        top = sorted(rows.items(), key=lambda kv: -kv[1][0])
+        total = sum(v[0] for v in rows.values()) / steps
+        return {"kernel_us_per_step": total, "kernels_per_step": sum(v[1] for v in rows.values()) / steps,
+                "top": [{"kernel": k, "us": v[0] / steps, "calls": v[1] / steps} for k, v in top[:25]]}
+    finally:
+        for s in sids:
+            runner.free(s)
+
+
 def di_prefill_profile(runner: ModelRunner, prompt: list, steps: int = 3) -> dict:
     """Per-op GPU us of one prefill of `prompt` (EventProfiler)."""
     with EventProfiler(runner) as prof:
@@ -377,6 +412,12 @@ def write(res: dict, out_dir: Path) -> None:
                   "", "| op (linear: by weight) | us | calls | us per call |", "|---|---|---|---|"]
         for op, v in prof["per_op"].items():
             lines.append(f"| {op} | {v['us']:.1f} | {v['calls']} | {v['us'] / max(v['calls'], 1):.1f} |")
+        if "kernels" in prof:
+            k = prof["kernels"]
+            lines += ["", f"Kernels of one graph-replayed step (torch.profiler): {k['kernel_us_per_step']:.0f} us of GPU "
+                          f"time in {k['kernels_per_step']:.0f} kernels.", "", "| kernel | us | calls |", "|---|---|---|"]
+            for r in k["top"]:
+                lines.append(f"| `{r['kernel'][:80]}` | {r['us']:.1f} | {r['calls']:.0f} |")
     (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 
@@ -473,6 +514,14 @@ def main() -> int:
                         pr = res["profiles"][f"{L} layers, decode B={B}"] = di_profile(runner, prompts[:B])
                         print(f"[{L}] decode B={B} profile: span {pr['gpu_span_us']:.0f} us, "
                               f"{json.dumps({k: round(v) for k, v in pr['per_category_us'].items()})}", flush=True)
+                    for B in sorted({1, max(b for b in bl if b <= 32)}):
+                        try:
+                            kp = res["profiles"][f"{L} layers, decode B={B}"]["kernels"] = kernel_profile(runner, prompts[:B])
+                            print(f"[{L}] kernels B={B}: {kp['kernel_us_per_step']:.0f} us in {kp['kernels_per_step']:.0f} "
+                                  f"kernels per step; " + "; ".join(f"{k['kernel'][:50]} {k['us']:.0f}/{k['calls']:.0f}"
+                                                                     for k in kp["top"][:12]), flush=True)
+                        except Exception as e:   # the profiler is a help, not the measurement
+                            print(f"[{L}] kernel profile failed: {type(e).__name__}: {e}", flush=True)
                     n = max(n for n in ttft_prompts if n <= 512)
                     pr = res["profiles"][f"{L} layers, prefill {n}"] = di_prefill_profile(runner, ttft_prompts[n])
                     print(f"[{L}] prefill {n} profile: span {pr['gpu_span_us']:.0f} us, "

@@ -105,18 +105,27 @@ class DeepseekGraph:
     def attention(self, g, w: AttentionWeights, cache: Tensor, x, meta: StepInputs) -> Tensor:
         c, T, dt = self.cfg, meta.T, self.dtype
         NH, Dn, Dr, Dv, Dc = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
-        q = g.empty((T, NH * c.qk_head_dim), dt, "q")
-        if c.q_lora_rank:
-            qa = g.empty((T, c.q_lora_rank), dt, "q_a")
-            self.linear(g, x, w.q_a, qa, w.q_a_bias)
-            g.rmsnorm(x=qa, weight=w.q_a_norm, out=qa, eps=c.rms_norm_eps)
-            self.linear(g, qa, w.q_b, q)
+        Nq = c.q_lora_rank or NH * c.qk_head_dim       # rows of the projection that reads x besides kv_a
+        if w.x_proj is not None:
+            # one linear for q (or q_a) and kv_a: their outputs are column ranges of one buffer
+            xo = g.empty((T, Nq + Dc + Dr), dt, "x_proj")
+            self.linear(g, x, w.x_proj, xo)
+            first, kva = xo.narrow(1, 0, Nq), xo.narrow(1, Nq, Dc + Dr)
         else:
-            self.linear(g, x, w.q, q)
-        q3 = q.view(T, NH, c.qk_head_dim)
+            first = g.empty((T, Nq), dt, "q_a" if c.q_lora_rank else "q")
+            self.linear(g, x, w.q_a if c.q_lora_rank else w.q, first, w.q_a_bias)
+            kva = g.empty((T, Dc + Dr), dt, "kv_a")
+            self.linear(g, x, w.kv_a, kva, w.kv_a_bias)
+        if c.q_lora_rank:
+            qa = g.empty((T, c.q_lora_rank), dt, "q_a_norm")
+            g.rmsnorm(x=first, weight=w.q_a_norm, out=qa, eps=c.rms_norm_eps)
+            q = g.empty((T, NH * c.qk_head_dim), dt, "q")
+            self.linear(g, qa, w.q_b, q)
+            q3 = q.view(T, NH, c.qk_head_dim)
+        else:
+            # [T, NH, Dn + Dr] over the q columns (rows may be longer than NH * (Dn + Dr))
+            q3 = Tensor(first.buffer, (T, NH, c.qk_head_dim), dt, (first.strides[0], c.qk_head_dim, 1), first.offset)
         self.rope(g, q3.narrow(2, Dn, Dr), meta.positions)
-        kva = g.empty((T, Dc + Dr), dt, "kv_a")
-        self.linear(g, x, w.kv_a, kva, w.kv_a_bias)
         latent = g.empty((T, Dc), dt, "latent")
         g.rmsnorm(x=kva.narrow(1, 0, Dc), weight=w.kv_a_norm, out=latent, eps=c.rms_norm_eps)
         k_pe = kva.narrow(1, Dc, Dr)
@@ -137,11 +146,17 @@ class DeepseekGraph:
 
     def mlp(self, g, m: MLPWeights, x, T, out=None) -> Tensor:
         I = m.gate.shape[0]
-        gate = g.empty((T, I), self.dtype, "gate")
-        up = g.empty((T, I), self.dtype, "up")
-        self.linear(g, x, m.gate, gate)
-        self.linear(g, x, m.up, up)
-        g.silu_mul(gate=gate, up=up, out=gate)
+        if m.gate_up is not None:
+            gu = g.empty((T, 2 * I), self.dtype, "gate_up")
+            self.linear(g, x, m.gate_up, gu)
+            gate = g.empty((T, I), self.dtype, "gate")
+            g.silu_mul(gate=gu.narrow(1, 0, I), up=gu.narrow(1, I, I), out=gate)
+        else:
+            gate = g.empty((T, I), self.dtype, "gate")
+            up = g.empty((T, I), self.dtype, "up")
+            self.linear(g, x, m.gate, gate)
+            self.linear(g, x, m.up, up)
+            g.silu_mul(gate=gate, up=up, out=gate)
         if out is None:
             out = g.empty((T, self.cfg.hidden_size), self.dtype, "mlp_out")
         self.linear(g, gate, m.down, out)

@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
+
+from .. import dtypes as D
 from .. import quant_formats as QF
 from ..errors import CheckpointError
 from ..tensor import Quant, Tensor
@@ -30,6 +33,10 @@ class AttentionWeights:
     q_a_bias: Optional[Tensor] = None
     kv_a_bias: Optional[Tensor] = None
     o_bias: Optional[Tensor] = None
+    # q (or q_a) and kv_a stacked by rows: both read the same input, so one linear does both (one
+    # weight pass, one launch). q / q_a and kv_a are then views of it. None: not fusable (biases,
+    # formats that differ, block rows that straddle the seam).
+    x_proj: Optional[Tensor] = None
 
 
 @dataclass
@@ -37,6 +44,7 @@ class MLPWeights:
     gate: Tensor                    # [I, H]
     up: Tensor                      # [I, H]
     down: Tensor                    # [H, I]
+    gate_up: Optional[Tensor] = None    # gate and up stacked by rows [2I, H] (gate, up: its views)
 
 
 @dataclass
@@ -79,6 +87,18 @@ class ModelWeights:
     lm_head: Tensor                 # [V, H]
     layers: list                    # LayerWeights per decoder layer
     mtp: Optional[MTPWeights] = None
+
+
+def copy_bytes(backend, dst: Tensor, src: Tensor) -> None:
+    """dst's bytes = src's (both contiguous, same size; 4-bit tensors stay packed)."""
+    if dst.nbytes != src.nbytes:
+        raise ValueError(f"copy_bytes: {src!r} -> {dst!r} differ in size")
+    if dst.on_host and src.on_host:
+        raw = lambda t: np.asarray(t.buffer).view(np.uint8).reshape(-1)[t.offset:t.offset + t.nbytes]  # noqa: E731
+        raw(dst)[...] = raw(src)
+    else:
+        backend.copy_async(Tensor(dst.buffer, (dst.nbytes,), "uint8", None, dst.offset),
+                           Tensor(src.buffer, (src.nbytes,), "uint8", None, src.offset))
 
 
 class WeightLoader:
@@ -162,24 +182,78 @@ class WeightLoader:
             w.q_b = self._w(a + "q_b_proj.weight", (NH * c.qk_head_dim, c.q_lora_rank))
         else:
             w.q = self._w(a + "q_proj.weight", (NH * c.qk_head_dim, H))
+        first = "q_a" if c.q_lora_rank else "q"
+        if w.q_a_bias is None and w.kv_a_bias is None:
+            fused = self.stack_rows(getattr(w, first), w.kv_a)
+            if fused is not None:
+                w.x_proj, top, w.kv_a = fused
+                setattr(w, first, top)
         return w
+
+    def stack_rows(self, a: Tensor, b: Tensor):
+        """(fused, view of a, view of b): a and b [Na, K], [Nb, K] copied into one [Na + Nb, K]
+        weight, or None when they differ in dtype, columns or quantization, or a's rows end inside a
+        quantization block. The originals are released by the caller (nothing keeps them)."""
+        if a.dtype != b.dtype or a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
+            return None
+        if not (a.is_contiguous() and b.is_contiguous()) or a.offset or b.offset:
+            return None
+        qa, qb = a.quant, b.quant
+        if (qa is None) != (qb is None):
+            return None
+        if qa is not None:
+            if tuple(qa.block) != tuple(qb.block) or (qa.zeros is None) != (qb.zeros is None):
+                return None
+            br = qa.block[0] or a.shape[0]
+            if a.shape[0] % br or qa.scales.dtype != qb.scales.dtype or qa.scales.shape[1:] != qb.scales.shape[1:]:
+                return None
+        be, Na, Nb, K = self.backend, a.shape[0], b.shape[0], a.shape[1]
+
+        def stacked(x, y):
+            out = be.empty((x.shape[0] + y.shape[0],) + tuple(x.shape[1:]), x.dtype)
+            top = Tensor(out.buffer, x.shape, x.dtype, None, out.offset)
+            bottom = Tensor(out.buffer, y.shape, y.dtype, None, out.offset + x.nbytes)
+            copy_bytes(be, top, x)
+            copy_bytes(be, bottom, y)
+            return out, top, bottom
+
+        out, top, bottom = stacked(a, b)
+        if qa is not None:
+            s, s_top, s_bot = stacked(qa.scales, qb.scales)
+            z, z_top, z_bot = stacked(qa.zeros, qb.zeros) if qa.zeros is not None else (None, None, None)
+            out.quant, top.quant, bottom.quant = Quant(s, qa.block, z), Quant(s_top, qa.block, z_top), \
+                Quant(s_bot, qa.block, z_bot)
+        be.synchronize()
+        return out, top, bottom
 
     def _mlp(self, p: str, I: int) -> MLPWeights:
         H = self.cfg.hidden_size
-        return MLPWeights(gate=self._w(p + "gate_proj.weight", (I, H)), up=self._w(p + "up_proj.weight", (I, H)),
-                          down=self._w(p + "down_proj.weight", (H, I)))
+        m = MLPWeights(gate=self._w(p + "gate_proj.weight", (I, H)), up=self._w(p + "up_proj.weight", (I, H)),
+                       down=self._w(p + "down_proj.weight", (H, I)))
+        fused = self.stack_rows(m.gate, m.up)
+        if fused is not None:
+            m.gate_up, m.gate, m.up = fused
+        return m
 
     def _moe(self, m: str) -> MoEWeights:
         c, H = self.cfg, self.cfg.hidden_size
         E, I = c.n_routed_experts, c.moe_intermediate_size
         return MoEWeights(
-            # the router runs in f32 like transformers (its weight is kept f32 there too)
-            gate=self._t(m + "gate.weight", (E, H), "f32"),
+            # the router's logits are f32 like transformers'. A bf16 router weight stays bf16 when the
+            # activations are bf16: transformers upcasts both to f32, which changes no value, and the
+            # linear multiplies bf16 exactly into f32 sums (only the summation order differs), at half
+            # the bytes and on the tensor-core path. Anything else is kept (or made) f32.
+            gate=self._router_weight(m + "gate.weight", (E, H)),
             gate_bias=self._t(m + "gate.e_score_correction_bias", (E,), "f32") if c.topk_method == "noaux_tc" else None,
             experts_gate=[self._w(f"{m}experts.{e}.gate_proj.weight", (I, H)) for e in range(E)],
             experts_up=[self._w(f"{m}experts.{e}.up_proj.weight", (I, H)) for e in range(E)],
             experts_down=[self._w(f"{m}experts.{e}.down_proj.weight", (H, I)) for e in range(E)],
             shared=self._mlp(m + "shared_experts.", I * c.n_shared_experts) if c.n_shared_experts else None)
+
+    def _router_weight(self, name, shape) -> Tensor:
+        a = self.ckpt.array(name, shape)
+        keep_bf16 = self.dtype == "bf16" and a.dtype == D.get("bf16").np
+        return self._t(name, shape, "bf16" if keep_bf16 else "f32")
 
     def _layer(self, i: int) -> LayerWeights:
         c, H = self.cfg, self.cfg.hidden_size
