@@ -282,40 +282,48 @@ def ffi_cast_uintptr(h):
     return abi.ffi.cast("uintptr_t", h)
 
 
+class GreedyDecode:
+    """len(prompts) sequences prefilled on `runner`; step() runs one greedy decode step of all of them.
+    close() frees them."""
+
+    def __init__(self, runner: ModelRunner, prompts: list):
+        self.runner, self.B = runner, len(prompts)
+        self.sids = [runner.new_sequence() for _ in prompts]
+        self.toks = runner.sample(runner.forward(self.sids, prompts, [0] * self.B), temperature=[0.0] * self.B)
+        self.pos = len(prompts[0])
+
+    def step(self) -> None:
+        r = self.runner
+        lg = r.forward(self.sids, [[t] for t in self.toks], [self.pos] * self.B)
+        self.toks = r.sample(lg, temperature=[0.0] * self.B)
+        self.pos += 1
+
+    def close(self) -> None:
+        for s in self.sids:
+            self.runner.free(s)
+
+
 def di_profile(runner: ModelRunner, prompts: list, steps: int = 6) -> dict:
-    """Per-op GPU us of one decode step of len(prompts) sequences (EventProfiler), and the eager and
-    graph wall times of a step beside it."""
-    B = len(prompts)
-    sids = [runner.new_sequence() for _ in prompts]
+    """Per-op GPU us of one decode step of len(prompts) sequences (EventProfiler), and the eager
+    (op-by-op) wall time of a step beside it."""
+    dec = GreedyDecode(runner, prompts)
     try:
-        lg = runner.forward(sids, prompts, [0] * B)
-        toks = runner.sample(lg, temperature=[0.0] * B)
-        pos = len(prompts[0])
-
-        def step():
-            nonlocal toks, pos
-            lg = runner.forward(sids, [[t] for t in toks], [pos] * B)
-            toks = runner.sample(lg, temperature=[0.0] * B)
-            pos += 1
-
         with EventProfiler(runner) as prof:
+            eager = []
             for i in range(steps):
                 t0 = time.perf_counter()
-                step()
-                if i == 2:
-                    eager = []
+                dec.step()
                 if i >= 2:
                     eager.append(time.perf_counter() - t0)
             prof.marks = []
             for i in range(steps):
                 prof.sleep()
-                step()
+                dec.step()
             out = prof.collect(steps)
         out["eager_step_ms"] = float(np.median(eager)) * 1e3
         return out
     finally:
-        for s in sids:
-            runner.free(s)
+        dec.close()
 
 
 def kernel_profile(runner: ModelRunner, prompts: list, steps: int = 5) -> dict:
@@ -323,19 +331,13 @@ def kernel_profile(runner: ModelRunner, prompts: list, steps: int = 5) -> dict:
     library's kernels), top 25 by time, per step."""
     from torch.profiler import ProfilerActivity, profile
 
-    B = len(prompts)
-    sids = [runner.new_sequence() for _ in prompts]
+    dec = GreedyDecode(runner, prompts)
     try:
-        lg = runner.forward(sids, prompts, [0] * B)
-        toks = runner.sample(lg, temperature=[0.0] * B)
-        pos = len(prompts[0])
         for i in range(3):   # capture
-            toks = runner.sample(runner.forward(sids, [[t] for t in toks], [pos] * B), temperature=[0.0] * B)
-            pos += 1
+            dec.step()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for i in range(steps):
-                toks = runner.sample(runner.forward(sids, [[t] for t in toks], [pos] * B), temperature=[0.0] * B)
-                pos += 1
+                dec.step()
         rows = {}
         for e in prof.events():
             if e.device_type.name == "CUDA":
@@ -347,8 +349,7 @@ def kernel_profile(runner: ModelRunner, prompts: list, steps: int = 5) -> dict:
         return {"kernel_us_per_step": total, "kernels_per_step": sum(v[1] for v in rows.values()) / steps,
                 "top": [{"kernel": k, "us": v[0] / steps, "calls": v[1] / steps} for k, v in top[:25]]}
     finally:
-        for s in sids:
-            runner.free(s)
+        dec.close()
 
 
 def di_prefill_profile(runner: ModelRunner, prompt: list, steps: int = 3) -> dict:
