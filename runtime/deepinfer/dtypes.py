@@ -6,9 +6,9 @@ One table, read by the tensor descriptors, the reference backend and the conform
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
 from . import abi
@@ -19,9 +19,13 @@ class DType:
     name: str
     code: int
     bits: int
-    np: np.dtype  # element type after unpacking (for 4-bit types, one element per byte)
+    np_name: str  # element type after unpacking (for 4-bit types, one element per byte), by name
     is_float: bool
     max: float  # largest finite magnitude, used by quantizers
+
+    @property
+    def np(self) -> np.dtype:
+        return _numpy_dtype(self.np_name)
 
     @property
     def packed(self) -> bool:
@@ -38,22 +42,36 @@ def _c(name: str) -> int:
     return abi.const(name)
 
 
+# ml_dtypes costs 0.5-1.6 s to import, so its types are named here and resolved on first use:
+# `deepinfer --help`, `deepinfer backends` and every argument check run without it.
+_ML_DTYPES = {"bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "float4_e2m1fn", "int4", "uint4"}
+
+
+@functools.lru_cache(maxsize=None)
+def _numpy_dtype(name: str) -> np.dtype:
+    if name in _ML_DTYPES:
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name))
+    return np.dtype(name)
+
+
 _TABLE = [
-    # name     code                     bits  numpy                              float   max
-    ("f32",    _c("DI_DTYPE_FLOAT"),      32, np.dtype(np.float32),               True,  float(np.finfo(np.float32).max)),
-    ("f16",    _c("DI_DTYPE_FLOAT"),      16, np.dtype(np.float16),               True,  65504.0),
-    ("bf16",   _c("DI_DTYPE_BFLOAT"),     16, np.dtype(ml_dtypes.bfloat16),       True,  float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)),
-    ("e4m3",   _c("DI_DTYPE_F8_E4M3FN"),   8, np.dtype(ml_dtypes.float8_e4m3fn),  True,  448.0),
-    ("e5m2",   _c("DI_DTYPE_F8_E5M2"),     8, np.dtype(ml_dtypes.float8_e5m2),    True,  57344.0),
-    ("e8m0",   _c("DI_DTYPE_F8_E8M0FNU"),  8, np.dtype(ml_dtypes.float8_e8m0fnu), True,  float(2.0 ** 127)),
-    ("e2m1",   _c("DI_DTYPE_F4_E2M1FN"),   4, np.dtype(ml_dtypes.float4_e2m1fn),  True,  6.0),
-    ("int4",   _c("DI_DTYPE_INT"),         4, np.dtype(ml_dtypes.int4),           False, 7.0),
-    ("uint4",  _c("DI_DTYPE_UINT"),        4, np.dtype(ml_dtypes.uint4),          False, 15.0),
-    ("int8",   _c("DI_DTYPE_INT"),         8, np.dtype(np.int8),                  False, 127.0),
-    ("uint8",  _c("DI_DTYPE_UINT"),        8, np.dtype(np.uint8),                 False, 255.0),
-    ("int32",  _c("DI_DTYPE_INT"),        32, np.dtype(np.int32),                 False, float(2**31 - 1)),
-    ("int64",  _c("DI_DTYPE_INT"),        64, np.dtype(np.int64),                 False, float(2**63 - 1)),
-    ("uint64", _c("DI_DTYPE_UINT"),       64, np.dtype(np.uint64),                False, float(2**64 - 1)),
+    # name     code                     bits  element type      float   max
+    ("f32",    _c("DI_DTYPE_FLOAT"),      32, "float32",         True,  float(np.finfo(np.float32).max)),
+    ("f16",    _c("DI_DTYPE_FLOAT"),      16, "float16",         True,  65504.0),
+    ("bf16",   _c("DI_DTYPE_BFLOAT"),     16, "bfloat16",        True,  3.3895313892515355e38),  # (2 - 2^-7) * 2^127
+    ("e4m3",   _c("DI_DTYPE_F8_E4M3FN"),   8, "float8_e4m3fn",   True,  448.0),
+    ("e5m2",   _c("DI_DTYPE_F8_E5M2"),     8, "float8_e5m2",     True,  57344.0),
+    ("e8m0",   _c("DI_DTYPE_F8_E8M0FNU"),  8, "float8_e8m0fnu",  True,  float(2.0 ** 127)),
+    ("e2m1",   _c("DI_DTYPE_F4_E2M1FN"),   4, "float4_e2m1fn",   True,  6.0),
+    ("int4",   _c("DI_DTYPE_INT"),         4, "int4",            False, 7.0),
+    ("uint4",  _c("DI_DTYPE_UINT"),        4, "uint4",           False, 15.0),
+    ("int8",   _c("DI_DTYPE_INT"),         8, "int8",            False, 127.0),
+    ("uint8",  _c("DI_DTYPE_UINT"),        8, "uint8",           False, 255.0),
+    ("int32",  _c("DI_DTYPE_INT"),        32, "int32",           False, float(2**31 - 1)),
+    ("int64",  _c("DI_DTYPE_INT"),        64, "int64",           False, float(2**63 - 1)),
+    ("uint64", _c("DI_DTYPE_UINT"),       64, "uint64",          False, float(2**64 - 1)),
 ]
 
 BY_NAME: dict[str, DType] = {}

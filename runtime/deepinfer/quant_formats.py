@@ -36,7 +36,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-import ml_dtypes
 import numpy as np
 
 from . import abi
@@ -273,7 +272,7 @@ def weight_from_checkpoint(get_tensor: GetTensor, name: str, quantization_config
         raise CheckpointError(f"tensor {name!r} is missing from the checkpoint")
     w = np.asarray(w)
 
-    if w.dtype == ml_dtypes.float8_e4m3fn:
+    if w.dtype == D.e4m3.np:
         block = scheme.block if scheme is not None else FP8_BLOCK
         if shape is not None:
             _check_shape(name, w, shape, "fp8 weight")
@@ -340,7 +339,7 @@ def weight_from_checkpoint(get_tensor: GetTensor, name: str, quantization_config
         # the packed bytes are the tensor's storage as they are: no unpacking, no copy
         return Tensor(np.asarray(w), (n, k), qdt, quant=Quant(Tensor.from_numpy(s), (1, g), zeros))
 
-    if w.dtype in (np.float32, np.float16, ml_dtypes.bfloat16):
+    if w.dtype in (np.float32, np.float16, D.bf16.np):
         if shape is not None:
             _check_shape(name, w, shape, "weight")
         return Tensor.from_numpy(w)
@@ -353,7 +352,7 @@ def _scale(get_tensor, name, has_tensor, grid, allowed) -> np.ndarray:
         raise CheckpointError(f"quantized tensor {name!r} has no {name + '_scale'!r}")
     s = np.asarray(s)
     _check_shape(name + "_scale", s, grid, "scales")
-    dt = D.get(s.dtype).name if s.dtype in (np.float32, ml_dtypes.bfloat16, np.float16) else str(s.dtype)
+    dt = D.get(s.dtype).name if s.dtype in (np.float32, D.bf16.np, np.float16) else str(s.dtype)
     if dt not in allowed:
         raise CheckpointError(f"{name}_scale has dtype {dt}; this format takes {' or '.join(allowed)}")
     return s
