@@ -6,10 +6,16 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
+from . import validate as V
 from .errors import ConfigError
 from .quant_formats import PRECISION_PATHS
 
 PRECISIONS = ("auto", "fastest") + tuple(PRECISION_PATHS)
+# bounds that no real deployment reaches but that keep sizes computed from them far from overflow
+MAX_BATCH = 1 << 16
+MAX_SEQ_LEN = 1 << 24          # 16M tokens, beyond every DeepSeek context
+MAX_KV_TOKENS = 1 << 40
+MAX_BLOCK_SIZE = 1 << 16
 
 
 @dataclass
@@ -52,52 +58,55 @@ class EngineConfig:
         elif isinstance(cfg, dict):
             data = dict(cfg)
         elif isinstance(cfg, (str, Path)):
-            p = Path(cfg)
-            try:
-                data = json.loads(p.read_text())
-            except FileNotFoundError:
-                raise ConfigError(f"config file {p} not found") from None
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"config file {p} is not valid JSON: {e}") from None
+            data = V.read_json(cfg, "config file", err=ConfigError)
             if not isinstance(data, dict):
-                raise ConfigError(f"config file {p} must hold a JSON object")
+                raise ConfigError(f"config file {cfg} must hold a JSON object of engine settings, not a "
+                                  f"{type(data).__name__}")
         else:
             raise ConfigError(f"config must be a dict, a path or an EngineConfig, not {type(cfg).__name__}")
         data.update({k: v for k, v in overrides.items() if v is not None})
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = [k for k in data if k not in known]
         if unknown:
-            raise ConfigError(f"unknown engine config key(s) {unknown}; valid keys: {sorted(known)}")
+            raise ConfigError(f"unknown engine config key(s) {', '.join(map(repr, unknown))}; valid keys: "
+                              f"{', '.join(sorted(known))}")
         c = cls(**data)
         c.validate()
         return c
 
     def validate(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"precision {self.precision!r} is not one of {PRECISIONS}")
-        if self.group_size not in (32, 64, 128):
+        """Every value has exactly the type and range it needs; nothing is coerced (a bool is not an
+        int, "no" is not false, 256.7 is not 256) and nothing out of range is quietly ignored."""
+        if self.backend is not None:
+            V.text("backend", self.backend)
+        if not isinstance(self.precision, str) or self.precision not in PRECISIONS:
+            raise ConfigError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if V.integer("group_size", self.group_size) not in (32, 64, 128):
             raise ConfigError(f"group_size must be 32, 64 or 128, not {self.group_size}")
-        for k in ("max_batch", "max_seq_len", "kv_block_size"):
-            if not isinstance(getattr(self, k), int) or getattr(self, k) <= 0:
-                raise ConfigError(f"{k} must be a positive integer, not {getattr(self, k)!r}")
-        if not (isinstance(self.kv_cache_memory_fraction, (int, float)) and 0 < self.kv_cache_memory_fraction <= 1):
-            raise ConfigError(f"kv_cache_memory_fraction must be in (0, 1], not {self.kv_cache_memory_fraction!r}")
-        for k in ("kv_cache_tokens", "max_num_batched_tokens"):
-            v = getattr(self, k)
-            if v is not None and (not isinstance(v, int) or v <= 0):
-                raise ConfigError(f"{k} must be a positive integer or null, not {v!r}")
-        if not isinstance(self.enforce_eager, bool):
-            raise ConfigError(f"enforce_eager must be true or false, not {self.enforce_eager!r}")
-        if not isinstance(self.max_queue, int) or self.max_queue < 0:
-            raise ConfigError(f"max_queue must be a non-negative integer, not {self.max_queue!r}")
+        V.optional_integer("memory_budget_bytes", self.memory_budget_bytes, 1)
+        V.integer("max_batch", self.max_batch, 1, MAX_BATCH)
+        V.integer("max_seq_len", self.max_seq_len, 1, MAX_SEQ_LEN)
+        V.optional_integer("kv_cache_tokens", self.kv_cache_tokens, 1, MAX_KV_TOKENS)
+        V.number("kv_cache_memory_fraction", self.kv_cache_memory_fraction, 0, 1, lo_open=True)
+        V.integer("kv_block_size", self.kv_block_size, 1, MAX_BLOCK_SIZE)
+        V.optional_integer("max_num_batched_tokens", self.max_num_batched_tokens, 1, MAX_KV_TOKENS)
+        for k in ("enable_prefix_cache", "enforce_eager", "fallback", "verbose"):
+            V.boolean(k, getattr(self, k))
+        V.integer("max_queue", self.max_queue, 0)
+        V.integer("num_threads", self.num_threads, 0, 4096)
+        V.integer("device_id", self.device_id, 0, 4096)
         if self.activation_dtype not in ("auto", "f32", "bf16"):
             raise ConfigError(f"activation_dtype must be auto, f32 or bf16, not {self.activation_dtype!r}")
-        if self.revision is not None and (not isinstance(self.revision, str) or not self.revision.strip()):
-            raise ConfigError(f"revision must be a branch, tag or commit name, not {self.revision!r}")
+        if self.revision is not None:
+            V.text("revision", self.revision)
+        if not isinstance(self.speculative, dict):
+            raise ConfigError(f"speculative must be an object such as {{\"mtp\": false}}, not {self.speculative!r}")
         unknown_spec = set(self.speculative) - {"mtp"}
         if unknown_spec:
-            raise ConfigError(f"unknown speculative option(s) {sorted(unknown_spec)}; valid: mtp (load the MTP "
-                              f"head or not); MTP speculative decoding itself is not implemented yet")
+            raise ConfigError(f"unknown speculative option(s) {sorted(map(str, unknown_spec))}; valid: mtp (load "
+                              f"the MTP head or not); MTP speculative decoding itself is not implemented yet")
+        if "mtp" in self.speculative:
+            V.boolean("speculative.mtp", self.speculative["mtp"])
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)

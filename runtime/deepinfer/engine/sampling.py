@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from .. import validate as V
 from ..errors import ConfigError
 
 MASK64 = (1 << 64) - 1
@@ -33,23 +34,41 @@ class SamplingParams:
 
     @classmethod
     def from_options(cls, **opts) -> "SamplingParams":
+        """Validated options: exact types and ranges, so "8", 8.5, True or NaN never pass as
+        something else (NaN as a temperature would silently mean greedy)."""
         known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(opts) - known)
+        unknown = [k for k in opts if k not in known]
         if unknown:
-            raise ConfigError(f"unknown sampling option(s) {unknown}; valid: {sorted(known)}")
+            raise ConfigError(f"unknown sampling option(s) {', '.join(map(repr, unknown))}; valid: "
+                              f"{', '.join(sorted(known))}")
         p = cls(**{k: v for k, v in opts.items() if v is not None})
-        if isinstance(p.stop, str):
-            p.stop = (p.stop,)
-        if p.max_new_tokens < 0:
-            raise ConfigError("max_new_tokens must be >= 0")
-        if not 0.0 < p.top_p <= 1.0:
-            raise ConfigError(f"top_p must be in (0, 1], not {p.top_p}")
-        if p.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0, not {p.temperature}")
-        if p.logprobs is not None and not 0 <= p.logprobs <= 20:
-            raise ConfigError(f"logprobs must be in [0, 20], not {p.logprobs}")
-        if p.top_k < 0:
-            raise ConfigError(f"top_k must be >= 0, not {p.top_k}")
+        V.integer("max_new_tokens", p.max_new_tokens, 0, MAX_NEW_TOKENS)
+        p.temperature = V.number("temperature", p.temperature, 0)
+        p.top_p = V.number("top_p", p.top_p, 0, 1, lo_open=True)
+        V.integer("top_k", p.top_k, 0, INT32_MAX)
+        V.integer("seed", p.seed, -(1 << 63), MASK64)
+        p.stop = _stop_strings(p.stop)
+        if isinstance(p.stop_token_ids, (str, bytes)) or not isinstance(p.stop_token_ids, (list, tuple)):
+            raise ConfigError(f"stop_token_ids must be a list of token ids, not {p.stop_token_ids!r}")
+        p.stop_token_ids = tuple(V.integer("stop_token_ids[]", t, 0, INT32_MAX) for t in p.stop_token_ids)
+        V.optional_integer("logprobs", p.logprobs, 0, 20)
+        V.boolean("ignore_eos", p.ignore_eos)
         return p
 
 
+# the sample op reads top_k as int32; longer outputs than this are not a request but a mistake
+INT32_MAX = (1 << 31) - 1
+MAX_NEW_TOKENS = INT32_MAX
+
+
+def _stop_strings(stop) -> tuple:
+    """A str or a list/tuple of non-empty str, as a tuple."""
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, (list, tuple)):
+        raise ConfigError(f"stop must be a string or a list of strings, not {type(stop).__name__} {stop!r}")
+    for s in stop:
+        if not isinstance(s, str):
+            raise ConfigError(f"stop must hold strings only, not {type(s).__name__} {s!r}")
+        V.utf8("a stop string", s, err=ConfigError)
+    return tuple(s for s in stop if s)
