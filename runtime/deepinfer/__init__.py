@@ -38,11 +38,17 @@ def load(model=None, config=None, **overrides):
     return Engine.from_pretrained(model, config=config, **overrides)
 
 
-def run(model=None, prompt: str = "", config=None, **options) -> str:
+def run(model=None, prompt=None, config=None, **options) -> str:
     """Generate text for one prompt and return it; `options` are sampling options
-    (max_new_tokens, temperature, top_k, top_p, seed, stop)."""
-    if prompt == "" and isinstance(model, str) and not _looks_like_model(model):
-        model, prompt = None, model
+    (max_new_tokens, temperature, top_k, top_p, seed, stop).
+
+    `run("def f():")` runs the embedded model on that prompt; `run(model, prompt)` a directory or hub
+    id. A model directory without a prompt is an error rather than a prompt made of its path."""
+    if prompt is None:
+        if isinstance(model, str) and not _looks_like_model(model):
+            model, prompt = None, model
+        else:
+            raise ConfigError(f"deepinfer.run({model!r}) has no prompt; call deepinfer.run(model, prompt)")
     return load(model, config=config).generate(prompt, **options)
 
 

@@ -22,7 +22,8 @@ from typing import Callable, Iterator, Optional, Sequence as Seq, Union
 import numpy as np
 
 from ..config import EngineConfig
-from ..errors import CheckpointError, ConfigError, DeepinferError
+from ..errors import CheckpointError, ConfigError, DeepinferError, InputTypeError
+from .. import validate as V
 from .sampling import SamplingParams, step_seed
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
@@ -117,7 +118,18 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def encode_prompt(self, prompt: Union[str, Seq[int]], add_bos: Optional[bool] = None) -> list:
-        ids = self.tokenizer.encode(prompt, add_bos=add_bos) if isinstance(prompt, str) else [int(t) for t in prompt]
+        """Token ids of a prompt: a str (UTF-8 text) or a sequence of token ids."""
+        if isinstance(prompt, str):
+            V.utf8("the prompt", prompt, err=ConfigError)
+            ids = self.tokenizer.encode(prompt, add_bos=add_bos)
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            ids = list(prompt)
+            bad = next((t for t in ids if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))), None)
+            if bad is not None:
+                raise InputTypeError(f"a prompt of token ids must hold integers only, not {type(bad).__name__} {bad!r}")
+            ids = [int(t) for t in ids]
+        else:
+            raise InputTypeError(f"a prompt is a str or a list of token ids, not {type(prompt).__name__}")
         if not ids:
             if self.tokenizer.bos_id is None:
                 raise ConfigError("empty prompt and the tokenizer has no bos token")
@@ -125,15 +137,22 @@ class Engine:
         return ids
 
     def check_request(self, ids: list, params: SamplingParams) -> None:
-        """Raise ConfigError if the request can never run (the server turns it into a 400)."""
-        V = self.runner.cfg.vocab_size
-        bad = [t for t in ids if not 0 <= t < V]
+        """Raise ConfigError if the request can never run (the server turns it into a 400): before any
+        output, not after a partial one."""
+        vocab = self.runner.cfg.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ConfigError(f"token id {bad[0]} is outside the vocabulary [0, {V})")
+            raise ConfigError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        need = len(ids) + params.max_new_tokens
         limit = self.runner.max_seq_len
-        if len(ids) + params.max_new_tokens > limit:
+        if need > limit:
             raise ConfigError(f"prompt of {len(ids)} tokens + max_new_tokens {params.max_new_tokens} > "
                               f"max_seq_len {limit}")
+        bm = self.block_manager
+        if -(-need // bm.block_size) > bm.num_blocks:
+            raise ConfigError(f"prompt of {len(ids)} tokens + max_new_tokens {params.max_new_tokens} needs {need} "
+                              f"positions but the whole KV cache holds {bm.num_blocks * bm.block_size}; raise "
+                              f"kv_cache_tokens or lower max_new_tokens")
 
     def add_request(self, prompt: Union[str, Seq[int]], params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None, n: int = 1, add_bos: Optional[bool] = None,
@@ -141,11 +160,12 @@ class Engine:
         """Queue a request (a prompt string or token ids) with n choices; returns its id. Raises
         ConfigError for a request that can never run and QueueFullError when max_queue requests wait."""
         params = params if params is not None else SamplingParams.from_options(**options)
-        if n < 1:
-            raise ConfigError(f"n must be >= 1, not {n}")
+        V.integer("n", n, 1, max(1, self.config.max_queue))
         ids = self.encode_prompt(prompt, add_bos)
         self.check_request(ids, params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if not isinstance(rid, str):
+            raise InputTypeError(f"request_id must be a str, not {type(rid).__name__}")
         if rid in self._requests:
             raise ConfigError(f"request id {rid!r} is already running")
         if len(self.scheduler.waiting) + n > self.config.max_queue:
@@ -257,13 +277,21 @@ class Engine:
                              seq.num_prompt_tokens, seq.num_output_tokens)
 
     # ------------------------------------------------------------------ offline API on top of step()
-    def _run(self, prompts: list, params: SamplingParams, add_bos: Optional[bool] = None,
-             with_tokens: bool = False) -> Iterator:
-        """Adds one request per prompt and steps until they finish; yields (row, RequestOutput)."""
+    # Each entry point checks its arguments and every prompt when it is called, so a bad request is an
+    # error before any output (a generator's body would only run at its first next()); the requests
+    # themselves are added when iteration starts, so an iterator never started costs nothing.
+    def _prepare(self, prompts: list, params: SamplingParams, add_bos: Optional[bool] = None) -> list:
+        ids = [self.encode_prompt(p, add_bos) for p in prompts]
+        for x in ids:
+            self.check_request(x, params)
+        return ids
+
+    def _run(self, prompt_ids: list, params: SamplingParams) -> Iterator:
+        """Adds one request per prompt (token ids) and steps until they finish; yields (row, RequestOutput)."""
         rids = []
         try:
-            for p in prompts:
-                rids.append(self.add_request(p, params, add_bos=add_bos))
+            for p in prompt_ids:
+                rids.append(self.add_request(p, params))
             row = {rid: r for r, rid in enumerate(rids)}
             left = set(rids)
             while left:
@@ -284,15 +312,23 @@ class Engine:
 
     def generate_batch(self, prompts: Seq[str], **options) -> list:
         """Several prompts of different lengths, run together."""
+        prompts = _prompt_list(prompts, "generate_batch", "generate()")
         params = SamplingParams.from_options(**options)
         outs = ["" for _ in prompts]
-        for row, o in self._run(list(prompts), params):
+        for row, o in self._run(self._prepare(prompts, params), params):
             outs[row] += o.text
         return outs
 
     def stream(self, prompt: str, callback: Optional[Callable[[str], None]] = None, **options) -> Iterator[str]:
         params = SamplingParams.from_options(**options)
-        for _, o in self._run([prompt], params):
+        if not isinstance(prompt, str):
+            raise InputTypeError(f"stream() and generate() take a str prompt, not {type(prompt).__name__} (token "
+                                 f"ids: generate_ids(); several prompts: generate_batch())")
+        return self._texts(self._run(self._prepare([prompt], params), params), callback)
+
+    @staticmethod
+    def _texts(outputs: Iterator, callback: Optional[Callable[[str], None]] = None) -> Iterator[str]:
+        for _, o in outputs:
             if o.text:
                 if callback:
                     callback(o.text)
@@ -302,17 +338,17 @@ class Engine:
         return "".join(self.chat_stream(messages, **options))
 
     def chat_stream(self, messages: list, **options) -> Iterator[str]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         params = SamplingParams.from_options(**options)
-        for _, o in self._run([text], params, add_bos=False):
-            if o.text:
-                yield o.text
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self._texts(self._run(self._prepare([text], params, add_bos=False), params))
 
     def generate_ids(self, prompt_ids: Seq[Seq[int]], **options) -> list:
         """Token-level generation (tests compare these with transformers' greedy output)."""
+        prompt_ids = _prompt_list(prompt_ids, "generate_ids", "a list holding one list of ids")
         params = SamplingParams.from_options(**options)
         outs = [[] for _ in prompt_ids]
-        for row, o in self._run([list(p) for p in prompt_ids], params):
+        for row, o in self._run(self._prepare([list(p) if isinstance(p, tuple) else p for p in prompt_ids],
+                                              params), params):
             outs[row] += o.token_ids
         return outs
 
@@ -323,3 +359,10 @@ class Engine:
                 "kv_blocks_used": bm.num_used_blocks, "kv_blocks_total": bm.num_blocks,
                 "prefix_cache_hit_tokens": bm.prefix_hits, "prefix_cache_query_tokens": bm.prefix_queries,
                 "preemptions": self.scheduler.num_preemptions, "plans": len(self.runner.plans), **self.stats}
+
+
+def _prompt_list(prompts, fn: str, single: str) -> list:
+    """The prompts of a batch call as a list; a lone str is refused (it would run as one prompt per character)."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+        raise InputTypeError(f"{fn} takes a list of prompts, not {type(prompts).__name__}; for one prompt use {single}")
+    return list(prompts)
