@@ -15,14 +15,34 @@
  *   -DTEST_GRAPHS           streams and graph capture: ops issued on a capturing stream are recorded
  *                           (args copied) and run by graph_launch, so the L3 checks have something to see
  *   -DTEST_GRAPH_NOOP       with TEST_GRAPHS: graph_launch does nothing (the L3 checks must fail it)
+ *
+ * and plugins that would take down whatever process loads them (the loader must probe them in a
+ * child process, the conformance suite must time them out):
+ *
+ *   -DTEST_BOOTSTRAP_SEGFAULT  deepinfer_plugin_info() dies with SIGSEGV
+ *   -DTEST_BOOTSTRAP_WILD      deepinfer_plugin_info() returns a pointer to unmapped memory
+ *   -DTEST_BOOTSTRAP_HANG      deepinfer_plugin_info() never returns
+ *   -DTEST_API_GARBAGE         get_api() returns a table whose function pointers are garbage
+ *   -DTEST_CONSTRUCTOR_EXIT    a constructor calls exit(3) as soon as the library is loaded
+ *   -DTEST_HANG_MUL            mul never returns for 3-d f32 operands (one L1 case of the quick profile)
  */
 #include <math.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "deepinfer_abi.h"
+
+#if defined(TEST_BOOTSTRAP_HANG) || defined(TEST_HANG_MUL)
+#include <threads.h>
+
+static void hang_forever(void) {
+    for (;;)
+        thrd_sleep(&(struct timespec){.tv_sec = 1000}, NULL);
+}
+#endif
 
 #ifndef TEST_ABI_MAJOR
 #define TEST_ABI_MAJOR DI_ABI_MAJOR
@@ -283,6 +303,10 @@ static DI_Status binary(DI_Context* ctx, const DI_BinaryArgs* args, const char* 
     int c = capture(ctx, f == op_add ? DI_OP_ADD : DI_OP_MUL, args, sizeof(DI_BinaryArgs));
     if (c < 0)
         return fail(ctx, DI_RESOURCE_EXHAUSTED, "%s: out of memory while capturing", op);
+#ifdef TEST_HANG_MUL
+    if (!c && f == op_mul && args->a.ndim == 3 && kind(args->a.dtype) == F32)
+        hang_forever();
+#endif
     if (!c)
         elementwise(&args->a, &args->b, &args->out, f);
     return ok(ctx);
@@ -579,7 +603,22 @@ static const DI_Api g_api = {
     .silu_mul = tiny_silu_mul,
 };
 
+#ifdef TEST_API_GARBAGE
+/* a valid header over function pointers that point nowhere (non-canonical addresses) */
+static DI_Api g_garbage_api;
+
+static const DI_Api* tiny_get_api(uint32_t major) {
+    if (major != TEST_ABI_MAJOR)
+        return NULL;
+    memset(&g_garbage_api, 0x5a, sizeof g_garbage_api);
+    g_garbage_api.struct_size = g_api.struct_size;
+    g_garbage_api.abi_major = g_api.abi_major;
+    g_garbage_api.abi_minor = g_api.abi_minor;
+    return &g_garbage_api;
+}
+#else
 static const DI_Api* tiny_get_api(uint32_t major) { return major == TEST_ABI_MAJOR ? &g_api : NULL; }
+#endif
 
 #ifdef TEST_SCORE
 static int32_t tiny_score(void) { return TEST_SCORE; }
@@ -597,8 +636,21 @@ static const DI_PluginInfo g_info = {
 #endif
 };
 
+#ifdef TEST_CONSTRUCTOR_EXIT
+__attribute__((constructor)) static void exit_on_load(void) { exit(3); }
+#endif
+
 #ifndef TEST_NO_BOOTSTRAP
-DI_EXPORT const DI_PluginInfo* deepinfer_plugin_info(void) { return &g_info; }
+DI_EXPORT const DI_PluginInfo* deepinfer_plugin_info(void) {
+#if defined(TEST_BOOTSTRAP_SEGFAULT)
+    raise(SIGSEGV);
+#elif defined(TEST_BOOTSTRAP_WILD)
+    return (const DI_PluginInfo*)(uintptr_t)0x10;   /* the first page is never mapped */
+#elif defined(TEST_BOOTSTRAP_HANG)
+    hang_forever();
+#endif
+    return &g_info;
+}
 #else
 DI_EXPORT const DI_PluginInfo* some_other_symbol(void) { return &g_info; }
 #endif
