@@ -115,7 +115,7 @@ def test_cli_unknown_config_key_fails(tmp_path):
     cfg.write_text(json.dumps({"backend": "reference", "max_btach": 2}))
     r = subprocess.run([sys.executable, "-m", "deepinfer.cli", "run", "hello", "--config", str(cfg)],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and "max_btach" in r.stderr
+    assert r.returncode == 2 and "max_btach" in r.stderr
 
 
 # ---------------------------------------------------------------- the embedded model vs transformers

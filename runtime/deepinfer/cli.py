@@ -4,9 +4,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
 
-from .errors import DeepinferError
+from . import validate as V
+from .errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, DeepinferError, InputError
 
 
 def _cmd_backends(args) -> int:
@@ -55,28 +58,58 @@ def _engine(args):
 
 
 def _cmd_run(args) -> int:
-    if args.prompt is None:  # `deepinfer run PROMPT`: the embedded default model
-        args.model, args.prompt = None, args.model
-    if args.prompt is None:
-        print("deepinfer run: give a prompt", file=sys.stderr)
-        return 2
+    model, prompt = _run_model_and_prompt(args.model, args.prompt)
+    args.model = model
+    V.utf8("the prompt", prompt)          # before loading anything: undecodable bytes in argv
+    opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, seed=args.seed, stop=args.stop or None)
     eng = _engine(args)
     m = eng.runner
+    # the request is checked (length, cache, options) before anything is printed
+    if args.chat:
+        stream = eng.chat_stream([{"role": "user", "content": prompt}], **opts)
+    else:
+        stream = eng.stream(prompt, **opts)
     print(f"deepinfer: {eng.model_name} on {eng.backend.name}: {getattr(m, 'precision_note', '')}"
           + (f" ({m.precision_reason})" if getattr(m, "precision_reason", "") and not eng.precision_warned else ""),
           file=sys.stderr)
-    opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, seed=args.seed, stop=args.stop or None)
-    if args.chat:
-        stream = eng.chat_stream([{"role": "user", "content": args.prompt}], **opts)
-    else:
-        sys.stdout.write(args.prompt)
-        stream = eng.stream(args.prompt, **opts)
+    if not args.chat:
+        sys.stdout.write(prompt)
     for piece in stream:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
     return 0
+
+
+def _run_model_and_prompt(first, second) -> tuple:
+    """`run PROMPT`, `run MODEL PROMPT`, `run MODEL` or `run` with the prompt on stdin, `-` for stdin.
+    A lone argument that is a directory is a model, never a prompt made of its path."""
+    if second is None:
+        if first is not None and first != "-" and not os.path.isdir(os.path.expanduser(first)):
+            return None, first
+        model, second = (None if first == "-" else first), "-"
+    else:
+        model = first
+    if second != "-":
+        return model, second
+    if sys.stdin is None or sys.stdin.isatty():
+        where = f"after the model {model!r}" if model else "as an argument"
+        raise InputError(f"deepinfer run: no prompt; give it {where}, or pipe it on standard input")
+    raw = sys.stdin.buffer.read(MAX_STDIN_PROMPT + 1)
+    if len(raw) > MAX_STDIN_PROMPT:
+        raise InputError(f"the prompt on standard input is longer than {MAX_STDIN_PROMPT} bytes")
+    try:
+        prompt = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"the prompt on standard input is not UTF-8 text (byte {e.start}); give text encoded "
+                         f"as UTF-8") from None
+    if not prompt:
+        raise InputError("deepinfer run: standard input was empty; give a prompt")
+    return model, prompt
+
+
+MAX_STDIN_PROMPT = 64 << 20
 
 
 def _cmd_serve(args) -> int:
@@ -110,9 +143,28 @@ def _cmd_quantize(args) -> int:
     return quantize_main(args)
 
 
+def _int_at_least(lo: int):
+    """An argparse type: an int >= lo (a usage error, exit 2, otherwise)."""
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be at least {lo}, not {v}")
+        return v
+    return parse
+
+
+EXIT_CODES = f"""exit status: {EXIT_OK} success; {EXIT_FAILURE} the work failed (a backend, a library, a failed
+certification); {EXIT_USAGE} bad input (arguments, options, config, model files, prompt); {EXIT_INTERRUPTED}
+interrupted; 141 the reader of the output went away (a closed pipe)"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="deepinfer", description="DeepSeek inference through a vendor-neutral kernel ABI")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p = argparse.ArgumentParser(prog="deepinfer", description="DeepSeek inference through a vendor-neutral kernel ABI",
+                                epilog=EXIT_CODES)
+    p.add_argument("-v", "--verbose", action="store_true", help="more output (also accepted after the command)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     b = sub.add_parser("backends", help="list every backend found, with scores and the reasons for rejections")
@@ -126,13 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="generate text: deepinfer run [MODEL] PROMPT")
     r.add_argument("model", nargs="?", help="model directory or hub id org/name (default: the embedded model)")
-    r.add_argument("prompt", nargs="?")
+    r.add_argument("prompt", nargs="?", help="the prompt; '-' or none (with a MODEL directory) reads standard input")
     r.add_argument("--config", help="engine config JSON file")
     r.add_argument("--backend")
     r.add_argument("--precision", help="auto (default: the checkpoint's own precision when it fits), fastest, "
                                         "or a format: f32 bf16 fp8 int8 int4 w8a8 w4a8")
     r.add_argument("--revision", help="branch, tag or commit of a hub id")
-    r.add_argument("--max-new-tokens", type=int, default=64)
+    r.add_argument("--max-new-tokens", type=_int_at_least(0), default=64)
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--top-k", type=int, default=0)
     r.add_argument("--top-p", type=float, default=1.0)
@@ -165,8 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--revision", help="branch, tag or commit of a hub id")
     e.add_argument("--backend")
     e.add_argument("--config")
-    e.add_argument("--max-tokens", type=int, default=1 << 30, help="score at most this many tokens")
-    e.add_argument("--window", type=int, default=512, help="tokens per window (the training run used 512)")
+    e.add_argument("--max-tokens", type=_int_at_least(2), default=1 << 30, help="score at most this many tokens")
+    e.add_argument("--window", type=_int_at_least(2), default=512,
+                   help="tokens per window (the training run used 512; every token but a window's first is scored)")
     e.add_argument("--text", help="evaluate this file instead of the model's heldout.txt")
     e.set_defaults(fn=_cmd_eval_ppl)
 
@@ -179,19 +232,29 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--asym", action="store_true", help="int4 with zero points")
     q.add_argument("--calibration", help="text file for activation-aware scaling and clip search")
     q.set_defaults(fn=_cmd_quantize)
+    for sp in sub.choices.values():
+        if "verbose" not in {a.dest for a in sp._actions}:
+            # -v after the command too; SUPPRESS keeps a -v given before it
+            sp.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="more output")
+        sp.epilog = sp.epilog or EXIT_CODES
     return p
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="deepinfer: %(message)s")
     try:
-        return args.fn(args) or 0
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="deepinfer: %(message)s")
+        return args.fn(args) or EXIT_OK
     except DeepinferError as e:
         print(f"deepinfer: error: {e}", file=sys.stderr)
-        return 1
+        return e.exit_code
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # the reader went away (`deepinfer run ... | head`): stop quietly, as Unix tools do; stdout
+        # goes to /dev/null so that the interpreter's final flush does not complain either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":
