@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
+
+from .errors import CheckpointError, InputError
 
 
 @dataclass
@@ -33,10 +36,27 @@ class PplResult:
 
 
 def heldout_text(model_dir: Path, text_path: Optional[str] = None) -> str:
+    """The text to score: `text_path`, or the model directory's heldout.txt. Refuses what is not a
+    non-empty UTF-8 text file (a directory, a binary file, nothing at all) with the reason."""
     p = Path(text_path) if text_path else Path(model_dir) / "heldout.txt"
-    if not p.is_file():
-        raise FileNotFoundError(f"{p}: no held-out text (give --text FILE)")
-    return p.read_text()
+    if p.is_dir():
+        raise InputError(f"--text {p} is a directory; give a text file")
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raise InputError(f"{p}: no such file" + ("" if text_path else " (the model has no heldout.txt: give "
+                                                                       "--text FILE)")) from None
+    except OSError as e:
+        raise InputError(f"{p} cannot be read: {e.strerror or e}") from None
+    if b"\0" in raw:
+        raise InputError(f"{p} is a binary file (it holds NUL bytes); give a text file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{p} is not UTF-8 text (byte {e.start}); give a UTF-8 text file") from None
+    if not text.strip():
+        raise InputError(f"{p} is empty; give a file with text to score")
+    return text
 
 
 def _log_softmax_rows(logits: np.ndarray) -> np.ndarray:
@@ -45,13 +65,18 @@ def _log_softmax_rows(logits: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
-def perplexity(engine, text: str, max_tokens: int = 4096, window: int = 512) -> PplResult:
+def perplexity(engine, text: str, max_tokens: int = 4096, window: int = 512,
+               progress: Optional[Callable[[int, int], None]] = None) -> PplResult:
     """Non-overlapping windows of `window` tokens (the tokenizer's BOS first, as in training); every
     token but a window's first is a target. The same protocol as tools/mtp_acceptance.evaluate, so
-    the training run's recorded perplexity is directly comparable."""
+    the training run's recorded perplexity is directly comparable. `progress(tokens done, total)`
+    is called after each window."""
+    if window < 2 or max_tokens < 2:
+        raise InputError(f"window and max_tokens must be at least 2 (a window's first token only conditions), "
+                         f"not {window} and {max_tokens}")
     ids = engine.tokenizer.encode(text)[:max_tokens]
     if len(ids) < 2:
-        raise ValueError("held-out text is shorter than two tokens")
+        raise InputError("the text is shorter than two tokens: nothing to score")
     window = min(window, engine.config.max_seq_len)
     total_nll, count, top1 = 0.0, 0, []
     for start in range(0, len(ids), window):
@@ -64,8 +89,40 @@ def perplexity(engine, text: str, max_tokens: int = 4096, window: int = 512) -> 
         total_nll -= float(lp[np.arange(len(tgt)), tgt].sum())
         count += len(tgt)
         top1.append(logits.argmax(axis=-1))
+        if progress:
+            progress(min(start + window, len(ids)), len(ids))
     nll = total_nll / count
     return PplResult(engine.config.precision, engine.backend.name, count, nll, math.exp(nll), np.concatenate(top1))
+
+
+def baseline_of(model_dir: Path) -> tuple[Path, str]:
+    """What a model's perplexity is compared with: for a directory `deepinfer quantize` wrote, the
+    source checkpoint it recorded (at bf16), so the change includes the quantization's own error;
+    otherwise (or when that source is gone) the directory's own weights at bf16, said plainly."""
+    from .validate import read_json
+
+    cfg = read_json(Path(model_dir) / "config.json", "model config", err=CheckpointError)
+    qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    src = qc.get("source") if isinstance(qc, dict) else None
+    src_path = src.get("path") if isinstance(src, dict) else None
+    if not isinstance(src_path, str):
+        return Path(model_dir), f"{model_dir} itself at bf16"
+    if (Path(src_path) / "config.json").is_file():
+        return Path(src_path), f"the source checkpoint {src_path} at bf16 (recorded by deepinfer quantize)"
+    return Path(model_dir), (f"{model_dir}'s own quantized weights dequantized to bf16: its source checkpoint "
+                             f"{src_path} is not here, so the quantization error itself is not measured")
+
+
+def _progress_bar(label: str) -> Optional[Callable[[int, int], None]]:
+    """A one-line progress report on stderr when it is a terminal (nothing in logs and pipes)."""
+    if not sys.stderr.isatty():
+        return None
+
+    def show(done: int, total: int) -> None:
+        end = "\n" if done >= total else ""
+        print(f"\rdeepinfer eval-ppl: {label}: {done}/{total} tokens ({100 * done // total}%)", end=end,
+              file=sys.stderr, flush=True)
+    return show
 
 
 def main(args) -> int:
@@ -73,15 +130,17 @@ def main(args) -> int:
 
     model_dir = resolve_model_dir(args.model, getattr(args, "revision", None))
     text = heldout_text(model_dir, args.text)
+    baseline_dir, baseline = baseline_of(model_dir)
     overrides = {"precision": args.precision}
     if args.backend:
         overrides["backend"] = args.backend
     eng = Engine.from_pretrained(model_dir, config=args.config, **overrides)
-    res = perplexity(eng, text, args.max_tokens, args.window)
-    out = res.as_dict()
-    if args.precision not in ("bf16", "f32"):
-        ref = perplexity(Engine.from_pretrained(model_dir, config=args.config,
-                                                **{**overrides, "precision": "bf16"}), text, args.max_tokens, args.window)
+    res = perplexity(eng, text, args.max_tokens, args.window, _progress_bar(args.precision))
+    out = {**res.as_dict(), "window": min(args.window, eng.config.max_seq_len)}
+    if args.precision not in ("bf16", "f32") or baseline_dir != model_dir:
+        ref_eng = Engine.from_pretrained(baseline_dir, config=args.config, **{**overrides, "precision": "bf16"})
+        ref = perplexity(ref_eng, text, args.max_tokens, args.window, _progress_bar("bf16 baseline"))
+        out["baseline"] = baseline
         out["bf16_ppl"] = ref.ppl
         out["ppl_change_pct"] = 100.0 * (res.ppl / ref.ppl - 1.0)
         out["top1_agreement_vs_bf16"] = float((res.top1 == ref.top1).mean())
