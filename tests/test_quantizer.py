@@ -351,7 +351,7 @@ def test_cli(src, tmp_path, capsys):
     assert main(["quantize", str(sdir), str(tmp_path / "q"), "--format", "int4", "--group", "32", "--asym"]) == 0
     assert "quantized" in capsys.readouterr().out
     assert load_weight(tmp_path / "q", QUANTIZED[0]).dtype.name == "uint4"
-    assert main(["quantize", str(sdir), str(tmp_path / "q"), "--format", "int8"]) == 1
+    assert main(["quantize", str(sdir), str(tmp_path / "q"), "--format", "int8"]) == 2   # an input error: the destination exists
     assert "already exists" in capsys.readouterr().err
 
 

@@ -92,7 +92,7 @@ _CONFIG_KEYS = {
     "fp8": {"quant_method", "fmt", "activation_scheme", "weight_block_size", "scale_fmt", "modules_not_converted",
             "ignored_layers", "dequantize", "modules_to_convert", "modules_to_not_convert"},
     "deepinfer": {"quant_method", "format", "group_size", "symmetric", "scale_dtype", "modules_not_converted",
-                  "weight_block_size", "calibration"},
+                  "weight_block_size", "calibration", "source"},
 }
 
 

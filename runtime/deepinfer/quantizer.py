@@ -17,12 +17,16 @@ see quantize_weight_calibrated for why weighting was chosen over folding scales 
 """
 from __future__ import annotations
 
+import ctypes
+import errno
+import glob
 import json
 import os
+import secrets
 import shutil
+import socket
 import struct
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,7 +39,7 @@ import numpy as np
 from . import abi
 from . import dtypes as D
 from . import quant_formats as QF
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, DeepinferError, InputError
 from .model.checkpoint import TensorStore
 from .tensor import Quant, Tensor, pack_4bit
 
@@ -371,12 +375,15 @@ _QUANT_SIDE_SUFFIXES = ("_scale_inv", "_scale", "_zero", "_shape")
 
 def quantize_model(src, dst, format: str, group: int = 64, symmetric: bool = True, calibration=None,
                    scale_dtype: str = "f32", clip_search: bool = True, shard_bytes: int = DEFAULT_SHARD_BYTES,
-                   activation_stats: Optional[dict] = None, progress: bool = False) -> dict:
+                   activation_stats: Optional[dict] = None, progress: bool = False,
+                   source_name: Optional[str] = None) -> dict:
     """Writes a quantized copy of the model directory `src` to the new directory `dst`.
 
     calibration: a text file; its tokens are run through the source model to get each linear's
     input statistics (see collect_activation_stats). activation_stats: the same statistics given
-    directly ({weight name: ActivationStats}); used as is when given. Returns a summary dict.
+    directly ({weight name: ActivationStats}); used as is when given. source_name: what the user
+    called SRC (a hub id), recorded beside its path in quantization_config.source so that
+    `deepinfer eval-ppl DST` measures against it. Returns a summary dict.
     """
     src, dst = Path(src).expanduser(), Path(dst).expanduser()
     if format not in QF.FORMATS:
@@ -408,8 +415,19 @@ def quantize_model(src, dst, format: str, group: int = 64, symmetric: bool = Tru
     if calibration is not None and not activation_stats:
         stats = collect_activation_stats(src, Path(calibration))
 
+    try:
+        return _write_quantized(src, dst, config, scheme, src_scheme, ckpt, stats, calibration, clip_search,
+                                shard_bytes, progress, source_name)
+    except OSError as e:
+        raise _io_error(e, src, dst) from None
+
+
+def _write_quantized(src: Path, dst: Path, config: dict, scheme, src_scheme, ckpt, stats: dict, calibration,
+                     clip_search: bool, shard_bytes: int, progress: bool, source_name: Optional[str]) -> dict:
+    """quantize_model's output: built in a partial directory beside DST, renamed into place last."""
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    _remove_stale_partials(dst)
+    tmp = _new_partial_dir(dst)
     t0 = time.time()
     summary = {"format": scheme.describe(), "quantized": 0, "kept": 0, "alphas": {}, "source_bytes": 0,
                "dest_bytes": 0}
@@ -465,12 +483,15 @@ def quantize_model(src, dst, format: str, group: int = 64, symmetric: bool = Tru
         if stats:
             new_cfg["quantization_config"]["calibration"] = {
                 "file": Path(calibration).name if calibration else None, "layers": len(summary["alphas"])}
+        # what DST was made from: eval-ppl compares against it (the quantization's error included)
+        new_cfg["quantization_config"]["source"] = {"model": source_name or str(src), "path": str(src.resolve())}
         (tmp / "config.json").write_text(json.dumps(new_cfg, indent=2) + "\n")
         _fsync_dir(tmp)
-        # the one step that makes DST exist: atomic on one filesystem, and it fails if DST appeared meanwhile
+        # the one step that makes DST exist: atomic on one filesystem, and it fails if DST appeared
+        # meanwhile, even as an empty directory (which a plain rename would silently replace)
         try:
-            os.rename(tmp, dst)
-        except OSError:
+            _rename_noreplace(tmp, dst)
+        except FileExistsError:
             raise ConfigError(f"destination {dst} appeared while quantizing; the result was discarded") from None
         _fsync_dir(dst.parent)
     except BaseException:
@@ -478,6 +499,82 @@ def quantize_model(src, dst, format: str, group: int = 64, symmetric: bool = Tru
         raise
     summary["seconds"] = round(time.time() - t0, 2)
     return summary
+
+
+# ---------------------------------------------------------------------------- the output directory
+# A run writes into `.DST.partial-HOST.PID.TOKEN` beside DST. The name says whose it is, so a later
+# run can remove what a killed one left (same host, process gone) without touching a live run's.
+
+def _partial_prefix(dst: Path) -> str:
+    return f".{dst.name}.partial-"
+
+
+def _new_partial_dir(dst: Path) -> Path:
+    """A fresh partial directory; os.mkdir applies the umask (tempfile.mkdtemp would force 0700)."""
+    p = dst.parent / f"{_partial_prefix(dst)}{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"
+    os.mkdir(p, 0o777)
+    return p
+
+
+def _remove_stale_partials(dst: Path) -> None:
+    """Removes partial directories of earlier runs for DST whose process is gone; names the ones
+    whose owner cannot be told (another host, or an older deepinfer's nameless ones)."""
+    prefix, host = _partial_prefix(dst), socket.gethostname()
+    unknown = []
+    for p in dst.parent.glob(glob.escape(prefix) + "*"):
+        h, _, rest = p.name[len(prefix):].rpartition(".")[0].rpartition(".")
+        pid = int(rest) if rest.isdigit() else None
+        if h != host or pid is None:
+            unknown.append(p)
+        elif not _process_alive(pid):
+            shutil.rmtree(p, ignore_errors=True)
+            print(f"deepinfer quantize: removed {p}, left by a run that was stopped (process {pid})",
+                  file=sys.stderr)
+    if unknown:
+        print(f"deepinfer quantize: partial output of other runs: {', '.join(map(str, unknown))} (remove them "
+              f"if no deepinfer quantize to {dst} is running)", file=sys.stderr)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:      # it exists, under another user
+        return True
+    return True
+
+
+def _rename_noreplace(src: Path, dst: Path) -> None:
+    """rename(2) that fails with FileExistsError if DST exists, even as an empty directory.
+
+    Linux's renameat2(RENAME_NOREPLACE) closes the race atomically; where it is missing (another
+    OS, a filesystem without the flag) a check just before the rename leaves a gap of microseconds."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        at_fdcwd, rename_noreplace = -100, 1
+        if fn(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), rename_noreplace) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS):
+            raise OSError(err, os.strerror(err), str(dst))
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+    os.rename(src, dst)
+
+
+def _io_error(e: OSError, src: Path, dst: Path) -> DeepinferError:
+    """An OSError of a run as an error that says what to do (nothing is left at DST)."""
+    where = f" ({e.filename})" if e.filename else ""
+    if e.filename and Path(os.fsdecode(e.filename)).resolve().is_relative_to(src.resolve()):
+        return CheckpointError(f"cannot read the source {e.filename}: {e.strerror or e}")
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DeepinferError(f"no space left on the device while writing {dst}{where}; free space or choose "
+                              f"another destination (nothing was written at {dst})")
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.ENOENT, errno.ENAMETOOLONG):
+        return InputError(f"cannot write {dst}: {e.strerror}{where}; choose a writable destination")
+    return DeepinferError(f"writing {dst} failed: {e.strerror or e}{where} (nothing was written at {dst})")
 
 
 def _fsync_dir(p: Path) -> None:
@@ -589,7 +686,7 @@ def main(args) -> int:
 
     src = resolve_model(args.src, getattr(args, "revision", None))
     summary = quantize_model(src, args.dst, args.format, group=args.group, symmetric=not args.asym,
-                             calibration=args.calibration, progress=True)
+                             calibration=args.calibration, progress=True, source_name=args.src)
     gb = lambda b: b / 1e9  # noqa: E731
     print(f"deepinfer quantize: wrote {args.dst} ({summary['format']}): {summary['quantized']} weights "
           f"quantized, {summary['kept']} tensors kept; {gb(summary['source_bytes']):.3f} GB -> "
