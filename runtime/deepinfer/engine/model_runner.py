@@ -30,7 +30,7 @@ from typing import Optional, Sequence as Seq
 import numpy as np
 
 from .. import quant_formats as QF
-from ..errors import CacheFullError
+from ..errors import CacheFullError, ConfigError
 from ..model.checkpoint import Checkpoint
 from ..model.deepseek import DeepseekGraph, StepInputs
 from ..model.kv_cache import PagedKVCache, block_bytes
@@ -105,9 +105,11 @@ class ModelRunner:
         self._sample_bufs: dict = {}
         self._offline: dict = {}                  # caller's sequence id -> Sequence (the offline API)
         self.num_cache_layers = c.num_hidden_layers + (1 if self.has_mtp else 0)
+        explicit_kv = num_cache_blocks is not None
         if num_cache_blocks is None and kv_cache_memory_fraction is not None:
             num_cache_blocks = self._blocks_from_free_memory(kv_cache_memory_fraction)
         nb = int(num_cache_blocks or self.max_batch * self.max_blocks_per_seq)
+        self._check_kv_fits(nb, explicit_kv)
         self.kv = PagedKVCache(backend, self.num_cache_layers, nb, self.block_size, c.cache_width, dtype,
                                self.max_blocks_per_seq)
         self.graph.caches = self.kv.layers
@@ -118,6 +120,20 @@ class ModelRunner:
                                                               if self.act_quant else "")
 
     # ================================================================== KV cache sizing
+    def _check_kv_fits(self, num_blocks: int, explicit: bool) -> None:
+        """Refuse a KV cache larger than the free memory before allocating it: an allocation that
+        fails (or a host that starts swapping) says far less than what fits."""
+        per = block_bytes(self.num_cache_layers, self.block_size, self.cfg.cache_width,
+                          4 if self.dtype == "f32" else 2)
+        free, _ = self.backend.memory_info()
+        if free and num_blocks * per > free:
+            fits = free // per * self.block_size
+            asked = (f"kv_cache_tokens {num_blocks * self.block_size}" if explicit else
+                     f"max_batch {self.max_batch} x max_seq_len {self.max_seq_len}")
+            raise ConfigError(f"a KV cache for {asked} needs {num_blocks * per / 2**30:.2f} GiB but "
+                              f"{free / 2**30:.2f} GiB are free on {self.backend.name}; at most {fits} tokens "
+                              f"fit (blocks of {self.block_size}): lower it")
+
     def _blocks_from_free_memory(self, fraction: float) -> int:
         """KV blocks that fit in `fraction` of the memory free after a warm-up step of the largest
         prefill (its plan's arena is the peak activation memory). Device backends take that much;
