@@ -572,7 +572,8 @@ def _io_error(e: OSError, src: Path, dst: Path) -> DeepinferError:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return DeepinferError(f"no space left on the device while writing {dst}{where}; free space or choose "
                               f"another destination (nothing was written at {dst})")
-    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.ENOENT, errno.ENAMETOOLONG):
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.ENOENT, errno.ENAMETOOLONG,
+                   errno.EEXIST):   # EEXIST: mkdir of a parent that is a file
         return InputError(f"cannot write {dst}: {e.strerror}{where}; choose a writable destination")
     return DeepinferError(f"writing {dst} failed: {e.strerror or e}{where} (nothing was written at {dst})")
 

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import QueueFullError, SamplingParams
-from ..errors import ConfigError
+from ..errors import InputError
 from .async_engine import AsyncEngine, EngineStopped
 from .protocol import ChatCompletionRequest, CompletionRequest
 
@@ -175,7 +175,7 @@ def create_app(aengine: AsyncEngine, model_name: str, limits: Optional[ServerLim
                 max_new_tokens=max_new, temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=req.top_p, top_k=max(req.top_k or 0, 0), seed=seed, stop=tuple(stops), logprobs=logprobs,
                 ignore_eos=req.ignore_eos)
-        except ConfigError as e:
+        except InputError as e:
             raise APIError(400, str(e)) from None
 
     def check_prompt(ids: list, params: SamplingParams, param: str):
@@ -183,7 +183,7 @@ def create_app(aengine: AsyncEngine, model_name: str, limits: Optional[ServerLim
             raise APIError(400, f"prompt of {len(ids)} tokens > the server's limit {max_prompt}", param=param)
         try:
             eng.check_request(ids, params)
-        except ConfigError as e:
+        except InputError as e:
             raise APIError(400, f"{e}; lower max_tokens or shorten the prompt", param=param) from None
 
     async def submit_all(rid: str, prompts: list, params: SamplingParams, n: int) -> tuple[list, asyncio.Queue]:
@@ -207,7 +207,7 @@ def create_app(aengine: AsyncEngine, model_name: str, limits: Optional[ServerLim
             for s in ids:
                 aengine.abort(s)
             raise APIError(503, str(e), "server_error", code="shutting_down") from None
-        except ConfigError as e:
+        except InputError as e:
             for s in ids:
                 aengine.abort(s)
             raise APIError(400, str(e)) from None
@@ -298,7 +298,7 @@ def create_app(aengine: AsyncEngine, model_name: str, limits: Optional[ServerLim
         params = sampling(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
         try:
             ids = [eng.encode_prompt(x) for x in prompts]
-        except ConfigError as e:
+        except InputError as e:
             raise APIError(400, str(e), param="prompt") from None
         for x in ids:
             check_prompt(x, params, "prompt")
@@ -348,11 +348,11 @@ def create_app(aengine: AsyncEngine, model_name: str, limits: Optional[ServerLim
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
         try:
             text = tok.apply_chat_template(messages, add_generation_prompt=True)
-        except ConfigError as e:
+            ids = eng.encode_prompt(text, add_bos=False)
+        except InputError as e:
             raise APIError(400, str(e), param="messages") from None
         except Exception as e:      # a template that fails on these messages (jinja2 sandbox errors)
             raise APIError(400, f"chat template: {e}", param="messages") from None
-        ids = eng.encode_prompt(text, add_bos=False)
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_new = asked if asked is not None else max(min(max_seq - len(ids), max_tokens_cap), 0)
         params = sampling(req, max_new)
