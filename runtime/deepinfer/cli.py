@@ -16,6 +16,9 @@ def _cmd_backends(args) -> int:
     from .loader import candidates
 
     found = candidates(args.path or None)
+    if args.json:
+        print(json.dumps([c.__dict__ for c in found], indent=2))
+        return 0
     for c in found:
         print(c.summary())
         if c.ok and args.verbose:
@@ -33,15 +36,13 @@ def _cmd_backends(args) -> int:
             if extra:
                 print("    " + ", ".join(extra))
             print(f"    {len(c.ops)} ops")
-    if args.json:
-        print(json.dumps([c.__dict__ for c in found], indent=2))
     return 0
 
 
 def _cmd_conformance(args) -> int:
-    from .conformance import main as conformance_main
+    from .conformance.cli import run
 
-    return conformance_main(args.rest)
+    return run(args)
 
 
 def _engine(args):
@@ -172,8 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=_cmd_backends)
 
-    c = sub.add_parser("conformance", help="certify a backend library (writes a JSON certificate)", add_help=False)
-    c.add_argument("rest", nargs=argparse.REMAINDER)
+    from .conformance import cli as conformance_cli
+
+    c = sub.add_parser("conformance", help="certify a backend library (writes a JSON certificate)",
+                       description=conformance_cli.DESCRIPTION)
+    conformance_cli.add_arguments(c)
     c.set_defaults(fn=_cmd_conformance)
 
     r = sub.add_parser("run", help="generate text: deepinfer run [MODEL] PROMPT")

@@ -341,8 +341,9 @@ def probe_timeout() -> float:
     return value
 
 
-def _child_env() -> dict:
-    """The child imports this very deepinfer, also when it runs from a source tree (PYTHONPATH=runtime)."""
+def child_env() -> dict:
+    """The environment of a child Python process (a probe, a conformance level) that must import this
+    very deepinfer, also when it runs from a source tree (PYTHONPATH=runtime)."""
     env = dict(os.environ)
     pkg_root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -400,9 +401,10 @@ def _read_answer(out: str, err: str, rc: int) -> dict:
     return {"failure": failure, "at_fault": True, "cacheable": True}
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def kill_process_group(proc: subprocess.Popen) -> None:
+    """SIGKILL a child started with start_new_session=True, and whatever it started in turn."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)   # the child and anything the library started
+        os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
 
@@ -410,13 +412,13 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def _probe_in_child(path: Path) -> dict:
     """Run the probe of `path` in a child process; its outcome (see _read_answer)."""
     timeout = probe_timeout()
-    proc = subprocess.Popen([sys.executable, "-m", "deepinfer._probe_child", str(path)], env=_child_env(),
+    proc = subprocess.Popen([sys.executable, "-m", "deepinfer._probe_child", str(path)], env=child_env(),
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             errors="replace", start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
+        kill_process_group(proc)
         out, err = proc.communicate()
         stages = [line[len("STAGE "):] for line in out.splitlines() if line.startswith("STAGE ")]
         where = _STAGE_WHERE.get(stages[-1] if stages else None, "")
@@ -434,7 +436,7 @@ def _what_to_do(source: str, outcome: dict) -> str:
     elif source == "entry-point":
         todo = f"uninstall the package whose {ENTRY_POINT_GROUP} entry point names it, or rebuild it"
     else:
-        todo = "rebuild it, or stop loading it"
+        todo = "rebuild it"
     if outcome.get("timed_out"):
         todo += f" (if it is only slow to start, raise {PROBE_TIMEOUT_ENV})"
     return todo

@@ -1,9 +1,10 @@
 """Conformance levels in a child process (see runner._run_isolated).
 
 argv: levels(comma separated) lib_path profile seed only_ops(comma separated) previous.json results.jsonl
-Each check announces itself on stdout ("START key") before it runs and appends its outcome to
-results.jsonl when it ends, so that if the library crashes the process the parent knows which
-check did it and can start a new child that skips every check in previous.json.
+Each check announces itself on stdout ("START key") before it runs, appends its outcome to
+results.jsonl when it ends and then says so ("DONE key"), so that the parent times each check, and
+when the library crashes the process or a check runs too long, knows which check it was and can
+start a new child that skips every check in previous.json.
 """
 import json
 import sys
@@ -14,12 +15,17 @@ def main(argv):
     from .harness import Recorder
     from .runner import run_level
 
+    class AnnouncingRecorder(Recorder):
+        def done(self, o) -> None:
+            super().done(o)
+            self.progress(f"DONE {self.level}|{self.key(o.op, o.case, o.seed)}")
+
     def progress(msg: str) -> None:
         print(msg, flush=True)
 
     with open(prev_file) as f:
         previous = json.load(f)
-    rec = Recorder(progress, previous, sink_file)
+    rec = AnnouncingRecorder(progress, previous, sink_file)
     for lv in level.split(","):
         progress(f"== {lv}")
         run_level(lv, lib_path, profile, int(seed), [o for o in only.split(",") if o] or None, progress, rec)

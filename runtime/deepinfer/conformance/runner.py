@@ -5,8 +5,11 @@
   L2  bit-exact dequantization of every quantized format
   L3  streams and graph capture, for libraries that have them (device_checks.py)
 
-A level that crashes the process would take the certificate with it, so by default each level runs
-in a child Python process; a crash is then a failed level that names the check it was in.
+A level that crashes the process would take the certificate with it, so by default the levels run
+in a child Python process; a crash is then an error of the check it was in, and a new child resumes
+after that check. A check that runs past its budget (CHECK_BUDGETS per level, or check_timeout) is
+killed the same way and recorded as an error "timed out after N s". In-process runs (isolate=False)
+have neither protection: a crash ends the run and a hanging op hangs it.
 """
 from __future__ import annotations
 
@@ -14,22 +17,31 @@ import datetime as _dt
 import json
 import os
 import platform
+import queue
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from .. import __version__, abi
-from ..loader import file_sha256
+from ..errors import InputError
+from ..loader import child_env, file_sha256, kill_process_group
 from . import cases as C
 from . import tolerances as TOL
 from .harness import Outcome, Recorder, ReferenceCache, check_case
 
 LEVELS = ("L0", "L1", "L2", "L3")
 REFERENCE = "reference"
+
+# seconds one check may take in an isolated run before it is killed (the thorough profile on a slow
+# host stays well inside them; L3 creates devices' streams and graphs)
+CHECK_BUDGETS = {"L0": 30.0, "L1": 120.0, "L2": 120.0, "L3": 300.0}
+
+NO_CHECK_RAN = "no check ran: every outcome was skipped or unsupported, so nothing was certified"
 
 Progress = Callable[[str], None]
 
@@ -68,6 +80,17 @@ def _ops_to_test(target, only_ops: Optional[Iterable[str]]) -> list[str]:
     return ops
 
 
+def _unclaimed(target, only_ops: Optional[Iterable[str]], rec: Recorder) -> list[Outcome]:
+    """An op asked for by name that the library lacks gets an outcome, so that it is not silently absent."""
+    out = []
+    for op in [op for op in abi.OP_NAMES if op in set(only_ops or ()) and not target.has_op(op)]:
+        o = Outcome(op, "not claimed", "*", "unsupported",
+                    f"the library does not claim {op} (its DI_Api entry is NULL): nothing to test")
+        rec.done(o)
+        out.append(o)
+    return out
+
+
 def _run_cases(target, cs, rec: Recorder) -> list[Outcome]:
     ref = ReferenceCache(reference_backend())
     out = []
@@ -85,7 +108,7 @@ def _run_cases(target, cs, rec: Recorder) -> list[Outcome]:
 
 def run_l1(target, profile="default", seed=0, only_ops=None, rec: Optional[Recorder] = None) -> list[Outcome]:
     rec = rec or Recorder()
-    out: list[Outcome] = []
+    out: list[Outcome] = _unclaimed(target, only_ops, rec)
     for op in _ops_to_test(target, only_ops):
         cs = C.cases_for(op, profile, seed)
         if op == "moe_experts":
@@ -145,69 +168,150 @@ def run_level(level: str, lib_path: str, profile: str = "default", seed: int = 0
     return [o.as_dict() for o in res]
 
 
-MAX_CRASHES = 25
+MAX_CRASHES = 25   # crashes and timed-out checks of one run: each one costs a new child
 
 
-def _run_isolated(levels, lib_path, profile, seed, only_ops, progress: Progress, timeout: float) -> dict:
-    """The levels in one child process; after a crash a new child resumes after the check that crashed."""
+def _parse_key(key: str) -> tuple[str, str, str, int]:
+    """level|op|check name|seed (a check's name may itself hold a '|')."""
+    level, op, rest = key.split("|", 2)
+    name, seed = rest.rsplit("|", 1)
+    return level, op, name, int(seed)
+
+
+@dataclass
+class _ChildEnd:
+    rc: int                    # the child's exit status (negative: the signal that ended it)
+    running: Optional[str]     # the check it was in when it ended; None: between checks
+    last: Optional[str]        # the last check it started
+    killed: str                # "" (it ended by itself), "check" (past its budget), "stalled", "run" (past the deadline)
+    budget: float              # the budget that ran out, when killed
+    tail: str                  # its last lines of output
+
+
+def _pump(stream, lines: "queue.Queue[Optional[str]]") -> None:
+    for line in stream:
+        lines.put(line.rstrip("\n"))
+    lines.put(None)
+
+
+def _watch(proc: subprocess.Popen, levels: list[str], check_timeout: Optional[float], deadline: float,
+           progress: Progress) -> _ChildEnd:
+    """Relay the child's output until it ends, killing it when the check it announced (START key ...
+    DONE key) runs past its budget, when it makes no progress between checks, or at the deadline."""
+    lines: "queue.Queue[Optional[str]]" = queue.Queue()
+    threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
+    running: Optional[str] = None
+    last: Optional[str] = None
+    since = time.monotonic()
+    output: list[str] = []
+    while True:
+        level = _parse_key(last)[0] if last else levels[0]
+        # between checks the child builds cases and reference results: the level's own budget, never less
+        budget = (check_timeout or CHECK_BUDGETS[level]) if running else max(CHECK_BUDGETS[level], check_timeout or 0)
+        try:
+            line = lines.get(timeout=max(0.0, min(since + budget, deadline) - time.monotonic()))
+        except queue.Empty:
+            killed = "run" if time.monotonic() >= deadline else "check" if running else "stalled"
+            kill_process_group(proc)
+            return _ChildEnd(proc.wait(), running, last, killed, budget, "\n".join(output[-6:]).strip())
+        if line is None:
+            return _ChildEnd(proc.wait(), running, last, "", budget, "\n".join(output[-6:]).strip())
+        if line.startswith("START "):
+            running = last = line[len("START "):]
+            since = time.monotonic()
+        elif line.startswith("DONE "):
+            if line[len("DONE "):] == running:
+                running = None
+            since = time.monotonic()
+        else:
+            output.append(line)
+            progress(line)
+            if running is None:
+                since = time.monotonic()
+
+
+def _collect(sink: Path, statuses: dict[str, str], done: dict[str, list[dict]]) -> None:
+    """The outcomes a child wrote before it ended (a line cut short by a kill is dropped)."""
+    for x in (sink.read_text().splitlines() if sink.exists() else []):
+        try:
+            r = json.loads(x)
+        except ValueError:
+            continue
+        statuses[r.pop("key")] = r["status"]
+        done.setdefault(r.pop("level"), []).append(r)
+
+
+def _child_command(levels, lib_path, profile, seed, only_ops, prev: Path, sink: Path) -> list[str]:
+    return [sys.executable, "-m", "deepinfer.conformance._child", ",".join(levels), lib_path, profile, str(seed),
+            ",".join(only_ops or []), str(prev), str(sink)]
+
+
+def _run_error(end: _ChildEnd, levels, timeout: float) -> tuple[str, dict]:
+    """(level, outcome) of a child that ended where no check can be blamed: the run stops there."""
+    how = f"signal {-end.rc}" if end.rc < 0 else f"exit status {end.rc}"
+    if end.killed == "run":
+        why = f"timed out after {timeout:g} s"
+    elif end.killed == "stalled":
+        why = f"made no progress for {end.budget:g} s outside any check"
+    else:
+        why = f"died ({how})"
+    where = f" during {end.running}" if end.running else f" after {end.last}" if end.last else ""
+    lv = _parse_key(end.running or end.last)[0] if (end.running or end.last) else levels[0]
+    return lv, Outcome("*", lv, "*", "error", f"the conformance run {why}{where}" + (
+        f"\n{end.tail}" if end.tail else "")).as_dict()
+
+
+def _blamed_check(end: _ChildEnd) -> tuple[str, dict, str]:
+    """(level, error outcome, progress note) of the check a child crashed or ran out of time in."""
+    lv, op, name, seed = _parse_key(end.running)
+    if end.killed == "check":
+        return lv, Outcome(op, name, "timeout", "error", f"timed out after {end.budget:g} s: the check did not "
+                           f"return, so its process was killed", seed=seed).as_dict(), \
+            f"  TIMEOUT after {end.budget:g} s in {lv} {op}: {name}; resuming after it"
+    how = f"signal {-end.rc}" if end.rc < 0 else f"exit status {end.rc}"
+    return lv, Outcome(op, name, "crash", "error", f"the library crashed the process ({how}) in this check"
+                       + (f"\n{end.tail}" if end.tail else ""), seed=seed).as_dict(), \
+        f"  CRASH ({how}) in {lv} {op}: {name}; resuming after it"
+
+
+def _run_isolated(levels, lib_path, profile, seed, only_ops, progress: Progress, timeout: float,
+                  check_timeout: Optional[float] = None) -> dict:
+    """The levels in one child process; after a crash or a timed-out check a new child resumes after it."""
     done: dict[str, list[dict]] = {lv: [] for lv in levels}
     statuses: dict[str, str] = {}
-    t0 = time.time()
+    deadline = time.monotonic() + timeout
     with tempfile.TemporaryDirectory(prefix="di-conf-") as tmp:
         for attempt in range(MAX_CRASHES + 1):
             sink = Path(tmp) / f"results{attempt}.jsonl"
             prev = Path(tmp) / f"previous{attempt}.json"
             prev.write_text(json.dumps(statuses))
-            cmd = [sys.executable, "-m", "deepinfer.conformance._child", ",".join(levels), lib_path, profile,
-                   str(seed), ",".join(only_ops or []), str(prev), str(sink)]
-            env = dict(os.environ)
-            pkg_root = str(Path(__file__).resolve().parents[2])
-            env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-            started: Optional[str] = None
-            lines: list[str] = []
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            timer = threading.Timer(max(1.0, timeout - (time.time() - t0)), proc.kill)
-            timer.start()
-            try:
-                for line in proc.stdout:
-                    line = line.rstrip("\n")
-                    if line.startswith("START "):
-                        started = line[6:]
-                        continue
-                    lines.append(line)
-                    progress(line)
-                rc = proc.wait()
-            finally:
-                timer.cancel()
-            for x in (sink.read_text().splitlines() if sink.exists() else []):
-                r = json.loads(x)
-                statuses[r.pop("key")] = r["status"]
-                done.setdefault(r.pop("level"), []).append(r)
-            if rc == 0:
+            # a session of its own: a timeout kills the child and anything it started (L0's reload check)
+            proc = subprocess.Popen(_child_command(levels, lib_path, profile, seed, only_ops, prev, sink),
+                                    env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    errors="replace", start_new_session=True)
+            end = _watch(proc, levels, check_timeout, deadline, progress)
+            _collect(sink, statuses, done)
+            if end.rc == 0 and not end.killed:
                 return done
-            how = f"signal {-rc}" if rc < 0 else f"exit status {rc}"
-            tail = "\n".join(lines[-6:]).strip()
-            timed_out = time.time() - t0 > timeout
-            if started is None or started in statuses or timed_out:
-                why = "timed out" if timed_out else f"died ({how})"
-                lv = started.split("|", 1)[0] if started else levels[0]
-                done.setdefault(lv, []).append(Outcome("*", lv, "*", "error", f"the conformance run {why}" + (
-                    f" during {started}" if started else "") + (f"\n{tail}" if tail else "")).as_dict())
+            if end.killed == "check" and end.running in statuses:
+                continue                  # it finished just as its time ran out: resume after it
+            if end.killed not in ("", "check") or end.running is None or end.running in statuses:
+                lv, outcome = _run_error(end, levels, timeout)
+                done.setdefault(lv, []).append(outcome)
                 return done
-            lv, op, name, cseed = started.split("|", 3)
-            crash = Outcome(op, name, "crash", "error", f"the library crashed the process ({how}) in this check"
-                            + (f"\n{tail}" if tail else ""), seed=int(cseed))
-            statuses[started] = "error"
-            done.setdefault(lv, []).append(crash.as_dict())
-            progress(f"  CRASH ({how}) in {lv} {op}: {name}; resuming after it")
-        done[levels[-1]].append(Outcome("*", "run", "*", "error", f"gave up after {MAX_CRASHES} crashes").as_dict())
+            lv, outcome, note = _blamed_check(end)
+            statuses[end.running] = "error"
+            done.setdefault(lv, []).append(outcome)
+            progress(note)
+        done[levels[-1]].append(Outcome("*", "run", "*", "error", f"gave up after {MAX_CRASHES} crashes or timeouts")
+                                .as_dict())
         return done
 
 
 # ====================================================================== the certificate
 
 
-def _library_facts(lib_path: str) -> dict:
+def _library_facts(lib_path: str, isolate: bool) -> dict:
     if lib_path == REFERENCE:
         from ..reference import ReferenceBackend
 
@@ -215,9 +319,10 @@ def _library_facts(lib_path: str) -> dict:
         return {"path": None, "sha256": None, "name": "reference", "version": __version__,
                 "abi_version": f"{abi.ABI_MAJOR}.{abi.ABI_MINOR}", "device": "cpu", "attributes": {},
                 "ops_claimed": be.ops()}
-    from ..loader import probe
+    from ..loader import probe, probe_isolated
 
-    c = probe(Path(lib_path))
+    # reading the facts runs the library's code: a child process, unless the whole run is in-process
+    c = probe_isolated(Path(lib_path)) if isolate else probe(Path(lib_path))
     facts = {"path": str(Path(lib_path).resolve()), "sha256": file_sha256(lib_path) if Path(lib_path).is_file() else None,
              "name": c.name, "version": c.version, "abi_version": c.abi_version, "device": c.device,
              "attributes": c.attributes, "ops_claimed": c.ops, "loadable": c.ok,
@@ -248,19 +353,48 @@ def _summarise_level(results: list[dict]) -> dict:
     return {"passed": ok, "counts": counts, "ops_passed": passed_ops, "ops_failed": failed_ops, "per_op": per_op}
 
 
+def _check_request(levels: list[str], only_ops: Optional[list[str]]) -> None:
+    bad = [lv for lv in levels if lv not in LEVELS]
+    if bad:
+        raise InputError(f"unknown level(s) {', '.join(bad)}; levels are {', '.join(LEVELS)}")
+    unknown = [op for op in only_ops or [] if op not in abi.OP_NAMES]
+    if unknown:
+        raise InputError(f"unknown op(s) {', '.join(unknown)}; the ABI's ops are {', '.join(abi.OP_NAMES)}")
+
+
+def _any_check_ran(level_results: dict[str, list[dict]]) -> bool:
+    return any(r["status"] in ("pass", "fail", "error") for rs in level_results.values() for r in rs)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Readers (and an interrupted run) see the old certificate or the new one, never a part of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
 def run_conformance(lib_path: str, levels: Iterable[str] = LEVELS, out: Optional[str] = None,
                     profile: str = "default", seed: int = 0, only_ops: Optional[Iterable[str]] = None,
-                    isolate: bool = True, progress: Progress = _quiet, timeout: float = 3600) -> dict:
+                    isolate: bool = True, progress: Progress = _quiet, timeout: float = 3600,
+                    check_timeout: Optional[float] = None) -> dict:
     """Certify a backend library (or the special name "reference") and return the certificate;
-    with `out`, also write it as JSON. Nothing raises for a bad library: its failures are results."""
+    with `out`, also write it as JSON (replacing that file). Nothing raises for a bad library: its
+    failures are results; unknown levels or ops raise InputError before anything runs.
+
+    isolate=True runs the levels in child processes, where a check is killed after check_timeout
+    seconds (default: CHECK_BUDGETS of its level) and the whole run after `timeout`; isolate=False
+    runs them here, with no timeout at all."""
     lib_path = str(lib_path)
     levels = [lv.upper() for lv in levels]
-    for lv in levels:
-        if lv not in LEVELS:
-            raise ValueError(f"unknown level {lv!r}; levels are {', '.join(LEVELS)}")
     only_ops = list(only_ops) if only_ops else None
+    _check_request(levels, only_ops)
     t0 = time.time()
-    facts = _library_facts(lib_path)
+    facts = _library_facts(lib_path, isolate)
     level_results: dict[str, list[dict]] = {}
     if lib_path != REFERENCE and not facts.get("loadable", True):
         for lv in levels:
@@ -268,12 +402,14 @@ def run_conformance(lib_path: str, levels: Iterable[str] = LEVELS, out: Optional
                                  .as_dict()]
     else:
         if isolate:
-            level_results = _run_isolated(levels, lib_path, profile, seed, only_ops, progress, timeout)
+            level_results = _run_isolated(levels, lib_path, profile, seed, only_ops, progress, timeout,
+                                          check_timeout)
         else:
             for lv in levels:
                 progress(f"== {lv}")
                 level_results[lv] = run_level(lv, lib_path, profile, seed, only_ops, progress)
     summaries = {lv: _summarise_level(r) for lv, r in level_results.items()}
+    ran = _any_check_ran(level_results)
     claimed = facts.get("ops_claimed", [])
     cert = {
         "certificate": "deepinfer backend conformance",
@@ -292,12 +428,13 @@ def run_conformance(lib_path: str, levels: Iterable[str] = LEVELS, out: Optional
                        "sample_boundary_eps": TOL.SAMPLE_BOUNDARY_EPS, "router_tie_eps": TOL.ROUTER_TIE_EPS},
         "levels": {lv: {**summaries[lv], "results": level_results[lv]} for lv in levels},
         "ops_passed": {lv: summaries[lv]["ops_passed"] for lv in levels},
-        "passed": all(s["passed"] for s in summaries.values()),
+        "passed": ran and all(s["passed"] for s in summaries.values()),
         "seconds": round(time.time() - t0, 2),
     }
+    if not ran:
+        cert["note"] = NO_CHECK_RAN
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(cert, indent=1, default=str))
+        _write_atomically(Path(out), json.dumps(cert, indent=1, default=str))
         cert["certificate_path"] = str(Path(out).resolve())
     return cert
 
@@ -334,7 +471,10 @@ def summary(cert: dict, verbose: bool = False) -> str:
                 lines.append(f"      x {where} (seed {r['seed']}): {msg[0] if msg else ''}")
             elif r["status"] == "skipped" and r.get("message"):
                 lines.append(f"      - skipped {r['case']}: {r['message']}")
-    lines.append(f"RESULT    {'PASS' if cert['passed'] else 'FAIL'}  ({cert['seconds']} s)")
+            elif r["status"] == "unsupported" and r["format"] == "*" and r.get("message"):
+                lines.append(f"      - unsupported {r['op']}: {r['message']}")
+    lines.append(f"RESULT    {'PASS' if cert['passed'] else 'FAIL'}  ({cert['seconds']} s)"
+                 + (f"  {cert['note']}" if cert.get("note") else ""))
     if cert.get("certificate_path"):
         lines.append(f"certificate written to {cert['certificate_path']}")
     return "\n".join(lines)
