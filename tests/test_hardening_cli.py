@@ -33,6 +33,7 @@ def _files(tmp: Path) -> dict:
         "frac_nan": {"kv_cache_memory_fraction": float("nan")}, "spec_str": {"speculative": "mtp"},
         "list": [1, 2], "huge_kv": {"backend": "reference", "kv_cache_tokens": 1 << 39},
         "unknown": {"max_btach": 2},
+        "huge_seq": {"backend": "reference", "max_seq_len": 1 << 24, "kv_block_size": 1 << 16},
     }.items():
         made[name] = tmp / f"{name}.json"
         made[name].write_text(json.dumps(data))
@@ -73,6 +74,7 @@ CASES = [
     ("cfg-seq-str", ["run", "x", "--config", "{seq_str}"], None, EXIT_USAGE, "max_seq_len must be an integer"),
     ("cfg-frac-nan", ["run", "x", "--config", "{frac_nan}"], None, EXIT_USAGE, "kv_cache_memory_fraction"),
     ("cfg-spec-str", ["run", "x", "--config", "{spec_str}"], None, EXIT_USAGE, "speculative must be an object"),
+    ("cfg-seq-too-big", ["run", "x", "--config", "{huge_seq}"], None, EXIT_USAGE, "lower max_seq_len"),
     ("cfg-kv-too-big", ["run", "x", "--config", "{huge_kv}"], None, EXIT_USAGE, "tokens fit"),
     ("run-prompt-too-long", ["run", "word " * 5000, "--max-new-tokens", "4", *BACKEND], None, EXIT_USAGE,
      "> max_seq_len"),

@@ -30,7 +30,7 @@ from typing import Optional, Sequence as Seq
 import numpy as np
 
 from .. import quant_formats as QF
-from ..errors import CacheFullError, ConfigError
+from ..errors import ConfigError
 from ..model.checkpoint import Checkpoint
 from ..model.deepseek import DeepseekGraph, StepInputs
 from ..model.kv_cache import PagedKVCache, block_bytes
@@ -160,8 +160,8 @@ class ModelRunner:
         nb = int(free * float(fraction)) // per
         if self.backend.device == "cpu":
             nb = min(nb, self.max_batch * self.max_blocks_per_seq)
-        if nb < self.max_blocks_per_seq:
-            raise CacheFullError(f"{fraction:.0%} of the {free / 2**30:.2f} GiB free after loading holds {nb} KV blocks "
+        if nb < self.max_blocks_per_seq:   # a setting that cannot work, not a full cache at run time
+            raise ConfigError(f"{fraction:.0%} of the {free / 2**30:.2f} GiB free after loading holds {nb} KV blocks "
                                  f"of {self.block_size} tokens, fewer than one sequence of max_seq_len "
                                  f"{self.max_seq_len} needs ({self.max_blocks_per_seq}); lower max_seq_len or set "
                                  f"kv_cache_tokens")
