@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import reprlib
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -132,24 +134,18 @@ class ModelConfig:
     @classmethod
     def from_file(cls, path) -> "ModelConfig":
         path = Path(path)
-        try:
-            text = path.read_text()
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: no config.json in the model directory") from None
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+        d = read_json(path, "config.json", "fix config.json or download it again")
         if not isinstance(d, dict):
-            raise CheckpointError(f"{path}: must hold a JSON object")
+            raise CheckpointError(f"{path}: must hold a JSON object ({{...}}), not {json_kind(d)}; fix config.json "
+                                  f"or download it again")
         return cls.from_dict(d, source=str(path))
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
-        mt = d.get("model_type")
-        if mt is None:
-            archs = d.get("architectures") or []
-            mt = next((_ARCH_TO_TYPE[a] for a in archs if a in _ARCH_TO_TYPE), None)
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{source}: a model config is a JSON object, not {json_kind(d)}")
+        f = _Fields(d, source)
+        mt = _model_type(f)
         for fam, keys in _FAMILY_KEYS.items():
             if mt != fam and mt in SUPPORTED_MODEL_TYPES and any(k in d for k in keys):
                 found = [k for k in keys if k in d]
@@ -163,76 +159,58 @@ class ModelConfig:
         if mt not in SUPPORTED_MODEL_TYPES:
             shown = mt if mt is not None else d.get("architectures")
             raise CheckpointError(
-                f"{source}: unsupported architecture model_type={shown!r}; deepinfer runs "
+                f"{source}: unsupported architecture model_type={_show(shown)}; deepinfer runs "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}")
 
-        def need(key):
-            if key not in d or d[key] is None:
-                raise CheckpointError(f"{source}: missing required key {key!r}")
-            return d[key]
-
-        def num(key, default, typ=int):
-            v = d.get(key, default)
-            if v is None:
-                return default
-            try:
-                return typ(v)
-            except (TypeError, ValueError):
-                raise CheckpointError(f"{source}: {key}={v!r} is not a number") from None
-
         v3 = mt == "deepseek_v3"
-        n_group = num("n_group", 1) or 1
-        topk_method = d.get("topk_method") or ("noaux_tc" if v3 else "greedy")
-        if topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
-            raise CheckpointError(f"{source}: unsupported topk_method {topk_method!r}")
-        scoring = d.get("scoring_func") or ("sigmoid" if v3 else "softmax")
-        if scoring not in ("softmax", "sigmoid"):
-            raise CheckpointError(f"{source}: unsupported scoring_func {scoring!r}")
-
-        rope = _parse_rope(d, source)
-        q_lora = d.get("q_lora_rank")
         from .. import quant_formats as QF
 
         scheme = QF.parse_quantization_config(d.get("quantization_config"), f"{source}: quantization_config")
         block = scheme.block if scheme is not None and scheme.format == "fp8" else None
-        eos = d.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        n_routed = d.get("n_routed_experts")
+        vocab = f.integer("vocab_size", required=True)
+        max_pos = f.integer("max_position_embeddings", 4096)
+        # 0 routed experts is a dense model, as in transformers
+        n_routed = f.integer("n_routed_experts", None, lo=0) or None
+        topk = f.integer("num_experts_per_tok", None)
+        if n_routed and topk is None:
+            raise f.missing("num_experts_per_tok")
+        mtp = f.integer("num_nextn_predict_layers", None, lo=0)
         cfg = cls(
             model_type=mt,
-            vocab_size=int(need("vocab_size")),
-            hidden_size=int(need("hidden_size")),
-            intermediate_size=int(need("intermediate_size")),
-            num_hidden_layers=int(need("num_hidden_layers")),
-            num_attention_heads=int(need("num_attention_heads")),
-            kv_lora_rank=int(need("kv_lora_rank")),
-            q_lora_rank=int(q_lora) if q_lora is not None else None,
-            qk_nope_head_dim=int(need("qk_nope_head_dim")),
-            qk_rope_head_dim=int(need("qk_rope_head_dim")),
-            v_head_dim=int(need("v_head_dim")),
-            moe_intermediate_size=num("moe_intermediate_size", 0),
-            n_routed_experts=int(n_routed) if n_routed else None,
-            n_shared_experts=num("n_shared_experts", 0) or 0,
-            num_experts_per_tok=num("num_experts_per_tok", 1) or 1,
-            first_k_dense_replace=num("first_k_dense_replace", 0) or 0,
-            moe_layer_freq=num("moe_layer_freq", 1) or 1,
-            scoring_func=scoring,
-            topk_method=topk_method,
-            n_group=n_group,
-            topk_group=num("topk_group", 1) or 1,
-            norm_topk_prob=bool(d.get("norm_topk_prob", v3)),
-            routed_scaling_factor=num("routed_scaling_factor", 1.0, float),
-            rms_norm_eps=num("rms_norm_eps", 1e-6, float),
-            rope=rope,
+            vocab_size=vocab,
+            hidden_size=f.integer("hidden_size", required=True),
+            intermediate_size=f.integer("intermediate_size", required=True),
+            num_hidden_layers=f.integer("num_hidden_layers", required=True),
+            num_attention_heads=f.integer("num_attention_heads", required=True),
+            kv_lora_rank=f.integer("kv_lora_rank", required=True),
+            # 0 and null both mean no q-LoRA (a plain q_proj), as the loader reads it
+            q_lora_rank=f.integer("q_lora_rank", None, lo=0) or None,
+            qk_nope_head_dim=f.integer("qk_nope_head_dim", required=True),
+            qk_rope_head_dim=f.integer("qk_rope_head_dim", required=True),
+            v_head_dim=f.integer("v_head_dim", required=True),
+            moe_intermediate_size=f.integer("moe_intermediate_size", 0, lo=0),
+            n_routed_experts=n_routed,
+            n_shared_experts=f.integer("n_shared_experts", 0, lo=0),
+            num_experts_per_tok=topk if topk is not None else 1,
+            first_k_dense_replace=f.integer("first_k_dense_replace", 0, lo=0),
+            moe_layer_freq=f.integer("moe_layer_freq", 1),
+            scoring_func=f.string("scoring_func", "sigmoid" if v3 else "softmax", ("softmax", "sigmoid")),
+            topk_method=f.string("topk_method", "noaux_tc" if v3 else "greedy",
+                                 ("greedy", "group_limited_greedy", "noaux_tc")),
+            n_group=f.integer("n_group", 1),
+            topk_group=f.integer("topk_group", 1),
+            norm_topk_prob=f.boolean("norm_topk_prob", v3),
+            routed_scaling_factor=f.real("routed_scaling_factor", 1.0),
+            rms_norm_eps=f.real("rms_norm_eps", 1e-6),
+            rope=_parse_rope(f, max_pos),
             # DeepSeek's own V2 and V3 code always rotates interleaved pairs; transformers' V3 has a switch
-            rope_interleave=bool(d.get("rope_interleave", True)) if v3 else True,
-            max_position_embeddings=num("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            num_nextn_predict_layers=num("num_nextn_predict_layers", d.get("num_mtp_layers", 0)) or 0,
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=eos,
-            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
+            rope_interleave=f.boolean("rope_interleave", True) if v3 else True,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=f.boolean("tie_word_embeddings", False),
+            num_nextn_predict_layers=mtp if mtp is not None else f.integer("num_mtp_layers", 0, lo=0),
+            bos_token_id=f.integer("bos_token_id", None, lo=0, hi=vocab - 1),
+            eos_token_id=_eos(f, vocab),
+            torch_dtype=f.string("torch_dtype", None) or f.string("dtype", "bfloat16"),
             weight_block_size=block,
             quant_scheme=scheme,
             source=source,
@@ -249,7 +227,8 @@ class ModelConfig:
             if self.topk_method != "greedy" and not 1 <= self.topk_group <= self.n_group:
                 raise CheckpointError(f"{src}: topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
             if not 1 <= self.num_experts_per_tok <= self.n_routed_experts:
-                raise CheckpointError(f"{src}: num_experts_per_tok={self.num_experts_per_tok} out of range")
+                raise CheckpointError(f"{src}: num_experts_per_tok={self.num_experts_per_tok} must be in [1, "
+                                      f"n_routed_experts={self.n_routed_experts}]; correct it in config.json")
             kept = self.topk_group * (self.n_routed_experts // self.n_group)
             if self.topk_method != "greedy" and self.n_group > 1 and self.num_experts_per_tok > kept:
                 # top-k would have to pick masked experts, where masking with -inf (DeepSeek, the ABI)
@@ -265,31 +244,165 @@ class ModelConfig:
                 raise CheckpointError(f"{src}: {k} must be positive")
 
 
-def _parse_rope(d: dict, source: str) -> RopeConfig:
-    rp = d.get("rope_parameters")
-    rs = d.get("rope_scaling")
-    if isinstance(rp, dict) and rp and all(isinstance(v, dict) for v in rp.values()):
-        raise CheckpointError(f"{source}: per-layer-type rope_parameters are not used by DeepSeek models")
+def _parse_rope(f: "_Fields", max_pos: int) -> RopeConfig:
+    rp, rs = f.obj("rope_parameters"), f.obj("rope_scaling")
+    if rp and all(isinstance(v, dict) for v in rp.values()):
+        raise CheckpointError(f"{f.source}: per-layer-type rope_parameters are not used by DeepSeek models")
     src = dict(rp or {})
-    if isinstance(rs, dict):
-        for k, v in rs.items():
-            src.setdefault(k, v)
-    theta = src.get("rope_theta", d.get("rope_theta", 10000.0))
-    rtype = src.get("rope_type") or src.get("type") or "default"
+    for k, v in (rs or {}).items():
+        src.setdefault(k, v)
+    # a merged key is named by the object(s) it may come from
+    r = _Fields(src, f.source, "/".join(n for n, o in (("rope_parameters", rp), ("rope_scaling", rs)) if o) + ".")
+    theta = r.real("rope_theta", None)
+    key = "rope_type" if src.get("rope_type") is not None else "type"
+    rtype = r.string(key, "default")
     if rtype not in ("default", "yarn"):
-        raise CheckpointError(f"{source}: unsupported rope type {rtype!r} (DeepSeek uses yarn or none)")
-    r = RopeConfig(theta=float(theta), type=rtype)
+        raise r.bad(key, rtype, "is not a supported rope type (DeepSeek uses yarn or none)")
+    rope = RopeConfig(theta=theta if theta is not None else f.real("rope_theta", 10000.0), type=rtype)
     if rtype == "yarn":
-        mpe = d.get("max_position_embeddings", 4096)
-        orig = src.get("original_max_position_embeddings", mpe)
-        factor = src.get("factor")
-        if factor is None:
-            factor = mpe / orig
-        r.factor = float(factor)
-        r.original_max_position = int(orig)
-        r.beta_fast = float(src.get("beta_fast") or 32)
-        r.beta_slow = float(src.get("beta_slow") or 1)
-        r.mscale = src.get("mscale")
-        r.mscale_all_dim = src.get("mscale_all_dim")
-        r.attention_factor = src.get("attention_factor")
-    return r
+        orig = r.integer("original_max_position_embeddings", max_pos)
+        factor = r.real("factor", None)
+        rope.factor = factor if factor is not None else max_pos / orig
+        rope.original_max_position = orig
+        rope.beta_fast = r.real("beta_fast", 32.0)
+        rope.beta_slow = r.real("beta_slow", 1.0)
+        # 0 turns an mscale off, as in DeepSeek's code
+        rope.mscale = r.real("mscale", None, allow_zero=True)
+        rope.mscale_all_dim = r.real("mscale_all_dim", None, allow_zero=True)
+        rope.attention_factor = r.real("attention_factor", None)
+    return rope
+
+
+def _model_type(f: "_Fields") -> Optional[str]:
+    """model_type, or the family of a known `architectures` entry when it is absent."""
+    mt = f.string("model_type", None)
+    if mt is not None:
+        return mt
+    archs = f.get("architectures", [])
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise f.bad("architectures", archs, "must be a list of class names")
+    return next((_ARCH_TO_TYPE[a] for a in archs if a in _ARCH_TO_TYPE), None)
+
+
+def _eos(f: "_Fields", vocab: int) -> Optional[int]:
+    """eos_token_id: one id, or the first of a list (the one generation stops at)."""
+    eos = f.get("eos_token_id")
+    if not isinstance(eos, list):
+        return f.integer("eos_token_id", None, lo=0, hi=vocab - 1)
+    ids = _Fields({"eos_token_id": eos[0] if eos else None}, f.source)
+    return ids.integer("eos_token_id", None, lo=0, hi=vocab - 1)
+
+
+# far above any real config or shard index (DeepSeek V3's index is under 10 MB)
+_MAX_JSON = 100 * 1024 * 1024
+# Backends index tensors with 32-bit ints: a size or count beyond that is a corrupt config, not a model.
+_INT_MAX = 2 ** 31 - 1
+
+
+def _show(v) -> str:
+    """A bad value, short whatever it is (a long string, a deeply nested list)."""
+    return reprlib.repr(v)
+
+
+def json_kind(v) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+class _Fields:
+    """Typed reads of one JSON object of config.json. int(), float() and bool() would accept what
+    JSON says loosely (256.7 -> 256, "false" -> True, true -> 1), so every key is checked for its
+    kind and range, and a bad value is a CheckpointError naming the key. null is the default."""
+
+    def __init__(self, d: dict, source: str, prefix: str = ""):
+        self.d, self.source, self.prefix = d, source, prefix
+
+    def bad(self, key: str, v, want: str) -> CheckpointError:
+        return CheckpointError(f"{self.source}: {self.prefix}{key}={_show(v)} {want}; correct it in config.json "
+                               f"(the published config.json of the model has the right value)")
+
+    def missing(self, key: str) -> CheckpointError:
+        return CheckpointError(f"{self.source}: missing required key {self.prefix}{key!r}; config.json is incomplete "
+                               f"(use the one published with the model)")
+
+    def get(self, key: str, default=None):
+        v = self.d.get(key)
+        return default if v is None else v
+
+    def obj(self, key: str) -> Optional[dict]:
+        v = self.get(key)
+        if v is not None and not isinstance(v, dict):
+            raise self.bad(key, v, f"must be a JSON object, not {json_kind(v)}")
+        return v
+
+    def integer(self, key: str, default=None, lo: int = 1, hi: int = _INT_MAX, required: bool = False):
+        v = self.d.get(key)
+        if v is None:
+            if required:
+                raise self.missing(key)
+            return default
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise self.bad(key, v, f"must be a whole number, not {json_kind(v)}")
+        if not lo <= v <= hi:
+            raise self.bad(key, v, f"must be in [{lo}, {hi}]")
+        return v
+
+    def real(self, key: str, default=None, allow_zero: bool = False):
+        v = self.d.get(key)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise self.bad(key, v, f"must be a number, not {json_kind(v)}")
+        try:
+            x = float(v)
+        except OverflowError:        # an integer too large for a float
+            x = math.inf
+        if not math.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
+            raise self.bad(key, v, "must be a finite number >= 0" if allow_zero else "must be a finite number > 0")
+        return x
+
+    def boolean(self, key: str, default: bool) -> bool:
+        v = self.get(key, default)
+        if not isinstance(v, bool):
+            raise self.bad(key, v, f"must be true or false, not {json_kind(v)}")
+        return v
+
+    def string(self, key: str, default: Optional[str], choices: Optional[tuple] = None) -> Optional[str]:
+        v = self.get(key, default)
+        if v is not None and not isinstance(v, str):
+            raise self.bad(key, v, f"must be a string, not {json_kind(v)}")
+        if choices is not None and v not in choices:
+            raise self.bad(key, v, f"is not supported (one of {', '.join(choices)})")
+        return v
+
+
+def read_json(path: Path, what: str, fix: str):
+    """The JSON value in the file `path` (the model's `what`); a file that is missing, not a regular
+    file, unreadable, too large, not UTF-8, not JSON or nested too deeply is a CheckpointError that
+    ends with `fix`."""
+    try:
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):   # a directory fails to read, a pipe would block
+            kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+            raise CheckpointError(f"{path}: is {kind}, not the {what} file; {fix}")
+        if info.st_size > _MAX_JSON:
+            raise CheckpointError(f"{path}: {info.st_size} bytes is far too large for {what}; {fix}")
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no {what} in the model directory") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read {what} ({e.strerror}); {fix}") from None
+    return parse_json(raw, str(path), fix)
+
+
+def parse_json(raw: bytes, where: str, fix: str):
+    """json.loads of `raw` with every way it fails as a CheckpointError naming `where`."""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{where}: not UTF-8 text (byte {e.start} is {raw[e.start:e.start + 1]!r}); "
+                              f"{fix}") from None
+    except RecursionError:
+        raise CheckpointError(f"{where}: JSON nested too deeply to be a model file; {fix}") from None
+    except ValueError as e:      # JSONDecodeError, or an integer of more digits than Python converts
+        raise CheckpointError(f"{where}: not valid JSON ({e}); {fix}") from None
