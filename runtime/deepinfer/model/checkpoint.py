@@ -21,12 +21,14 @@ A fused tensor is presented under the hub names of its experts, each a view into
 """
 from __future__ import annotations
 
-import json
 import math
+import os
 import re
+import reprlib
+import stat
 import struct
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Optional
 
 import ml_dtypes
@@ -35,7 +37,7 @@ import numpy as np
 from .. import dtypes as D
 from ..errors import CheckpointError
 from ..tensor import Quant, Tensor
-from .config import ModelConfig
+from .config import ModelConfig, json_kind, parse_json, read_json
 
 _ST_DTYPES = {
     "F32": np.dtype(np.float32),
@@ -52,6 +54,16 @@ _ST_DTYPES = {
     "BOOL": np.dtype(np.bool_),
 }
 _MAX_HEADER = 100 * 1024 * 1024
+# numpy 1.x's limit on dimensions; model tensors have a handful
+_MAX_NDIM = 32
+# numpy's arrays hold fewer than 2^63 bytes, counting the non-zero dims of an empty one too
+_MAX_BYTES = 2 ** 62
+_REDOWNLOAD = "the file is damaged or not a safetensors file: download it again"
+
+
+def _is_count(v) -> bool:
+    """A size or offset as the format stores it: an integer (not a bool) in [0, 2^63)."""
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2 ** 63
 
 
 class SafetensorsFile:
@@ -59,48 +71,87 @@ class SafetensorsFile:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        try:
-            size = self.path.stat().st_size
-        except FileNotFoundError:
-            raise CheckpointError(f"{self.path}: file not found") from None
-        if size < 8:
-            raise CheckpointError(f"{self.path}: truncated safetensors file ({size} bytes, no header length)")
-        with open(self.path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > _MAX_HEADER or 8 + n > size:
-                raise CheckpointError(f"{self.path}: corrupt or truncated safetensors file (header length {n} "
-                                      f"does not fit in {size} bytes)")
-            raw = f.read(n)
-        try:
-            header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{self.path}: corrupt safetensors header ({e})") from None
+        size, raw = self._read_header()
+        header = parse_json(raw, f"{self.path}: corrupt safetensors header", _REDOWNLOAD)
         if not isinstance(header, dict):
-            raise CheckpointError(f"{self.path}: corrupt safetensors header (not a JSON object)")
-        self.metadata = header.pop("__metadata__", None) or {}
-        self.data_start = 8 + n
+            raise self._corrupt(f"the header is {json_kind(header)}, not a JSON object")
+        self.metadata = self._metadata(header.pop("__metadata__", None))
+        self.data_start = 8 + len(raw)
         data_len = size - self.data_start
         self.entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
         for name, e in header.items():
-            try:
-                dt_name, shape, (b, end) = e["dtype"], e["shape"], e["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{self.path}: tensor {name!r} has a malformed header entry") from None
-            if dt_name not in _ST_DTYPES:
-                raise CheckpointError(f"{self.path}: tensor {name!r} has unknown dtype {dt_name!r}")
-            dt = _ST_DTYPES[dt_name]
-            shape = tuple(int(s) for s in shape)
-            if any(s < 0 for s in shape) or not (0 <= b <= end):
-                raise CheckpointError(f"{self.path}: tensor {name!r} has a malformed shape or offsets")
-            if end - b != math.prod(shape) * dt.itemsize:
-                raise CheckpointError(f"{self.path}: tensor {name!r}: data_offsets [{b}, {end}) hold {end - b} bytes, "
-                                      f"but {dt_name}{list(shape)} needs {math.prod(shape) * dt.itemsize}")
-            if end > data_len:
-                raise CheckpointError(f"{self.path}: truncated safetensors file: tensor {name!r} ends at byte "
-                                      f"{self.data_start + end} but the file has {size} bytes")
-            self.entries[name] = (dt, shape, b, end)
+            self.entries[name] = self._entry(name, e, data_len, size)
+        self._check_overlaps()
         self._map: Optional[np.memmap] = None
         self._size = size
+
+    def _corrupt(self, what: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: corrupt safetensors header: {what}; {_REDOWNLOAD}")
+
+    def _read_header(self) -> tuple[int, bytes]:
+        """(file size, header bytes), after checking the 8-byte length against the file."""
+        try:
+            info = self.path.stat()
+            if not stat.S_ISREG(info.st_mode):
+                raise CheckpointError(f"{self.path}: not a regular file; a weight shard must be a safetensors file")
+            size = info.st_size
+            if size < 8:
+                raise CheckpointError(f"{self.path}: truncated safetensors file ({size} bytes, no header length); "
+                                      f"download it again")
+            with open(self.path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                if n > _MAX_HEADER or 8 + n > size:
+                    raise CheckpointError(f"{self.path}: corrupt or truncated safetensors file (header length {n} "
+                                          f"does not fit in {size} bytes); download it again")
+                return size, f.read(n)
+        except FileNotFoundError:
+            raise CheckpointError(f"{self.path}: file not found") from None
+        except OSError as e:
+            raise CheckpointError(f"{self.path}: cannot read it ({e.strerror})") from None
+
+    def _metadata(self, m) -> dict:
+        # the format's __metadata__ maps strings to strings
+        if m is None:
+            return {}
+        if not isinstance(m, dict) or not all(isinstance(v, str) for v in m.values()):
+            raise self._corrupt(f"__metadata__ must be an object of strings, not {reprlib.repr(m)}")
+        return m
+
+    def _entry(self, name: str, e, data_len: int, size: int) -> tuple[np.dtype, tuple[int, ...], int, int]:
+        """(dtype, shape, begin, end) of one header entry, each field checked by type and range."""
+        if not isinstance(e, dict):
+            raise self._corrupt(f"tensor {name!r} has a malformed header entry {reprlib.repr(e)} (not an object)")
+        dt_name, shape, offsets = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+        if not isinstance(dt_name, str) or dt_name not in _ST_DTYPES:
+            raise self._corrupt(f"tensor {name!r} has unknown dtype {reprlib.repr(dt_name)}")
+        if not (isinstance(shape, list) and len(shape) <= _MAX_NDIM and all(_is_count(s) for s in shape)):
+            raise self._corrupt(f"tensor {name!r} has a malformed shape {reprlib.repr(shape)} (expected a list of at "
+                                f"most {_MAX_NDIM} integers >= 0)")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+                and offsets[0] <= offsets[1]):
+            raise self._corrupt(f"tensor {name!r} has malformed data_offsets {reprlib.repr(offsets)} (expected "
+                                f"[begin, end] with 0 <= begin <= end)")
+        dt, (b, end) = _ST_DTYPES[dt_name], offsets
+        if math.prod(d for d in shape if d) * dt.itemsize >= _MAX_BYTES:
+            raise self._corrupt(f"tensor {name!r} has an impossible shape {reprlib.repr(shape)} (over 2^62 bytes)")
+        need = math.prod(shape) * dt.itemsize
+        if end - b != need:
+            raise self._corrupt(f"tensor {name!r}: data_offsets [{b}, {end}) hold {end - b} bytes, but "
+                                f"{dt_name}{list(shape)} needs {need}")
+        if end > data_len:
+            raise CheckpointError(f"{self.path}: truncated safetensors file: tensor {name!r} ends at byte "
+                                  f"{self.data_start + end} but the file has {size} bytes; download it again")
+        return dt, tuple(shape), b, end
+
+    def _check_overlaps(self) -> None:
+        """Each byte of data belongs to one tensor: a header whose tensors share bytes is corrupt
+        (or made to alias weights). Sorted by offset, a tensor must start at or after the end of
+        every one before it."""
+        spans = sorted((b, end, name) for name, (_, _, b, end) in self.entries.items() if end > b)
+        for (_, prev_end, prev), (b, end, name) in zip(spans, spans[1:]):
+            if b < prev_end:
+                raise self._corrupt(f"tensors {prev!r} and {name!r} overlap (bytes [{b}, {min(end, prev_end)}) "
+                                    f"belong to both)")
 
     def _mapped(self) -> np.ndarray:
         if self._map is None:
@@ -122,6 +173,7 @@ class SafetensorsFile:
 
 _FUSED = re.compile(r"^(?P<prefix>.*\.experts\.)(?P<proj>gate_up_proj|gate_proj|up_proj|down_proj)$")
 _SCALE = "_scale_inv"
+_MAX_EXPERTS = 1 << 16     # DeepSeek V3 routes over 256
 
 
 @dataclass(frozen=True)
@@ -148,28 +200,19 @@ class TensorStore:
             raise CheckpointError(f"model directory {self.dir} does not exist")
         self.files: dict[str, SafetensorsFile] = {}
         self.where: dict[str, SafetensorsFile] = {}     # stored name -> file
+        self.used: set[str] = set()                     # names array() has been asked for
         index = self.dir / "model.safetensors.index.json"
         single = self.dir / "model.safetensors"
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-                if not isinstance(weight_map, dict):
-                    raise TypeError("weight_map is not an object")
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index}: malformed index ({e})") from None
-            for name, fname in weight_map.items():
-                if fname not in self.files:
-                    p = self.dir / fname
-                    if not p.is_file():
-                        raise CheckpointError(f"{index}: shard {fname} (holding {name}) is missing")
-                    self.files[fname] = SafetensorsFile(p)
-                f = self.files[fname]
+        if os.path.lexists(index):
+            for name, fname in _weight_map(confined(self.dir, index.name, str(index))).items():
+                f = self.files.get(fname) or self._open_shard(index, fname, name)
                 if name not in f.entries:
-                    raise CheckpointError(f"{f.path}: tensor {name!r} listed in {index.name} is not in the file")
+                    raise CheckpointError(f"{f.path}: tensor {name!r} listed in {index.name} is not in the file; the "
+                                          f"index does not belong to this shard (download both again)")
                 self.where[name] = f
             self.weight_files = {index.name, *self.files}
-        elif single.is_file():
-            f = SafetensorsFile(single)
+        elif os.path.lexists(single):
+            f = SafetensorsFile(confined(self.dir, single.name, str(single)))
             self.files[single.name] = f
             for name in f.keys():
                 self.where[name] = f
@@ -186,6 +229,14 @@ class TensorStore:
                 self._add_fused(name, m["prefix"], m["proj"], block_rows)
         self._names = [n for n in self.where if n not in self._fused] + list(self.views)
 
+    # ------------------------------------------------------------------ files
+    def _open_shard(self, index: Path, fname: str, name: str) -> SafetensorsFile:
+        p = confined(self.dir, fname, f"{index}: shard {fname!r} (holding {name!r})")
+        if not p.is_file():
+            raise CheckpointError(f"{index}: shard {fname} (holding {name}) is missing; download the model again")
+        self.files[fname] = SafetensorsFile(p)
+        return self.files[fname]
+
     # ------------------------------------------------------------------ fused experts
     def _stored_shape(self, name: str) -> tuple[int, ...]:
         return self.where[name].entries[name][1]
@@ -197,6 +248,9 @@ class TensorStore:
             raise CheckpointError(f"{path}: fused expert tensor {name!r} has shape {list(shape)}; expected "
                                   f"[experts, rows, cols]")
         E, R, _ = shape
+        if E > _MAX_EXPERTS:     # each expert gets a view: an absurd count would exhaust memory here
+            raise CheckpointError(f"{path}: fused expert tensor {name!r} has shape {list(shape)}: {E} experts is no "
+                                  f"model (at most {_MAX_EXPERTS}); the file is damaged, download it again")
         if proj == "gate_up_proj":
             if R % 2:
                 raise CheckpointError(f"{path}: fused expert tensor {name!r} has {R} rows; gate_up_proj holds "
@@ -284,6 +338,7 @@ class TensorStore:
         """The raw (memory-mapped, read-only) array of a tensor; checks its shape when given. An
         expert of a fused tensor is a view into the fused tensor's mapping, never a copy."""
         v = self._resolve(name)
+        self.used.add(name)
         if v is None:
             a = self.where[name].array(name)
         else:
@@ -298,6 +353,61 @@ class TensorStore:
         return "" if v is None else f" (expert {v.expert} of the fused {v.stored!r} {list(self._stored_shape(v.stored))})"
 
 
+def confined(model_dir: Path, rel: str, what: str) -> Path:
+    """model_dir / rel, refused unless it is a file name inside the model directory whose target
+    (through links too) is inside it: a downloaded model must not make deepinfer read other files
+    of the machine. `what` names the reference in messages."""
+    pure = PurePosixPath(rel)
+    if not rel or "\0" in rel or pure.is_absolute() or ".." in pure.parts or not _encodable(rel):
+        raise CheckpointError(f"{what}: not a file name inside the model directory {model_dir}; an index lists "
+                              f"files of its own directory (fix the index or download the model again)")
+    p = model_dir / rel
+    try:
+        real = p.resolve()
+    except (OSError, RuntimeError) as e:     # a link loop (RuntimeError before Python 3.13)
+        raise CheckpointError(f"{what}: cannot resolve {p} ({e})") from None
+    if not any(real == root or real.is_relative_to(root) for root in _weight_roots(model_dir)):
+        raise CheckpointError(f"{what}: {p} links to {real}, outside the model directory {model_dir}; deepinfer "
+                              f"reads a model only from inside its directory (copy the file there instead)")
+    return p
+
+
+def _encodable(name: str) -> bool:
+    """Whether the OS can take `name` (a lone surrogate from JSON's \\ud800 cannot)."""
+    try:
+        os.fsencode(name)
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _weight_roots(model_dir: Path) -> list[Path]:
+    """Where the files of `model_dir` may really be: inside it, and for a snapshot of the Hugging
+    Face cache (models--org--name/snapshots/<commit>, whose files are links to ../../blobs/<hash>)
+    in the blobs of the same repository."""
+    root = model_dir.resolve()
+    if root.parent.name == "snapshots":
+        return [root, root.parent.parent / "blobs"]
+    return [root]
+
+
+def _weight_map(index: Path) -> dict:
+    """The index's {tensor name: shard file name}, checked for shape and types."""
+    fix = f"fix {index.name} or download the model again"
+    d = read_json(index, index.name, fix)
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{index}: must hold a JSON object with a weight_map, not {json_kind(d)}; {fix}")
+    wm = d.get("weight_map")
+    if not isinstance(wm, dict) or not wm:
+        got = "it is missing" if wm is None else "it is empty" if wm == {} else f"not {json_kind(wm)}"
+        raise CheckpointError(f"{index}: weight_map must be a non-empty object of tensor name -> shard file ({got}); "
+                              f"{fix}")
+    for name, fname in wm.items():
+        if not isinstance(fname, str):
+            raise CheckpointError(f"{index}: weight_map[{name!r}] = {reprlib.repr(fname)} is not a file name; {fix}")
+    return wm
+
+
 class Checkpoint(TensorStore):
     """A model directory: the config and every tensor by (hub-layout) name."""
 
@@ -305,7 +415,7 @@ class Checkpoint(TensorStore):
         d = Path(model_dir)
         if not d.is_dir():
             raise CheckpointError(f"model directory {d} does not exist")
-        self.config = ModelConfig.from_file(d / "config.json")
+        self.config = ModelConfig.from_file(confined(d, "config.json", str(d / "config.json")))
         super().__init__(d, self.config.quant_scheme)
 
     def tensor(self, name: str, shape, dtype: Optional[str] = None) -> Tensor:
