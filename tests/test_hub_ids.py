@@ -31,8 +31,10 @@ def hub_cache(tiny_checkpoint, tmp_path_factory):
         snap = repo / "snapshots" / commit
         shutil.copytree(path, snap)
         tiny_checkpoints.add_tokenizer(snap)
+    # the older commit: a different model (2 layers), so the revision is observable
+    _drop_layer_2(repo / "snapshots" / OLD)
     cfg = json.loads((repo / "snapshots" / OLD / "config.json").read_text())
-    cfg["num_hidden_layers"] = 2   # the older commit: a different model, so the revision is observable
+    cfg["num_hidden_layers"] = 2
     (repo / "snapshots" / OLD / "config.json").write_text(json.dumps(cfg))
     # main's files live in blobs/ with relative symlinks from the snapshot, as huggingface_hub stores them
     (repo / "blobs").mkdir()
@@ -44,6 +46,28 @@ def hub_cache(tiny_checkpoint, tmp_path_factory):
     (repo / "refs" / "main").write_text(COMMIT)
     (repo / "refs" / "v0").write_text(OLD)
     return home
+
+
+def _drop_layer_2(snap):
+    """The checkpoint in `snap` one layer shorter: layer 2 dropped and the MTP layer (3) renumbered 2,
+    so that a config saying 2 layers matches it (a config with fewer layers than the weights is refused)."""
+    from safetensors.torch import load_file, save_file
+
+    index = snap / "model.safetensors.index.json"
+    idx = json.loads(index.read_text())
+    weight_map = {}
+    for shard in sorted(set(idx["weight_map"].values())):
+        kept = {}
+        for name, t in load_file(snap / shard).items():
+            if name.startswith("model.layers.2."):
+                continue
+            if name.startswith("model.layers.3."):
+                name = "model.layers.2." + name[len("model.layers.3."):]
+            kept[name] = t
+            weight_map[name] = shard
+        save_file(kept, snap / shard, metadata={"format": "pt"})
+    idx["weight_map"] = weight_map
+    index.write_text(json.dumps(idx))
 
 
 def _run(code: str, home, **env):

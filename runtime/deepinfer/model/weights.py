@@ -7,6 +7,7 @@ embedding and the router stay in the activation / f32 dtype).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -89,6 +90,16 @@ class ModelWeights:
     mtp: Optional[MTPWeights] = None
 
 
+# rotary frequency buffers some exports save; rope recomputes them from the config
+_INV_FREQ = "rotary_emb.inv_freq"
+_LAYER = re.compile(r"^model\.layers\.(\d{1,9})\.")   # a bounded index: int() refuses 4300+ digits
+
+
+def _layer_of(name: str) -> Optional[int]:
+    m = _LAYER.match(name)
+    return int(m[1]) if m else None
+
+
 def copy_bytes(backend, dst: Tensor, src: Tensor) -> None:
     """dst's bytes = src's (both contiguous, same size; 4-bit tensors stay packed)."""
     if dst.nbytes != src.nbytes:
@@ -122,7 +133,37 @@ class WeightLoader:
             raise CheckpointError(f"{self.ckpt.dir}: tensor 'lm_head.weight' is missing from the checkpoint")
         layers = [self._layer(i) for i in range(c.num_hidden_layers)]
         mtp = self._mtp(embed, lm_head) if load_mtp else None
+        self._check_all_used()
         return ModelWeights(embed=embed, norm=norm, lm_head=lm_head, layers=layers, mtp=mtp)
+
+    # ------------------------------------------------------------------ what the config left out
+    def _check_all_used(self) -> None:
+        """A tensor the config does not read means the config describes another model than the
+        weights (fewer layers, no shared experts, another routing): running it would compute
+        garbage, so it is an error. The known extras: the MTP layers (model.layers.{L}.. per
+        num_nextn_predict_layers, each with its eh_proj; read only when MTP is loaded) and rotary
+        inv_freq buffers (rope recomputes them from the config)."""
+        c, L = self.cfg, self.cfg.num_hidden_layers
+
+        def mtp(i: Optional[int]) -> bool:
+            return i is not None and L <= i < L + c.num_nextn_predict_layers and \
+                f"model.layers.{i}.eh_proj.weight" in self.ckpt
+
+        left = [n for n in self.ckpt.names() if n not in self.ckpt.used and not n.endswith(_INV_FREQ)]
+        unused = sorted((n for n in left if not mtp(_layer_of(n))), key=lambda n: (_layer_of(n) or 0, n))
+        if not unused:
+            return
+        src, shown = c.source, ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
+        last = max((_layer_of(n) for n in unused if _layer_of(n) is not None), default=-1)
+        if last >= L:
+            raise CheckpointError(
+                f"{src} says {L} layer{'s' if L > 1 else ''} (+ {c.num_nextn_predict_layers} MTP), but the checkpoint "
+                f"{self.ckpt.dir} holds model.layers.{last}.* ({shown} are unused): this config.json belongs to "
+                f"another model; use the one that came with the weights")
+        raise CheckpointError(
+            f"{self.ckpt.dir}: {len(unused)} tensors of the checkpoint are not used by the model {src} describes "
+            f"({shown}): config.json does not match the weights (compare n_routed_experts, n_shared_experts, "
+            f"q_lora_rank, topk_method, first_k_dense_replace); use the config.json that came with them")
 
     # ------------------------------------------------------------------ one tensor
     def _w(self, name, shape) -> Tensor:
