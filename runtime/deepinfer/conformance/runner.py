@@ -25,14 +25,18 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 from .. import __version__, abi
 from ..errors import InputError
 from ..loader import child_env, file_sha256, kill_process_group
-from . import cases as C
 from . import tolerances as TOL
-from .harness import Outcome, Recorder, ReferenceCache, check_case
+
+# cases.py and harness.py import numpy and ml_dtypes (0.5-1.6 s): they are imported where checks are
+# built or run, because `deepinfer --help` and `deepinfer backends` import this module to build the
+# parser of `deepinfer conformance`
+if TYPE_CHECKING:
+    from .harness import Outcome, Recorder
 
 LEVELS = ("L0", "L1", "L2", "L3")
 REFERENCE = "reference"
@@ -82,6 +86,8 @@ def _ops_to_test(target, only_ops: Optional[Iterable[str]]) -> list[str]:
 
 def _unclaimed(target, only_ops: Optional[Iterable[str]], rec: Recorder) -> list[Outcome]:
     """An op asked for by name that the library lacks gets an outcome, so that it is not silently absent."""
+    from .harness import Outcome
+
     out = []
     for op in [op for op in abi.OP_NAMES if op in set(only_ops or ()) and not target.has_op(op)]:
         o = Outcome(op, "not claimed", "*", "unsupported",
@@ -92,6 +98,8 @@ def _unclaimed(target, only_ops: Optional[Iterable[str]], rec: Recorder) -> list
 
 
 def _run_cases(target, cs, rec: Recorder) -> list[Outcome]:
+    from .harness import Recorder, ReferenceCache, check_case
+
     ref = ReferenceCache(reference_backend())
     out = []
     for case in cs:
@@ -107,6 +115,9 @@ def _run_cases(target, cs, rec: Recorder) -> list[Outcome]:
 
 
 def run_l1(target, profile="default", seed=0, only_ops=None, rec: Optional[Recorder] = None) -> list[Outcome]:
+    from . import cases as C
+    from .harness import Recorder
+
     rec = rec or Recorder()
     out: list[Outcome] = _unclaimed(target, only_ops, rec)
     for op in _ops_to_test(target, only_ops):
@@ -119,6 +130,9 @@ def run_l1(target, profile="default", seed=0, only_ops=None, rec: Optional[Recor
 
 
 def run_l2(target, profile="default", seed=0, rec: Optional[Recorder] = None) -> list[Outcome]:
+    from . import cases as C
+    from .harness import Outcome, Recorder
+
     rec = rec or Recorder()
     if not target.has_op("dequantize"):
         o = Outcome("dequantize", "L2", "*", "unsupported", "dequantize not in the library's table")
@@ -133,6 +147,8 @@ def run_l2(target, profile="default", seed=0, rec: Optional[Recorder] = None) ->
 
 
 def _skipped(rec: Recorder, level: str, why: str) -> list[dict]:
+    from .harness import Outcome
+
     o = Outcome("*", level, "*", "skipped", why)
     rec.done(o)
     return [o.as_dict()]
@@ -141,6 +157,8 @@ def _skipped(rec: Recorder, level: str, why: str) -> list[dict]:
 def run_level(level: str, lib_path: str, profile: str = "default", seed: int = 0, only_ops=None,
               progress: Progress = _quiet, rec: Optional[Recorder] = None) -> list[dict]:
     """One level in this process; returns its results as plain dicts."""
+    from .harness import Recorder
+
     rec = rec or Recorder(progress)
     rec.level = level
     if level == "L0":
@@ -171,6 +189,13 @@ def run_level(level: str, lib_path: str, profile: str = "default", seed: int = 0
 MAX_CRASHES = 25   # crashes and timed-out checks of one run: each one costs a new child
 
 
+def _error(op: str, case: str, fmt: str, message: str, seed: int = 0) -> dict:
+    """An error result of the run itself (the child crashed, timed out, or the library cannot load)."""
+    from .harness import Outcome
+
+    return Outcome(op, case, fmt, "error", message, seed=seed).as_dict()
+
+
 def _parse_key(key: str) -> tuple[str, str, str, int]:
     """level|op|check name|seed (a check's name may itself hold a '|')."""
     level, op, rest = key.split("|", 2)
@@ -183,7 +208,7 @@ class _ChildEnd:
     rc: int                    # the child's exit status (negative: the signal that ended it)
     running: Optional[str]     # the check it was in when it ended; None: between checks
     last: Optional[str]        # the last check it started
-    killed: str                # "" (it ended by itself), "check" (past its budget), "stalled", "run" (past the deadline)
+    killed: str                # "" (ended by itself), "check" (past its budget), "stalled", "run" (past the deadline)
     budget: float              # the budget that ran out, when killed
     tail: str                  # its last lines of output
 
@@ -257,21 +282,20 @@ def _run_error(end: _ChildEnd, levels, timeout: float) -> tuple[str, dict]:
         why = f"died ({how})"
     where = f" during {end.running}" if end.running else f" after {end.last}" if end.last else ""
     lv = _parse_key(end.running or end.last)[0] if (end.running or end.last) else levels[0]
-    return lv, Outcome("*", lv, "*", "error", f"the conformance run {why}{where}" + (
-        f"\n{end.tail}" if end.tail else "")).as_dict()
+    return lv, _error("*", lv, "*", f"the conformance run {why}{where}" + (f"\n{end.tail}" if end.tail else ""))
 
 
 def _blamed_check(end: _ChildEnd) -> tuple[str, dict, str]:
     """(level, error outcome, progress note) of the check a child crashed or ran out of time in."""
     lv, op, name, seed = _parse_key(end.running)
     if end.killed == "check":
-        return lv, Outcome(op, name, "timeout", "error", f"timed out after {end.budget:g} s: the check did not "
-                           f"return, so its process was killed", seed=seed).as_dict(), \
-            f"  TIMEOUT after {end.budget:g} s in {lv} {op}: {name}; resuming after it"
-    how = f"signal {-end.rc}" if end.rc < 0 else f"exit status {end.rc}"
-    return lv, Outcome(op, name, "crash", "error", f"the library crashed the process ({how}) in this check"
-                       + (f"\n{end.tail}" if end.tail else ""), seed=seed).as_dict(), \
-        f"  CRASH ({how}) in {lv} {op}: {name}; resuming after it"
+        fmt, what = "timeout", f"TIMEOUT after {end.budget:g} s"
+        message = f"timed out after {end.budget:g} s: the check did not return, so its process was killed"
+    else:
+        how = f"signal {-end.rc}" if end.rc < 0 else f"exit status {end.rc}"
+        fmt, what = "crash", f"CRASH ({how})"
+        message = f"the library crashed the process ({how}) in this check" + (f"\n{end.tail}" if end.tail else "")
+    return lv, _error(op, name, fmt, message, seed), f"  {what} in {lv} {op}: {name}; resuming after it"
 
 
 def _run_isolated(levels, lib_path, profile, seed, only_ops, progress: Progress, timeout: float,
@@ -303,8 +327,7 @@ def _run_isolated(levels, lib_path, profile, seed, only_ops, progress: Progress,
             statuses[end.running] = "error"
             done.setdefault(lv, []).append(outcome)
             progress(note)
-        done[levels[-1]].append(Outcome("*", "run", "*", "error", f"gave up after {MAX_CRASHES} crashes or timeouts")
-                                .as_dict())
+        done[levels[-1]].append(_error("*", "run", "*", f"gave up after {MAX_CRASHES} crashes or timeouts"))
         return done
 
 
@@ -398,8 +421,7 @@ def run_conformance(lib_path: str, levels: Iterable[str] = LEVELS, out: Optional
     level_results: dict[str, list[dict]] = {}
     if lib_path != REFERENCE and not facts.get("loadable", True):
         for lv in levels:
-            level_results[lv] = [Outcome("*", lv, "*", "error", f"library cannot be loaded: {facts['load_error']}")
-                                 .as_dict()]
+            level_results[lv] = [_error("*", lv, "*", f"library cannot be loaded: {facts['load_error']}")]
     else:
         if isolate:
             level_results = _run_isolated(levels, lib_path, profile, seed, only_ops, progress, timeout,
