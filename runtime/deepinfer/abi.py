@@ -230,3 +230,26 @@ def op_fields(op: str) -> list[str]:
 
 def api_offset(field: str) -> int:
     return ffi.offsetof("DI_Api", field)
+
+
+def has_entry(api, entry: str) -> bool:
+    """Whether a library's DI_Api table fills `entry` (an older library's table ends before it)."""
+    return api_offset(entry) < api.struct_size and getattr(api, entry) != ffi.NULL
+
+
+# the attributes deepinfer reads from a context (abi/README.md section 7)
+ATTRIBUTE_KEYS = ("name", "version", "abi.version", "device.type", "device.name", "device.sm_count",
+                  "device.memory_bytes", "device.memory_free_bytes", "device.memory_total_bytes", "device.arch",
+                  "cpu.features", "threads")
+
+
+def read_attributes(api, ctx) -> dict:
+    """Every attribute of ATTRIBUTE_KEYS the context answers, as strings."""
+    out: dict = {}
+    if not has_entry(api, "get_attribute"):
+        return out
+    buf = ffi.new("char[]", 512)
+    for key in ATTRIBUTE_KEYS:
+        if api.get_attribute(ctx, key.encode(), buf, 512) == OK:
+            out[key] = ffi.string(buf).decode("utf-8", "replace")
+    return out

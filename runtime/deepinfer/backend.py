@@ -291,9 +291,7 @@ class NativeBackend(Backend):
 
     # -- plumbing
     def _has(self, entry: str) -> bool:
-        if ffi.offsetof("DI_Api", entry) >= self._api.struct_size:
-            return False  # an older library: the entry is past its table
-        return getattr(self._api, entry) != ffi.NULL
+        return abi.has_entry(self._api, entry)
 
     def _error_message(self, ctx) -> str:
         if not self._has("last_error"):
@@ -309,15 +307,7 @@ class NativeBackend(Backend):
             raise cls(what, status, name, self._error_message(ctx))
 
     def attributes(self) -> dict:
-        out = {}
-        if not self._has("get_attribute"):
-            return out
-        buf = ffi.new("char[]", 512)
-        for key in ("name", "version", "abi.version", "device.type", "device.name", "device.sm_count", "device.memory_bytes",
-                    "device.memory_free_bytes", "device.memory_total_bytes", "device.arch", "cpu.features", "threads"):
-            if self._api.get_attribute(self._ctx, key.encode(), buf, 512) == abi.OK:
-                out[key] = ffi.string(buf).decode("utf-8", "replace")
-        return out
+        return abi.read_attributes(self._api, self._ctx)
 
     def ops(self) -> list[str]:
         return [op for op in abi.OP_NAMES if self._has(op)]

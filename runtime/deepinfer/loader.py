@@ -240,29 +240,6 @@ def file_sha256(path) -> str:
     return h.hexdigest()
 
 
-# the attributes a candidate reports (the same keys NativeBackend.attributes() reads)
-_ATTRIBUTE_KEYS = ("name", "version", "abi.version", "device.type", "device.name", "device.sm_count",
-                   "device.memory_bytes", "device.memory_free_bytes", "device.memory_total_bytes", "device.arch",
-                   "cpu.features", "threads")
-
-
-def _has(api, entry: str) -> bool:
-    if ffi.offsetof("DI_Api", entry) >= api.struct_size:
-        return False  # an older library: the entry is past its table
-    return getattr(api, entry) != ffi.NULL
-
-
-def _attributes(api, ctx) -> dict:
-    out: dict = {}
-    if not _has(api, "get_attribute"):
-        return out
-    buf = ffi.new("char[]", 512)
-    for key in _ATTRIBUTE_KEYS:
-        if api.get_attribute(ctx, key.encode(), buf, 512) == abi.OK:
-            out[key] = ffi.string(buf).decode("utf-8", "replace")
-    return out
-
-
 def _self_test(path: Path, api) -> dict:
     """Create a context, read its attributes, destroy it (through the raw table: the probe child must
     not import numpy); returns the attributes."""
@@ -276,7 +253,7 @@ def _self_test(path: Path, api) -> dict:
         raise BackendLoadError(f"{path}: self-test failed: context_create: "
                                f"{abi.STATUS_NAMES.get(status, f'status {status}')}: {why}")
     try:
-        return _attributes(api, ctx[0])
+        return abi.read_attributes(api, ctx[0])
     finally:
         api.context_destroy(ctx[0])
 
@@ -302,8 +279,8 @@ def probe(path: Path, source: str = "explicit", stage: Callable[[str], None] = _
             return c
         stage("self-test")
         c.attributes = _self_test(path, api)
-        c.ops = [op for op in abi.OP_NAMES if _has(api, op)]
-        c.entries = [e for e in abi.API_NON_OP_FIELDS if _has(api, e)]
+        c.ops = [op for op in abi.OP_NAMES if abi.has_entry(api, op)]
+        c.entries = [e for e in abi.API_NON_OP_FIELDS if abi.has_entry(api, e)]
         # the library's own word on where its memory lives beats a guess from its name
         c.device = _DEVICE_TYPES.get(c.attributes.get("device.type", ""), _device_of(c.name))
         c.ok = True
