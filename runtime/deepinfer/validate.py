@@ -67,7 +67,7 @@ def utf8(name: str, s: str, *, err=InputError) -> str:
         s.encode("utf-8")
     except UnicodeEncodeError as e:
         bad = s[e.start]
-        what = (f"the byte 0x{ord(bad) - 0xDC00:02x}, which is not valid UTF-8" if 0xDC80 <= ord(bad) <= 0xDCFF
+        what = (f"the byte 0x{ord(bad) - 0xDC00:02x} (not valid UTF-8)" if 0xDC80 <= ord(bad) <= 0xDCFF
                 else f"a lone surrogate U+{ord(bad):04X}")
         raise err(f"{name} holds {what} at character {e.start}; give text encoded as UTF-8") from None
     return s
