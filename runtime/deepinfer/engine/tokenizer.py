@@ -6,27 +6,48 @@ import json
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, InputTypeError
 
 
 class Tokenizer:
-    """tokenizer.json through `tokenizers`, the chat template from tokenizer_config.json."""
+    """tokenizer.json through `tokenizers`, the chat template from tokenizer_config.json.
+
+    A missing, unreadable or malformed file, or a value of tokenizer_config.json of the wrong kind,
+    is a CheckpointError naming the file and the key."""
 
     def __init__(self, model_dir: Path):
-        from tokenizers import Tokenizer as HFTokenizer
+        model_dir = Path(model_dir)
+        self._tok = _load_tokenizer(model_dir / "tokenizer.json")
+        self.config_path = model_dir / "tokenizer_config.json"
+        self.config = _load_config(self.config_path)
+        self.bos_token, self.bos_id = self._special_token("bos_token")
+        self.eos_token, self.eos_id = self._special_token("eos_token")
+        self.add_bos = self._add_bos()
+        self.chat_template = _chat_template_source(self.config, self.config_path)
+        self._compiled_template = None
 
-        path = model_dir / "tokenizer.json"
-        if not path.is_file():
-            raise CheckpointError(f"{path}: no tokenizer.json in the model directory")
-        self._tok = HFTokenizer.from_file(str(path))
-        cfg_path = model_dir / "tokenizer_config.json"
-        self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        self.bos_token = _token_str(self.config.get("bos_token"))
-        self.eos_token = _token_str(self.config.get("eos_token"))
-        self.bos_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
-        self.eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
-        self.add_bos = bool(self.config.get("add_bos_token", False)) and self.bos_id is not None
-        self.chat_template = self.config.get("chat_template")
+    def _special_token(self, key: str) -> tuple[Optional[str], Optional[int]]:
+        value = self.config.get(key)
+        if value is None:
+            return None, None
+        token = value.get("content") if isinstance(value, dict) else value     # an AddedToken's content
+        if not isinstance(token, str):
+            raise CheckpointError(f"{self.config_path}: {key} must be a string or an object with a string "
+                                  f"'content', not {_json_kind(value)}; fix {key} there")
+        token_id = self._tok.token_to_id(token)
+        if token_id is None:
+            raise CheckpointError(f"{self.config_path}: {key} {token!r} is not in the vocabulary of tokenizer.json; "
+                                  f"set {key} to one of its tokens, or to null")
+        return token, token_id
+
+    def _add_bos(self) -> bool:
+        add = self.config.get("add_bos_token", False)
+        if not isinstance(add, bool):
+            raise CheckpointError(f"{self.config_path}: add_bos_token must be true or false, not {_json_kind(add)}")
+        if add and self.bos_id is None:
+            raise CheckpointError(f"{self.config_path}: add_bos_token is true but there is no bos_token; "
+                                  "set bos_token or make add_bos_token false")
+        return add
 
     @property
     def vocab_size(self) -> int:
@@ -51,26 +72,107 @@ class Tokenizer:
         """The text `token` adds to `stream`'s output (None while a multi-byte character is incomplete)."""
         return stream.step(self._tok, int(token))
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, limits=None) -> str:
+        """The prompt for `messages` (a list of {"role": str, "content": str, ...} dicts). `limits`
+        (a chat_template.RenderLimits, default RenderLimits()) bounds what rendering may cost.
+        InputTypeError / ConfigError for bad messages or a template that fails on them;
+        CheckpointError for a template that does not compile."""
+        from .chat_template import ChatTemplate, RenderLimits
+
         if not self.chat_template:
             raise ConfigError("this model's tokenizer_config.json has no chat_template")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(msg):
-            raise ConfigError(f"chat template: {msg}")
-
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
+        _check_messages(messages)
+        if not isinstance(add_generation_prompt, bool):
+            raise InputTypeError(f"add_generation_prompt must be a bool, not {type(add_generation_prompt).__name__}")
+        if self._compiled_template is None:     # compiled at first use: a model with a broken template still generates
+            self._compiled_template = ChatTemplate(self.chat_template, str(self.config_path))
+        return self._compiled_template.render(
+            limits or RenderLimits(), messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
 
-def _token_str(t) -> Optional[str]:
-    if isinstance(t, dict):
-        return t.get("content")
-    return t
+def _check_messages(messages) -> None:
+    if not isinstance(messages, (list, tuple)):
+        hint = "; wrap a prompt as [{'role': 'user', 'content': prompt}]" if isinstance(messages, str) else ""
+        raise InputTypeError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, "
+                             f"not {type(messages).__name__}{hint}")
+    if not messages:
+        raise ConfigError("messages is empty: give at least one {'role': ..., 'content': ...} message")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InputTypeError(f"messages[{i}] must be a dict with 'role' and 'content', not {type(m).__name__}")
+        for key in ("role", "content"):
+            if key not in m:
+                raise ConfigError(f"messages[{i}] has no '{key}': every message needs a string 'role' and 'content'")
+            if not isinstance(m[key], str):
+                raise InputTypeError(f"messages[{i}]['{key}'] must be a string, not {type(m[key]).__name__}")
+
+
+def _exists(path: Path) -> bool:
+    return path.exists() or path.is_symlink()   # a dangling link is a broken file, not an absent one
+
+
+def _read_text(path: Path) -> str:
+    if path.is_dir():
+        raise CheckpointError(f"{path} is a directory, not a file; put the model's {path.name} there")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); "
+                              f"re-download the model's {path.name}") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read it ({e.strerror}); check that it exists and is readable") from None
+
+
+def _load_tokenizer(path: Path):
+    from tokenizers import Tokenizer as HFTokenizer
+
+    if not _exists(path):
+        raise CheckpointError(f"{path}: no tokenizer.json in the model directory; copy the model's tokenizer.json there")
+    text = _read_text(path)
+    try:
+        return HFTokenizer.from_str(text)
+    except Exception as e:      # tokenizers raises a bare Exception for any malformed file
+        raise CheckpointError(f"{path}: not a valid tokenizer.json ({e}); re-download it or save it again "
+                              "with tokenizers or transformers") from None
+
+
+def _load_config(path: Path) -> dict:
+    if not _exists(path):
+        return {}
+    text = _read_text(path)
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
+                              "fix it or re-download it") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: JSON nested too deeply; fix it or re-download it") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: must hold a JSON object, not {_json_kind(config)}; fix it or re-download it")
+    return config
+
+
+def _chat_template_source(config: dict, path: Path) -> Optional[str]:
+    """The chat_template string; from HF's list of named templates, the one named "default"."""
+    template = config.get("chat_template")
+    if template is None or isinstance(template, str):
+        return template
+    if isinstance(template, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                          and isinstance(t.get("template"), str) for t in template):
+        named = {t["name"]: t["template"] for t in template}
+        if "default" in named:
+            return named["default"]
+        raise CheckpointError(f"{path}: chat_template holds templates named {sorted(named)} but none named "
+                              "'default'; name the one to use 'default'")
+    raise CheckpointError(f"{path}: chat_template must be a string or a list of {{\"name\": ..., \"template\": ...}} "
+                          f"objects, not {_json_kind(template)}; fix chat_template there")
+
+
+def _json_kind(value) -> str:
+    kinds = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number", type(None): "null"}
+    return f"{kinds.get(type(value), type(value).__name__)} ({json.dumps(value)[:60]})"
 
 
 class Detokenizer:
