@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -23,9 +24,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import QueueFullError, SamplingParams
-from ..errors import InputError
+from ..errors import CheckpointError, InputError
 from .async_engine import AsyncEngine, EngineStopped
 from .protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("deepinfer")
 
 
 @dataclass
@@ -349,10 +352,13 @@ def create_app(aengine: AsyncEngine, model_name: str, limits: Optional[ServerLim
         try:
             text = tok.apply_chat_template(messages, add_generation_prompt=True)
             ids = eng.encode_prompt(text, add_bos=False)
-        except InputError as e:
+        except CheckpointError as e:
+            # the model's own template is broken: the server's fault, and its path is not the client's business
+            log.error("chat template: %s", e)
+            raise APIError(500, "this model's chat template cannot be used (see the server's log)",
+                           "server_error") from None
+        except InputError as e:     # these messages fail the template (its limits, raise_exception, ...)
             raise APIError(400, str(e), param="messages") from None
-        except Exception as e:      # a template that fails on these messages (jinja2 sandbox errors)
-            raise APIError(400, f"chat template: {e}", param="messages") from None
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_new = asked if asked is not None else max(min(max_seq - len(ids), max_tokens_cap), 0)
         params = sampling(req, max_new)
