@@ -24,6 +24,8 @@ from .errors import (  # noqa: E402
     CheckpointError,
     ConfigError,
     DeepinferError,
+    InputError,
+    InputTypeError,
     UnsupportedOpError,
 )
 from .loader import candidates, get_backend  # noqa: E402
@@ -60,5 +62,6 @@ def _looks_like_model(s: str) -> bool:
 
 __all__ = [
     "__version__", "run", "load", "get_backend", "candidates",
-    "DeepinferError", "BackendLoadError", "BackendCallError", "UnsupportedOpError", "CheckpointError", "ConfigError",
+    "DeepinferError", "InputError", "InputTypeError", "BackendLoadError", "BackendCallError", "UnsupportedOpError",
+    "CheckpointError", "ConfigError",
 ]
