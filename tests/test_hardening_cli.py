@@ -92,6 +92,8 @@ CASES = [
      "cannot write"),
     ("quantize-src-missing", ["quantize", "{dir}/nope", "{dir}/q", "--format", "int8"], None, EXIT_USAGE,
      "does not exist"),
+    ("backend-unknown-name", ["run", "x", "--backend", "bogus"], None, EXIT_USAGE, "no libdeepinfer_bogus.so"),
+    ("backend-missing-path", ["run", "x", "--backend", "{dir}/libdeepinfer_x.so"], None, EXIT_USAGE, "no such file"),
     ("bad-subcommand", ["frobnicate"], None, EXIT_USAGE, "invalid choice"),
 ]
 

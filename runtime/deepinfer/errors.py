@@ -36,6 +36,11 @@ class BackendLoadError(DeepinferError):
     """A backend library was found but cannot be used (not a .so, wrong ABI, missing symbol...)."""
 
 
+class BackendNotFoundError(BackendLoadError, InputError):
+    """The backend the user named does not exist (no library of that name, no file at that path):
+    a usage error, unlike a library that exists but cannot be used."""
+
+
 class BackendCallError(DeepinferError):
     """A backend op returned a non-OK status; the message is the library's last_error."""
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
 from . import abi
-from .errors import BackendLoadError, InputError
+from .errors import BackendLoadError, BackendNotFoundError, InputError
 
 if TYPE_CHECKING:  # backend.py pulls in numpy and ml_dtypes, which the probe child must not pay for
     from .backend import Backend, NativeBackend
@@ -164,7 +164,7 @@ def _is_elf(path: Path) -> bool:
 def _check_file(path: Path) -> None:
     """What can be said of a library without running any of its code."""
     if not path.exists():
-        raise BackendLoadError(f"{path}: no such file")
+        raise BackendNotFoundError(f"{path}: no such file")
     if not path.is_file():
         raise BackendLoadError(f"{path}: not a file")
     if not _is_elf(path):
@@ -557,6 +557,8 @@ def load_library(path, device_id: int = 0, num_threads: int = 0) -> "NativeBacke
     """Bind one library (raises BackendLoadError with the reason if it is unusable). One that is not
     bundled is probed in a child first and only bound here if the child found it sound."""
     path = Path(path)
+    if not path.exists():
+        raise BackendNotFoundError(f"{path}: no such file; give the path of a libdeepinfer_<name>.so")
     c = _probe(path, "bundled" if _is_bundled(path) else "explicit")
     if not c.ok:
         raise BackendLoadError(c.reason)
@@ -581,7 +583,7 @@ def _named(name: str) -> list[tuple[Path, str]]:
     chosen = [(p, src) for p, src in found if _library_name(p) == name]
     if not chosen:
         known = ", ".join([_library_name(p) for p, _ in found] + ["reference"])
-        raise BackendLoadError(
+        raise BackendNotFoundError(
             f"backend {name!r} is not available: no libdeepinfer_{name}.so was found (explicit paths, {ENV_PATH}, "
             f"the {ENTRY_POINT_GROUP} entry points, the bundled libraries). Available: {known} "
             f"(libraries found, not probed)")
