@@ -37,7 +37,10 @@ def _with(**changes):
     for k, v in changes.items():
         if "__" in k:
             outer, inner = k.split("__")
-            d[outer][inner] = v
+            if v is _DROP:
+                d[outer].pop(inner)
+            else:
+                d[outer][inner] = v
         elif v is _DROP:
             d.pop(k)
         else:
@@ -63,6 +66,11 @@ CONFIG_VALUES = [
     (dict(num_experts_per_tok=0), "num_experts_per_tok=0 must be in [1,"),
     (dict(num_experts_per_tok=9), "num_experts_per_tok=9 must be in [1, n_routed_experts=8]"),
     (dict(num_experts_per_tok=_DROP), "missing required key 'num_experts_per_tok'"),
+    # defaults that DeepSeek's code and transformers disagree on
+    (dict(routed_scaling_factor=_DROP), "missing required key 'routed_scaling_factor'"),
+    (dict(n_group=None), "missing required key 'n_group'"),
+    (dict(topk_group=_DROP), "missing required key 'topk_group'"),
+    (dict(rope_scaling__type=_DROP), "missing required key 'rope_scaling.rope_type'"),
     (dict(num_experts_per_tok=2.0), "num_experts_per_tok=2.0 must be a whole number"),
     (dict(n_routed_experts="8"), "n_routed_experts='8' must be a whole number"),
     (dict(n_shared_experts=-1), "n_shared_experts=-1 must be in [0,"),
@@ -127,8 +135,12 @@ def test_config_accepts_what_it_should():
                                     max_position_embeddings=None, rope_scaling__mscale=0))
     assert c.rope.theta == 10000.0 and c.q_lora_rank is None and c.eos_token_id == 1
     assert c.max_position_embeddings == 4096 and c.rope.mscale == 0.0
-    dense = ModelConfig.from_dict(_with(n_routed_experts=None, num_experts_per_tok=None))
+    dense = ModelConfig.from_dict(_with(n_routed_experts=None, num_experts_per_tok=None, routed_scaling_factor=None))
     assert dense.n_routed_experts is None and not dense.is_moe_layer(2)
+    greedy = ModelConfig.from_dict(_with(topk_method="greedy", n_group=None, topk_group=None))
+    assert (greedy.n_group, greedy.topk_group) == (1, 1)
+    plain = ModelConfig.from_dict(_with(rope_scaling=None, rope_parameters={"rope_theta": 5e4}))
+    assert plain.rope.type == "default" and plain.rope.theta == 5e4
 
 
 CONFIG_FILES = [

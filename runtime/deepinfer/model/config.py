@@ -174,6 +174,14 @@ class ModelConfig:
         topk = f.integer("num_experts_per_tok", None)
         if n_routed and topk is None:
             raise f.missing("num_experts_per_tok")
+        topk_method = f.string("topk_method", "noaux_tc" if v3 else "greedy",
+                               ("greedy", "group_limited_greedy", "noaux_tc"))
+        if n_routed:
+            # DeepSeek's code and transformers default these differently (routed_scaling_factor 1.0 or 2.5,
+            # n_group and topk_group none or 8 and 4): a MoE config must say which model it is
+            for key in ("routed_scaling_factor",) + (("n_group", "topk_group") if topk_method != "greedy" else ()):
+                if d.get(key) is None:
+                    raise f.missing(key)
         mtp = f.integer("num_nextn_predict_layers", None, lo=0)
         cfg = cls(
             model_type=mt,
@@ -195,8 +203,7 @@ class ModelConfig:
             first_k_dense_replace=f.integer("first_k_dense_replace", 0, lo=0),
             moe_layer_freq=f.integer("moe_layer_freq", 1),
             scoring_func=f.string("scoring_func", "sigmoid" if v3 else "softmax", ("softmax", "sigmoid")),
-            topk_method=f.string("topk_method", "noaux_tc" if v3 else "greedy",
-                                 ("greedy", "group_limited_greedy", "noaux_tc")),
+            topk_method=topk_method,
             n_group=f.integer("n_group", 1),
             topk_group=f.integer("topk_group", 1),
             norm_topk_prob=f.boolean("norm_topk_prob", v3),
@@ -255,6 +262,8 @@ def _parse_rope(f: "_Fields", max_pos: int) -> RopeConfig:
     r = _Fields(src, f.source, "/".join(n for n, o in (("rope_parameters", rp), ("rope_scaling", rs)) if o) + ".")
     theta = r.real("rope_theta", None)
     key = "rope_type" if src.get("rope_type") is not None else "type"
+    if src.get(key) is None and set(src) - {"rope_theta"}:
+        raise r.missing("rope_type")     # scaling parameters without their type: yarn or not is a guess
     rtype = r.string(key, "default")
     if rtype not in ("default", "yarn"):
         raise r.bad(key, rtype, "is not a supported rope type (DeepSeek uses yarn or none)")
@@ -322,7 +331,7 @@ class _Fields:
                                f"(the published config.json of the model has the right value)")
 
     def missing(self, key: str) -> CheckpointError:
-        return CheckpointError(f"{self.source}: missing required key {self.prefix}{key!r}; config.json is incomplete "
+        return CheckpointError(f"{self.source}: missing required key '{self.prefix}{key}'; config.json is incomplete "
                                f"(use the one published with the model)")
 
     def get(self, key: str, default=None):
