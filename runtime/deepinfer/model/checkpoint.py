@@ -232,7 +232,7 @@ class TensorStore:
     # ------------------------------------------------------------------ files
     def _open_shard(self, index: Path, fname: str, name: str) -> SafetensorsFile:
         p = confined(self.dir, fname, f"{index}: shard {fname!r} (holding {name!r})")
-        if not p.is_file():
+        if not os.path.isfile(p):     # False for any name the OS refuses too (one too long)
             raise CheckpointError(f"{index}: shard {fname} (holding {name}) is missing; download the model again")
         self.files[fname] = SafetensorsFile(p)
         return self.files[fname]
