@@ -123,6 +123,7 @@ class WeightLoader:
 
     def load(self, load_mtp: bool) -> ModelWeights:
         c, H = self.cfg, self.cfg.hidden_size
+        self.ckpt.used.clear()     # what this load reads, for _check_all_used
         embed = self._t("model.embed_tokens.weight", (c.vocab_size, H))
         norm = self._t("model.norm.weight", (H,))
         if "lm_head.weight" in self.ckpt:
