@@ -468,3 +468,14 @@ def test_embedded_model_loads():
     from deepinfer.engine.llm_engine import default_model_dir
 
     assert len(_load(default_model_dir(), load_mtp=True).layers) == 5
+
+
+@pytest.mark.parametrize("index", ["[" * 100000, '{"weight_map": {"a": 5}}', '{"weight_map": [1]}',
+                                   '{"weight_map": {"a": "' + "x" * 5000 + '"}}', '{"weight_map": {"a": "a\\u0000b"}}'])
+def test_hub_snapshot_with_a_damaged_index_is_incomplete(tmp_path, index):
+    """The hub cache check reads the index too: a damaged one makes the snapshot incomplete, no traceback."""
+    from deepinfer.model.hub import _complete
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / INDEX).write_text(index)
+    assert _complete(tmp_path) is False

@@ -54,9 +54,10 @@ def _complete(d: Path) -> bool:
     if index.is_file():
         try:
             files = set(json.loads(index.read_text())["weight_map"].values())
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return False
-        return all((d / f).is_file() for f in files)
+            # os.path.isfile is False for a name the OS refuses (too long, a NUL) where Path.is_file raises
+            return all(isinstance(f, str) and os.path.isfile(d / f) for f in files)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            return False     # a damaged index is no complete snapshot
     return (d / "model.safetensors").is_file()
 
 
