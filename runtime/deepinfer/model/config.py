@@ -315,7 +315,7 @@ def _show(v) -> str:
 
 def json_kind(v) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
-            float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
+            float: "a decimal number", type(None): "null"}.get(type(v), type(v).__name__)
 
 
 class _Fields:
