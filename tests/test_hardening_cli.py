@@ -62,7 +62,7 @@ CASES = [
     ("run-surrogate", ["run", "ab\udcff"], None, EXIT_USAGE, "0xff (not valid UTF-8)"),
     ("cfg-missing", ["run", "x", "--config", "{missing}"], None, EXIT_USAGE, "not found"),
     ("cfg-dir", ["run", "x", "--config", "{dir}"], None, EXIT_USAGE, "is a directory"),
-    ("cfg-deep", ["run", "x", "--config", "{deep}"], None, EXIT_USAGE, "nests JSON too deeply"),
+    ("cfg-deep", ["run", "x", "--config", "{deep}"], None, EXIT_USAGE, "JSON nested too deeply"),
     ("cfg-latin1", ["run", "x", "--config", "{latin1}"], None, EXIT_USAGE, "not UTF-8"),
     ("cfg-list", ["run", "x", "--config", "{list}"], None, EXIT_USAGE, "must hold a JSON object"),
     ("cfg-unknown", ["run", "x", "--config", "{unknown}"], None, EXIT_USAGE, "'max_btach'"),

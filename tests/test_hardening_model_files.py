@@ -58,6 +58,8 @@ CONFIG_VALUES = [
     (dict(hidden_size=[64]), "hidden_size=[64] must be a whole number, not a list"),
     (dict(hidden_size=NAN), "hidden_size=nan must be a whole number"),
     (dict(hidden_size=0), "hidden_size=0 must be in [1, 2147483647]"),
+    (dict(quantization_config={"quant_method": ["fp8"]}), "quant_method=['fp8'] is not supported"),
+    (dict(quantization_config=[1]), "quantization_config must be a JSON object"),
     (dict(vocab_size=-5), "vocab_size=-5 must be in [1,"),
     (dict(hidden_size=2 ** 40), "hidden_size=1099511627776 must be in [1, 2147483647]"),
     (dict(num_hidden_layers=10 ** 400), "num_hidden_layers="),
@@ -175,7 +177,7 @@ def test_config_file_that_is_not_a_file(tmp_path):
     with pytest.raises(CheckpointError, match="is not a regular file"):
         ModelConfig.from_file(p)
     p.unlink()
-    with pytest.raises(CheckpointError, match="no config.json in the model directory"):
+    with pytest.raises(CheckpointError, match="config.json not found"):
         ModelConfig.from_file(p)
 
 

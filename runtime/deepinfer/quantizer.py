@@ -39,6 +39,7 @@ import numpy as np
 from . import abi
 from . import dtypes as D
 from . import quant_formats as QF
+from . import validate as V
 from .errors import CheckpointError, ConfigError, DeepinferError, InputError
 from .model.checkpoint import TensorStore
 from .tensor import Quant, Tensor, pack_4bit
@@ -400,12 +401,9 @@ def quantize_model(src, dst, format: str, group: int = 64, symmetric: bool = Tru
     if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
         raise ConfigError(f"destination {dst} must not be inside the source directory {src}")
     cfg_path = src / "config.json"
-    try:
-        config = json.loads(cfg_path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{cfg_path}: no config.json in the source directory") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from None
+    config = V.read_json(cfg_path, "config.json", err=CheckpointError, fix="SRC must be a model directory")
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{cfg_path}: must hold a JSON object, not {V.json_kind(config)}")
     src_scheme = QF.parse_quantization_config(config.get("quantization_config"), f"{cfg_path}: quantization_config")
     scheme = QF.make_scheme(format, group if format == "int4" else 64, symmetric, scale_dtype)
     # SRC's tensors by hub-layout name: routed experts stored per expert or fused alike

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from pathlib import Path
 from typing import Optional
 
@@ -73,29 +75,47 @@ def utf8(name: str, s: str, *, err=InputError) -> str:
     return s
 
 
-def read_json(path, what: str, *, err=InputError, max_bytes: int = MAX_JSON_BYTES):
-    """The JSON value of a file, or `err` saying why it cannot be read: missing, a directory,
-    unreadable, too large, not UTF-8, not JSON, or nested too deeply for the parser."""
+def read_json(path, what: str, *, err=InputError, fix: str = "", max_bytes: int = MAX_JSON_BYTES):
+    """The JSON value in the file `path` (`what`: "config.json", "the engine config", ...), or `err`
+    saying why it cannot be had, ending with `fix` (what to do): the file is missing, not a regular
+    file (a directory fails to read, a pipe would block), unreadable, too large, not UTF-8, not
+    JSON, nested too deeply for the parser, or holds an integer too long to convert."""
     p = Path(path)
+    tail = f"; {fix}" if fix else ""
     try:
-        if p.is_dir():
-            raise err(f"{what} {p} is a directory, not a JSON file")
-        size = p.stat().st_size
-        if size > max_bytes:
-            raise err(f"{what} {p} is {size} bytes, more than the {max_bytes} a JSON file of this kind may hold")
+        info = p.stat()
+        if not stat.S_ISREG(info.st_mode):
+            kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+            raise err(f"{p}: is {kind}, not the {what} file{tail}")
+        if info.st_size > max_bytes:
+            raise err(f"{p}: {info.st_size} bytes is far too large for {what}{tail}")
         raw = p.read_bytes()
     except FileNotFoundError:
-        raise err(f"{what} {p} not found") from None
+        if p.is_symlink():
+            raise err(f"{p}: cannot read {what}: it links to {os.readlink(p)}, which does not exist{tail}") from None
+        raise err(f"{p}: {what} not found{tail}") from None
     except OSError as e:
-        raise err(f"{what} {p} cannot be read: {e.strerror or e}") from None
+        raise err(f"{p}: cannot read {what} ({e.strerror or e}){tail}") from None
+    return parse_json(raw, str(p), err=err, fix=fix)
+
+
+def parse_json(raw: bytes, where: str, *, err=InputError, fix: str = ""):
+    """json.loads of `raw` with every way it fails as `err` naming `where`."""
+    tail = f"; {fix}" if fix else ""
     try:
         return json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise err(f"{what} {p} is not UTF-8 text (byte {e.start}); is it the right file?") from None
-    except json.JSONDecodeError as e:
-        raise err(f"{what} {p} is not valid JSON: {e}") from None
+        raise err(f"{where}: not UTF-8 text (byte {e.start} is {raw[e.start:e.start + 1]!r}){tail}") from None
     except RecursionError:
-        raise err(f"{what} {p} nests JSON too deeply to parse") from None
+        raise err(f"{where}: JSON nested too deeply{tail}") from None
+    except ValueError as e:      # JSONDecodeError, or an integer of more digits than Python converts
+        raise err(f"{where}: not valid JSON ({e}){tail}") from None
+
+
+def json_kind(v) -> str:
+    """What a JSON value is, in words: "an object", "a list", "a decimal number", "null"..."""
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a decimal number", type(None): "null"}.get(type(v), type(v).__name__)
 
 
 def _range(lo, hi) -> str:

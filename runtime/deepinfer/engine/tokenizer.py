@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .. import validate as V
 from ..errors import CheckpointError, ConfigError, InputTypeError
 
 
@@ -140,14 +141,7 @@ def _load_tokenizer(path: Path):
 def _load_config(path: Path) -> dict:
     if not _exists(path):
         return {}
-    text = _read_text(path)
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
-                              "fix it or re-download it") from None
-    except RecursionError:
-        raise CheckpointError(f"{path}: JSON nested too deeply; fix it or re-download it") from None
+    config = V.read_json(path, path.name, err=CheckpointError, fix="fix it or re-download it")
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: must hold a JSON object, not {_json_kind(config)}; fix it or re-download it")
     return config
@@ -170,9 +164,8 @@ def _chat_template_source(config: dict, path: Path) -> Optional[str]:
 
 
 def _json_kind(value) -> str:
-    kinds = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
-             float: "a number", type(None): "null"}
-    return f"{kinds.get(type(value), type(value).__name__)} ({json.dumps(value)[:60]})"
+    """The kind of a bad value and the start of it, for a message."""
+    return f"{V.json_kind(value)} ({json.dumps(value)[:60]})"
 
 
 class Detokenizer:

@@ -35,9 +35,10 @@ import ml_dtypes
 import numpy as np
 
 from .. import dtypes as D
+from .. import validate as V
 from ..errors import CheckpointError
 from ..tensor import Quant, Tensor
-from .config import ModelConfig, json_kind, parse_json, read_json
+from .config import ModelConfig
 
 _ST_DTYPES = {
     "F32": np.dtype(np.float32),
@@ -72,9 +73,9 @@ class SafetensorsFile:
     def __init__(self, path: Path):
         self.path = Path(path)
         size, raw = self._read_header()
-        header = parse_json(raw, f"{self.path}: corrupt safetensors header", _REDOWNLOAD)
+        header = V.parse_json(raw, f"{self.path}: corrupt safetensors header", err=CheckpointError, fix=_REDOWNLOAD)
         if not isinstance(header, dict):
-            raise self._corrupt(f"the header is {json_kind(header)}, not a JSON object")
+            raise self._corrupt(f"the header is {V.json_kind(header)}, not a JSON object")
         self.metadata = self._metadata(header.pop("__metadata__", None))
         self.data_start = 8 + len(raw)
         data_len = size - self.data_start
@@ -394,12 +395,12 @@ def _weight_roots(model_dir: Path) -> list[Path]:
 def _weight_map(index: Path) -> dict:
     """The index's {tensor name: shard file name}, checked for shape and types."""
     fix = f"fix {index.name} or download the model again"
-    d = read_json(index, index.name, fix)
+    d = V.read_json(index, index.name, err=CheckpointError, fix=fix)
     if not isinstance(d, dict):
-        raise CheckpointError(f"{index}: must hold a JSON object with a weight_map, not {json_kind(d)}; {fix}")
+        raise CheckpointError(f"{index}: must hold a JSON object with a weight_map, not {V.json_kind(d)}; {fix}")
     wm = d.get("weight_map")
     if not isinstance(wm, dict) or not wm:
-        got = "it is missing" if wm is None else "it is empty" if wm == {} else f"not {json_kind(wm)}"
+        got = "it is missing" if wm is None else "it is empty" if wm == {} else f"not {V.json_kind(wm)}"
         raise CheckpointError(f"{index}: weight_map must be a non-empty object of tensor name -> shard file ({got}); "
                               f"{fix}")
     for name, fname in wm.items():

@@ -7,14 +7,13 @@ factor, which layers are MoE), so the graph code never re-derives it.
 """
 from __future__ import annotations
 
-import json
 import math
 import reprlib
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from .. import validate as V
 from ..errors import CheckpointError
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
@@ -134,16 +133,16 @@ class ModelConfig:
     @classmethod
     def from_file(cls, path) -> "ModelConfig":
         path = Path(path)
-        d = read_json(path, "config.json", "fix config.json or download it again")
+        d = V.read_json(path, "config.json", err=CheckpointError, fix="fix config.json or download it again")
         if not isinstance(d, dict):
-            raise CheckpointError(f"{path}: must hold a JSON object ({{...}}), not {json_kind(d)}; fix config.json "
+            raise CheckpointError(f"{path}: must hold a JSON object ({{...}}), not {V.json_kind(d)}; fix config.json "
                                   f"or download it again")
         return cls.from_dict(d, source=str(path))
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
         if not isinstance(d, dict):
-            raise CheckpointError(f"{source}: a model config is a JSON object, not {json_kind(d)}")
+            raise CheckpointError(f"{source}: a model config is a JSON object, not {V.json_kind(d)}")
         f = _Fields(d, source)
         mt = _model_type(f)
         for fam, keys in _FAMILY_KEYS.items():
@@ -302,8 +301,6 @@ def _eos(f: "_Fields", vocab: int) -> Optional[int]:
     return ids.integer("eos_token_id", None, lo=0, hi=vocab - 1)
 
 
-# far above any real config or shard index (DeepSeek V3's index is under 10 MB)
-_MAX_JSON = 100 * 1024 * 1024
 # Backends index tensors with 32-bit ints: a size or count beyond that is a corrupt config, not a model.
 _INT_MAX = 2 ** 31 - 1
 
@@ -311,11 +308,6 @@ _INT_MAX = 2 ** 31 - 1
 def _show(v) -> str:
     """A bad value, short whatever it is (a long string, a deeply nested list)."""
     return reprlib.repr(v)
-
-
-def json_kind(v) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
-            float: "a decimal number", type(None): "null"}.get(type(v), type(v).__name__)
 
 
 class _Fields:
@@ -341,7 +333,7 @@ class _Fields:
     def obj(self, key: str) -> Optional[dict]:
         v = self.get(key)
         if v is not None and not isinstance(v, dict):
-            raise self.bad(key, v, f"must be a JSON object, not {json_kind(v)}")
+            raise self.bad(key, v, f"must be a JSON object, not {V.json_kind(v)}")
         return v
 
     def integer(self, key: str, default=None, lo: int = 1, hi: int = _INT_MAX, required: bool = False):
@@ -351,7 +343,7 @@ class _Fields:
                 raise self.missing(key)
             return default
         if isinstance(v, bool) or not isinstance(v, int):
-            raise self.bad(key, v, f"must be a whole number, not {json_kind(v)}")
+            raise self.bad(key, v, f"must be a whole number, not {V.json_kind(v)}")
         if not lo <= v <= hi:
             raise self.bad(key, v, f"must be in [{lo}, {hi}]")
         return v
@@ -361,7 +353,7 @@ class _Fields:
         if v is None:
             return default
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise self.bad(key, v, f"must be a number, not {json_kind(v)}")
+            raise self.bad(key, v, f"must be a number, not {V.json_kind(v)}")
         try:
             x = float(v)
         except OverflowError:        # an integer too large for a float
@@ -373,45 +365,15 @@ class _Fields:
     def boolean(self, key: str, default: bool) -> bool:
         v = self.get(key, default)
         if not isinstance(v, bool):
-            raise self.bad(key, v, f"must be true or false, not {json_kind(v)}")
+            raise self.bad(key, v, f"must be true or false, not {V.json_kind(v)}")
         return v
 
     def string(self, key: str, default: Optional[str], choices: Optional[tuple] = None) -> Optional[str]:
         v = self.get(key, default)
         if v is not None and not isinstance(v, str):
-            raise self.bad(key, v, f"must be a string, not {json_kind(v)}")
+            raise self.bad(key, v, f"must be a string, not {V.json_kind(v)}")
         if choices is not None and v not in choices:
             raise self.bad(key, v, f"is not supported (one of {', '.join(choices)})")
         return v
 
 
-def read_json(path: Path, what: str, fix: str):
-    """The JSON value in the file `path` (the model's `what`); a file that is missing, not a regular
-    file, unreadable, too large, not UTF-8, not JSON or nested too deeply is a CheckpointError that
-    ends with `fix`."""
-    try:
-        info = path.stat()
-        if not stat.S_ISREG(info.st_mode):   # a directory fails to read, a pipe would block
-            kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
-            raise CheckpointError(f"{path}: is {kind}, not the {what} file; {fix}")
-        if info.st_size > _MAX_JSON:
-            raise CheckpointError(f"{path}: {info.st_size} bytes is far too large for {what}; {fix}")
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no {what} in the model directory") from None
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read {what} ({e.strerror}); {fix}") from None
-    return parse_json(raw, str(path), fix)
-
-
-def parse_json(raw: bytes, where: str, fix: str):
-    """json.loads of `raw` with every way it fails as a CheckpointError naming `where`."""
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise CheckpointError(f"{where}: not UTF-8 text (byte {e.start} is {raw[e.start:e.start + 1]!r}); "
-                              f"{fix}") from None
-    except RecursionError:
-        raise CheckpointError(f"{where}: JSON nested too deeply to be a model file; {fix}") from None
-    except ValueError as e:      # JSONDecodeError, or an integer of more digits than Python converts
-        raise CheckpointError(f"{where}: not valid JSON ({e}); {fix}") from None
