@@ -150,7 +150,7 @@ def parse_quantization_config(qc: Optional[dict], source: str = "quantization_co
     if not isinstance(qc, dict):
         raise CheckpointError(f"{source} must be a JSON object, not {type(qc).__name__}")
     method = qc.get("quant_method")
-    if method not in _CONFIG_KEYS:
+    if not isinstance(method, str) or method not in _CONFIG_KEYS:
         raise CheckpointError(f"{source}.quant_method={method!r} is not supported; deepinfer reads "
                               f"'fp8' (the official DeepSeek release) and 'deepinfer' (deepinfer quantize)")
     unknown = sorted(set(qc) - _CONFIG_KEYS[method])
