@@ -273,7 +273,13 @@ for template in json.loads(sys.argv[1]):
         out.append("rendered")
     except Exception as e:
         out.append(type(e).__name__)
-print(json.dumps({"errors": out, "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+# VmHWM is this process image's own peak; ru_maxrss keeps the peak of the parent forked before exec
+# (a pytest holding torch is over 1 GB)
+try:
+    peak_kb = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+except (OSError, StopIteration):
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"errors": out, "maxrss_mb": peak_kb / 1024}))
 """
 
 
