@@ -3,12 +3,17 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tiny_checkpoints
 _ROOT = Path(__file__).resolve().parents[1]
+
+# probe verdicts of the test plugins (built fresh each session) go to a cache of the session's own,
+# not the user's ~/.cache/deepinfer; child processes inherit it
+os.environ.setdefault("DEEPINFER_CACHE_DIR", tempfile.mkdtemp(prefix="deepinfer-test-cache-"))
 
 # DEEPINFER_CPU_LIB picks a library explicitly; otherwise the installed one (pip install -e .), and
 # failing that a plain CMake build in the checkout
