@@ -94,6 +94,20 @@ def model_backend(request):
     return _BACKENDS[name]
 
 
+@pytest.fixture
+def tiny_copy(tiny_checkpoint, tmp_path):
+    """tiny_copy(family) -> a fresh copy of the session's tiny checkpoint, for a test to damage."""
+    import shutil
+
+    def copy(family: str) -> Path:
+        src, _, _ = tiny_checkpoint(family)
+        dst = tmp_path / family
+        shutil.copytree(src, dst)
+        return dst
+
+    return copy
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """tiny_checkpoint(family) -> (model dir, transformers oracle, MTP block or None), cached per session."""

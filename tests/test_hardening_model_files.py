@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import deepinfer
+import safetensors_edit
 from deepinfer.errors import CheckpointError, InputError
 from deepinfer.model import Checkpoint, ModelConfig, WeightLoader
 
@@ -185,29 +186,9 @@ def test_config_file_that_is_not_a_file(tmp_path):
 
 
 @pytest.fixture
-def v2lite(tiny_checkpoint, tmp_path):
+def v2lite(tiny_copy):
     """A copy of the tiny V2-Lite checkpoint: one model.safetensors, 3 layers, 8 experts."""
-    src, _, _ = tiny_checkpoint("v2lite")
-    dst = tmp_path / "m"
-    shutil.copytree(src, dst)
-    return dst
-
-
-def _split(path):
-    data = path.read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    return json.loads(data[8:8 + n]), data[8 + n:]
-
-
-def _write(path, header_text: bytes, body: bytes):
-    header_text += b" " * (-len(header_text) % 8)
-    path.write_bytes(struct.pack("<Q", len(header_text)) + header_text + body)
-
-
-def _edit(path, fn):
-    header, body = _split(path)
-    fn(header)
-    _write(path, json.dumps(header).encode(), body)
+    return tiny_copy("v2lite")
 
 
 NORM = "model.norm.weight"          # f32 [64]: 256 bytes
@@ -256,7 +237,7 @@ HEADER_FIELDS = [
 @pytest.mark.parametrize("edit,fragment", HEADER_FIELDS, ids=[f[1][:40] for f in HEADER_FIELDS])
 def test_safetensors_header_fields(v2lite, edit, fragment):
     st = v2lite / "model.safetensors"
-    _edit(st, edit)
+    safetensors_edit.edit(st, edit)
     with pytest.raises(CheckpointError) as e:
         Checkpoint(v2lite)
     assert str(e.value).startswith(f"{st}: ") and fragment in str(e.value), str(e.value)
@@ -274,8 +255,8 @@ HEADER_BYTES = [
 @pytest.mark.parametrize("edit,fragment", HEADER_BYTES, ids=[f[1] for f in HEADER_BYTES])
 def test_safetensors_header_bytes(v2lite, edit, fragment):
     st = v2lite / "model.safetensors"
-    header, body = _split(st)
-    _write(st, *edit(header, body))
+    header, body = safetensors_edit.split(st)
+    safetensors_edit.write(st, *edit(header, body))
     with pytest.raises(CheckpointError) as e:
         Checkpoint(v2lite)
     assert str(e.value).startswith(f"{st}: ") and fragment in str(e.value), str(e.value)
@@ -292,7 +273,7 @@ def test_header_length_beyond_the_file(v2lite, length):
 def test_zero_size_fused_experts_cannot_exhaust_memory(v2lite):
     """A fused expert tensor gets one view per expert: a header claiming billions of them is refused."""
     name = "model.layers.1.mlp.experts.down_proj"
-    _edit(v2lite / "model.safetensors",
+    safetensors_edit.edit(v2lite / "model.safetensors",
           lambda h: h.__setitem__(name, {"dtype": "F32", "shape": [2 ** 40, 0, 4], "data_offsets": [0, 0]}))
     with pytest.raises(CheckpointError, match=r"1099511627776 experts is no model \(at most 65536\)"):
         Checkpoint(v2lite)
@@ -310,12 +291,9 @@ def test_weight_file_that_is_a_directory(v2lite):
 
 
 @pytest.fixture
-def v3(tiny_checkpoint, tmp_path):
+def v3(tiny_copy):
     """A copy of the tiny V3 checkpoint: an index over 9 shards, MTP layer in model-mtp.safetensors."""
-    src, _, _ = tiny_checkpoint("v3")
-    dst = tmp_path / "m"
-    shutil.copytree(src, dst)
-    return dst
+    return tiny_copy("v3")
 
 
 INDEX = "model.safetensors.index.json"

@@ -11,6 +11,7 @@ import struct
 import numpy as np
 import pytest
 
+import safetensors_edit
 from deepinfer.errors import CheckpointError
 from deepinfer.model import Checkpoint, ModelConfig
 from deepinfer.engine import ModelRunner
@@ -88,21 +89,8 @@ def _hashes(d):
 
 
 @pytest.fixture
-def v2lite_copy(tiny_checkpoint, tmp_path):
-    src, _, _ = tiny_checkpoint("v2lite")
-    dst = tmp_path / "m"
-    shutil.copytree(src, dst)
-    return dst
-
-
-def _rewrite_header(path, fn):
-    data = path.read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
-    fn(header)
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+def v2lite_copy(tiny_copy):
+    return tiny_copy("v2lite")
 
 
 def test_loading_never_writes(v2lite_copy):
@@ -134,7 +122,7 @@ def test_missing_tensor(v2lite_copy):
     import deepinfer
 
     name = "model.layers.1.mlp.experts.3.up_proj.weight"
-    _rewrite_header(v2lite_copy / "model.safetensors", lambda h: h.pop(name))
+    safetensors_edit.edit(v2lite_copy / "model.safetensors", lambda h: h.pop(name))
     with pytest.raises(CheckpointError) as e:
         ModelRunner(v2lite_copy, deepinfer.get_backend("reference"), max_batch=1, max_seq_len=16)
     assert name in str(e.value) and "missing" in str(e.value)
@@ -147,7 +135,7 @@ def test_shape_mismatch(v2lite_copy):
 
     def swap(h):
         h[name]["shape"] = list(reversed(h[name]["shape"]))
-    _rewrite_header(v2lite_copy / "model.safetensors", swap)
+    safetensors_edit.edit(v2lite_copy / "model.safetensors", swap)
     with pytest.raises(CheckpointError) as e:
         ModelRunner(v2lite_copy, deepinfer.get_backend("reference"), max_batch=1, max_seq_len=16)
     msg = str(e.value)
@@ -157,11 +145,11 @@ def test_shape_mismatch(v2lite_copy):
 def test_unknown_dtype_and_bad_offsets(v2lite_copy):
     st = v2lite_copy / "model.safetensors"
     orig = st.read_bytes()
-    _rewrite_header(st, lambda h: h["model.norm.weight"].update(dtype="Q7"))
+    safetensors_edit.edit(st, lambda h: h["model.norm.weight"].update(dtype="Q7"))
     with pytest.raises(CheckpointError, match="unknown dtype 'Q7'"):
         Checkpoint(v2lite_copy)
     st.write_bytes(orig)
-    _rewrite_header(st, lambda h: h["model.norm.weight"].update(data_offsets=[0, 12]))
+    safetensors_edit.edit(st, lambda h: h["model.norm.weight"].update(data_offsets=[0, 12]))
     with pytest.raises(CheckpointError, match="model.norm.weight"):
         Checkpoint(v2lite_copy)
 
