@@ -13,23 +13,14 @@ import pytest
 
 import deepinfer
 import safetensors_edit
+from test_model_checkpoint import V3_HUB
 from deepinfer.errors import CheckpointError, InputError
 from deepinfer.model import Checkpoint, ModelConfig, WeightLoader
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
-V3 = {  # DeepSeek's V3 keys, shrunk
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 1000,
-    "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 3,
-    "num_attention_heads": 4, "n_shared_experts": 1, "n_routed_experts": 8, "num_experts_per_tok": 2,
-    "routed_scaling_factor": 2.5, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 16,
-    "v_head_dim": 16, "qk_nope_head_dim": 16, "topk_method": "noaux_tc", "n_group": 4, "topk_group": 2,
-    "first_k_dense_replace": 1, "moe_layer_freq": 1, "norm_topk_prob": True, "scoring_func": "sigmoid",
-    "max_position_embeddings": 4096, "rope_theta": 10000, "bos_token_id": 0, "eos_token_id": 1,
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                     "original_max_position_embeddings": 128, "type": "yarn"},
-    "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16",
-}
+# DeepSeek's V3 keys, shrunk, in bf16 (no quantization_config) with token ids
+V3 = {**{k: v for k, v in V3_HUB.items() if k != "quantization_config"}, "bos_token_id": 0, "eos_token_id": 1}
 NAN, INF = float("nan"), float("inf")
 
 
