@@ -126,6 +126,32 @@ def test_verbose_after_the_command(monkeypatch, capsys):
     assert rc == 0 and "ops:" in out                 # -v lists each backend's ops
 
 
+@pytest.mark.parametrize("argv, verbose", [
+    (["-v", "run", "x"], True), (["run", "x", "-v"], True), (["run", "x"], False),
+    (["-v", "conformance", "reference"], True), (["conformance", "reference", "--verbose"], True),
+    (["conformance", "reference"], False), (["-v", "eval-ppl"], True), (["quantize", "a", "b", "--format", "int8", "-v"], True),
+])
+def test_verbose_before_or_after_every_command(argv, verbose):
+    assert cli.build_parser().parse_args(argv).verbose is verbose
+
+
+def test_eval_ppl_shows_progress_on_a_terminal(monkeypatch, capsys):
+    from deepinfer import evaluate
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert evaluate._progress_bar("bf16") is None          # stderr is captured: not a terminal, no bar
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    show = evaluate._progress_bar("bf16")
+    show(512, 1024)
+    show(1024, 1024)
+    assert term.getvalue() == ("\rdeepinfer eval-ppl: bf16: 512/1024 tokens (50%)"
+                               "\rdeepinfer eval-ppl: bf16: 1024/1024 tokens (100%)\n")
+
+
 def test_run_reads_the_prompt_from_stdin_for_a_model_directory(monkeypatch, capsys):
     rc, out, err = _run_main(["run", str(MODEL), "--max-new-tokens", "2", *BACKEND], "def f(", monkeypatch, capsys)
     assert rc == 0, err

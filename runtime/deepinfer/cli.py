@@ -237,8 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--calibration", help="text file for activation-aware scaling and clip search")
     q.set_defaults(fn=_cmd_quantize)
     for sp in sub.choices.values():
-        if "verbose" not in {a.dest for a in sp._actions}:
-            # -v after the command too; SUPPRESS keeps a -v given before it
+        # -v after the command too; a default of SUPPRESS keeps a -v given before it
+        mine = [a for a in sp._actions if a.dest == "verbose"]
+        if mine:
+            mine[0].default = argparse.SUPPRESS
+        else:
             sp.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="more output")
         sp.epilog = sp.epilog or EXIT_CODES
     return p
