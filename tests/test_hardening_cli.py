@@ -90,6 +90,13 @@ CASES = [
     ("quantize-dst-exists", ["quantize", "{model}", "{dir}", "--format", "int8"], None, EXIT_USAGE, "already exists"),
     ("quantize-dst-under-file", ["quantize", "{model}", "{a_file}/q", "--format", "int8"], None, EXIT_USAGE,
      "cannot write"),
+    ("quantize-calibration-dir", ["quantize", "{model}", "{dir}/q", "--format", "int4", "--calibration", "{dir}"],
+     None, EXIT_USAGE, "is a directory"),
+    ("quantize-calibration-binary", ["quantize", "{model}", "{dir}/q", "--format", "int4", "--calibration",
+                                     "{binary_txt}"], None, EXIT_USAGE, "binary file"),
+    ("serve-port", ["serve", "--port", "99999"], None, EXIT_USAGE, "between 0 and 65535"),
+    ("serve-drain", ["serve", "--drain-timeout", "-1"], None, EXIT_USAGE, "seconds >= 0"),
+    ("serve-body", ["serve", "--max-body-bytes", "0"], None, EXIT_USAGE, "at least 1"),
     ("quantize-src-missing", ["quantize", "{dir}/nope", "{dir}/q", "--format", "int8"], None, EXIT_USAGE,
      "does not exist"),
     ("backend-unknown-name", ["run", "x", "--backend", "bogus"], None, EXIT_USAGE, "no libdeepinfer_bogus.so"),
@@ -243,3 +250,17 @@ def test_listing_backends_does_not_import_ml_dtypes():
             "assert rc == 0; assert 'ml_dtypes' not in sys.modules, 'ml_dtypes was imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_serve_on_a_taken_port_fails_with_status_1():
+    """uvicorn says why and exits 3; deepinfer adds its own line and the failure status."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "deepinfer.cli", "serve", "--port", str(port), "--backend",
+                            "reference"], capture_output=True, text=True, env=_env(), timeout=120)
+    assert r.returncode == EXIT_FAILURE, r.stderr
+    assert "could not start" in r.stderr and "Traceback" not in r.stderr

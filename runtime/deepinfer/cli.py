@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+from typing import Optional
 
 from . import validate as V
 from .errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, DeepinferError, InputError
@@ -127,9 +128,14 @@ def _cmd_serve(args) -> int:
                           max_tokens=args.max_tokens)
     print(f"deepinfer: serving {args.model or 'the embedded model'} on http://{args.host}:{args.port}/v1",
           file=sys.stderr)
-    serve(args.model, cfg, host=args.host, port=args.port, limits=limits, served_model_name=args.served_model_name,
-          drain_timeout=args.drain_timeout, log_level="info" if args.verbose else "warning")
-    return 0
+    try:
+        serve(args.model, cfg, host=args.host, port=args.port, limits=limits, served_model_name=args.served_model_name,
+              drain_timeout=args.drain_timeout, log_level="info" if args.verbose else "warning")
+    except SystemExit as e:      # uvicorn exits 3 when it cannot start (the port is taken, ...); it said why
+        if e.code in (0, None):
+            return EXIT_OK
+        raise DeepinferError(f"the server could not start on {args.host}:{args.port} (see the error above)") from None
+    return EXIT_OK
 
 
 def _cmd_eval_ppl(args) -> int:
@@ -144,17 +150,29 @@ def _cmd_quantize(args) -> int:
     return quantize_main(args)
 
 
-def _int_at_least(lo: int):
-    """An argparse type: an int >= lo (a usage error, exit 2, otherwise)."""
+def _int_in(lo: int, hi: Optional[int] = None):
+    """An argparse type: an int in [lo, hi] (a usage error, exit 2, otherwise)."""
     def parse(s: str) -> int:
         try:
             v = int(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be at least {lo}, not {v}")
+        if v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"must be at least {lo}, not {v}" if hi is None else
+                                             f"must be between {lo} and {hi}, not {v}")
         return v
     return parse
+
+
+def _seconds(s: str) -> float:
+    """An argparse type: a finite number of seconds >= 0."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number of seconds") from None
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, not {s}")
+    return v
 
 
 EXIT_CODES = f"""exit status: {EXIT_OK} success; {EXIT_FAILURE} the work failed (a backend, a library, a failed
@@ -188,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--precision", help="auto (default: the checkpoint's own precision when it fits), fastest, "
                                         "or a format: f32 bf16 fp8 int8 int4 w8a8 w4a8")
     r.add_argument("--revision", help="branch, tag or commit of a hub id")
-    r.add_argument("--max-new-tokens", type=_int_at_least(0), default=64)
+    r.add_argument("--max-new-tokens", type=_int_in(0), default=64)
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--top-k", type=int, default=0)
     r.add_argument("--top-p", type=float, default=1.0)
@@ -200,19 +218,19 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server: deepinfer serve [MODEL]")
     s.add_argument("model", nargs="?", help="model directory or hub id org/name (default: the embedded model)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=_int_in(0, 65535), default=8000)
     s.add_argument("--config", help="engine config JSON file")
     s.add_argument("--backend")
     s.add_argument("--precision")
     s.add_argument("--revision", help="branch, tag or commit of a hub id")
     s.add_argument("--served-model-name", help="the model id clients send (default: MODEL as given)")
-    s.add_argument("--max-batch", type=int, help="sequences running together")
-    s.add_argument("--max-seq-len", type=int, help="longest prompt + completion")
-    s.add_argument("--max-queue", type=int, help="requests waiting before new ones get 503 (default 1024)")
-    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
-    s.add_argument("--max-prompt-tokens", type=int, help="longer prompts get 400 (default max_seq_len - 1)")
-    s.add_argument("--max-tokens", type=int, help="largest max_tokens a request may ask (default max_seq_len)")
-    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGINT/SIGTERM waits for requests")
+    s.add_argument("--max-batch", type=_int_in(1), help="sequences running together")
+    s.add_argument("--max-seq-len", type=_int_in(1), help="longest prompt + completion")
+    s.add_argument("--max-queue", type=_int_in(0), help="requests waiting before new ones get 503 (default 1024)")
+    s.add_argument("--max-body-bytes", type=_int_in(1), default=1 << 20, help="larger request bodies get 413")
+    s.add_argument("--max-prompt-tokens", type=_int_in(1), help="longer prompts get 400 (default max_seq_len - 1)")
+    s.add_argument("--max-tokens", type=_int_in(1), help="largest max_tokens a request may ask (default max_seq_len)")
+    s.add_argument("--drain-timeout", type=_seconds, default=30.0, help="seconds SIGINT/SIGTERM waits for requests")
     s.set_defaults(fn=_cmd_serve)
 
     e = sub.add_parser("eval-ppl", help="held-out perplexity and top-1 agreement against bf16")
@@ -221,8 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--revision", help="branch, tag or commit of a hub id")
     e.add_argument("--backend")
     e.add_argument("--config")
-    e.add_argument("--max-tokens", type=_int_at_least(2), default=1 << 30, help="score at most this many tokens")
-    e.add_argument("--window", type=_int_at_least(2), default=512,
+    e.add_argument("--max-tokens", type=_int_in(2), default=1 << 30, help="score at most this many tokens")
+    e.add_argument("--window", type=_int_in(2), default=512,
                    help="tokens per window (the training run used 512; every token but a window's first is scored)")
     e.add_argument("--text", help="evaluate this file instead of the model's heldout.txt")
     e.set_defaults(fn=_cmd_eval_ppl)

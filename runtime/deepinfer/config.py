@@ -58,7 +58,7 @@ class EngineConfig:
         elif isinstance(cfg, dict):
             data = dict(cfg)
         elif isinstance(cfg, (str, Path)):
-            data = V.read_json(cfg, "config file", err=ConfigError)
+            data = V.read_json(cfg, "engine config", err=ConfigError)
             if not isinstance(data, dict):
                 raise ConfigError(f"config file {cfg} must hold a JSON object of engine settings, not a "
                                   f"{type(data).__name__}")

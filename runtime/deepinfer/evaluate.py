@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from . import validate as V
 from .errors import CheckpointError, InputError
 
 
@@ -36,27 +37,14 @@ class PplResult:
 
 
 def heldout_text(model_dir: Path, text_path: Optional[str] = None) -> str:
-    """The text to score: `text_path`, or the model directory's heldout.txt. Refuses what is not a
-    non-empty UTF-8 text file (a directory, a binary file, nothing at all) with the reason."""
-    p = Path(text_path) if text_path else Path(model_dir) / "heldout.txt"
-    if p.is_dir():
-        raise InputError(f"--text {p} is a directory; give a text file")
-    try:
-        raw = p.read_bytes()
-    except FileNotFoundError:
-        raise InputError(f"{p}: no such file" + ("" if text_path else " (the model has no heldout.txt: give "
-                                                                       "--text FILE)")) from None
-    except OSError as e:
-        raise InputError(f"{p} cannot be read: {e.strerror or e}") from None
-    if b"\0" in raw:
-        raise InputError(f"{p} is a binary file (it holds NUL bytes); give a text file")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InputError(f"{p} is not UTF-8 text (byte {e.start}); give a UTF-8 text file") from None
-    if not text.strip():
-        raise InputError(f"{p} is empty; give a file with text to score")
-    return text
+    """The text to score: `text_path`, or the model directory's heldout.txt (a non-empty UTF-8 text
+    file, or an InputError that says what it is instead)."""
+    if text_path:
+        return V.read_text_file(text_path, "--text")
+    p = Path(model_dir) / "heldout.txt"
+    if not p.exists():
+        raise InputError(f"{p}: the model has no held-out text; give --text FILE")
+    return V.read_text_file(p, "held-out text")
 
 
 def _log_softmax_rows(logits: np.ndarray) -> np.ndarray:
@@ -99,9 +87,7 @@ def baseline_of(model_dir: Path) -> tuple[Path, str]:
     """What a model's perplexity is compared with: for a directory `deepinfer quantize` wrote, the
     source checkpoint it recorded (at bf16), so the change includes the quantization's own error;
     otherwise (or when that source is gone) the directory's own weights at bf16, said plainly."""
-    from .validate import read_json
-
-    cfg = read_json(Path(model_dir) / "config.json", "model config", err=CheckpointError)
+    cfg = V.read_json(Path(model_dir) / "config.json", "model config", err=CheckpointError)
     qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
     src = qc.get("source") if isinstance(qc, dict) else None
     src_path = src.get("path") if isinstance(src, dict) else None

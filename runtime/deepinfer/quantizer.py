@@ -601,11 +601,7 @@ def collect_activation_stats(src: Path, text_file: Path, max_tokens: int = 512, 
     implementation that loads DeepSeek V2/V3 hub directories on the CPU). Routed experts, which
     transformers 5 stores fused, are measured on the tokens actually routed to each expert.
     """
-    if not text_file.is_file():
-        raise ConfigError(f"calibration file {text_file} not found")
-    text = text_file.read_text(encoding="utf-8", errors="replace")
-    if not text.strip():
-        raise ConfigError(f"calibration file {text_file} is empty")
+    text = V.read_text_file(text_file, "calibration file", err=ConfigError)
     try:
         import torch
         from transformers import AutoModelForCausalLM

@@ -112,6 +112,29 @@ def parse_json(raw: bytes, where: str, *, err=InputError, fix: str = ""):
         raise err(f"{where}: not valid JSON ({e}){tail}") from None
 
 
+def read_text_file(path, what: str, *, err=InputError) -> str:
+    """The text of a file a user pointed us at (`what`: "--text", "the calibration file"): refused
+    with the reason when it is missing, a directory, unreadable, binary, not UTF-8 or empty."""
+    p = Path(path)
+    if p.is_dir():
+        raise err(f"{what} {p} is a directory; give a text file")
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raise err(f"{what} {p}: no such file") from None
+    except OSError as e:
+        raise err(f"{what} {p} cannot be read: {e.strerror or e}") from None
+    if b"\0" in raw:
+        raise err(f"{what} {p} is a binary file (it holds NUL bytes); give a text file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise err(f"{what} {p} is not UTF-8 text (byte {e.start}); give a UTF-8 text file") from None
+    if not text.strip():
+        raise err(f"{what} {p} is empty; give a file with text in it")
+    return text
+
+
 def json_kind(v) -> str:
     """What a JSON value is, in words: "an object", "a list", "a decimal number", "null"..."""
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
