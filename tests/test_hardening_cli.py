@@ -215,6 +215,7 @@ API_CASES = [
     ("max-new-str", lambda e: e.generate("x", max_new_tokens="8"), ConfigError, "max_new_tokens must be an integer"),
     ("stop-non-str", lambda e: e.generate("x", stop=[1, None]), ConfigError, "stop must hold strings"),
     ("temp-nan", lambda e: e.generate("x", temperature=float("nan")), ConfigError, "finite"),
+    ("temp-huge-int", lambda e: e.generate("x", temperature=10**400), ConfigError, "finite"),
     ("n-zero", lambda e: e.add_request("x", n=0), ConfigError, "n must be between 1"),
     ("kv-too-small", lambda e: e.generate("x", max_new_tokens=100), ConfigError, "whole KV cache holds 64"),
     ("stream-checks-eagerly", lambda e: e.stream("x", max_new_tokens=100), ConfigError, "whole KV cache"),

@@ -37,7 +37,10 @@ def number(name: str, v, lo: Optional[float] = None, hi: Optional[float] = None,
     """`v` as a float when it is a finite int or float (not a bool) in [lo, hi] ((lo, hi] with lo_open)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise err(f"{name} must be a number, not {_show(v)}")
-    f = float(v)
+    try:
+        f = float(v)
+    except OverflowError:       # an int too large for a float (JSON allows 400-digit numbers)
+        f = math.inf
     if not math.isfinite(f):
         raise err(f"{name} must be a finite number, not {v}")
     if (lo is not None and (f <= lo if lo_open else f < lo)) or (hi is not None and f > hi):
