@@ -347,8 +347,7 @@ class Engine:
         prompt_ids = _prompt_list(prompt_ids, "generate_ids", "a list holding one list of ids")
         params = SamplingParams.from_options(**options)
         outs = [[] for _ in prompt_ids]
-        for row, o in self._run(self._prepare([list(p) if isinstance(p, tuple) else p for p in prompt_ids],
-                                              params), params):
+        for row, o in self._run(self._prepare(prompt_ids, params), params):
             outs[row] += o.token_ids
         return outs
 
