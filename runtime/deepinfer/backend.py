@@ -380,8 +380,7 @@ class NativeBackend(Backend):
     # -- the working stream and graph capture
     @property
     def supports_graphs(self) -> bool:
-        return self.device != "cpu" and all(
-            self._has(e) for e in ("graph_begin", "graph_end", "graph_launch", "graph_destroy"))
+        return all(self._has(e) for e in ("graph_begin", "graph_end", "graph_launch", "graph_destroy"))
 
     def set_stream(self, stream: Optional[Stream]) -> None:
         """Make `stream` the working stream of every later op, copy and synchronize(); work already

@@ -132,7 +132,7 @@ DI_Status op_mla_prefill(DI_Context* ctx, const DI_MLAPrefillArgs* a, int query)
         }
     }
     j.q = q; j.kv = kv; j.kpe = kpe; j.start = start; j.qblk = qblk; j.qend = qend;
-    pool_run(ctx->pool, nblk, prefill_task, &j);
+    pool_run(ctx->pool, nblk, prefill_task, &j, INT64_MAX);
     free(start); free(q); free(kv); free(kpe); free(j.scratch);
     return DI_OK;
 }
@@ -290,7 +290,10 @@ DI_Status op_mla_decode(DI_Context* ctx, const DI_MLADecodeArgs* a, int query) {
     if (T >= 2 * nw) hb = 16;
     j.hb = hb < 1 ? 1 : hb > 16 ? 16 : hb;
     j.nhb = (H + j.hb - 1) / j.hb;
-    pool_run(ctx->pool, T * j.nhb, decode_task, &j);
+    /* work: the latent keys each token reads, per head, plus the absorbed projections */
+    int64_t keys = 0;
+    for (int64_t t = 0; t < T; t++) keys += ((const int32_t*)t_base(&a->kv_len))[t * a->kv_len.strides[0]];
+    pool_run(ctx->pool, T * j.nhb, decode_task, &j, (keys + T * (Dn + Dv)) * H * (Dc + Dr));
     if (j.oom) return DI_OOM(ctx, "mla_decode");
     return DI_OK;
 }

@@ -56,23 +56,45 @@ DI_HIDDEN void store_row(int dt, void* row, const float* in, int64_t n);
 /* ------------------------------------------------------------------ contexts and errors */
 typedef struct DI_Pool DI_Pool;
 struct DI_Context {
-    uint32_t magic;
-    int      num_threads;
-    DI_Pool* pool;
+    uint32_t  magic;
+    int       num_threads;
+    DI_Pool*  pool;
+    DI_Graph* capture;         /* non-NULL while graph_begin .. graph_end records capture_stream */
+    DI_Stream capture_stream;
 };
 
 /* Records a message for ctx (or the global fallback when ctx is NULL) and returns status. */
 DI_HIDDEN DI_Status di_fail(DI_Context* ctx, DI_Status status, const char* fmt, ...)
     __attribute__((format(printf, 3, 4)));
 DI_HIDDEN void di_clear(DI_Context* ctx);
+DI_HIDDEN const char* di_last_error(void);   /* the calling thread's message */
+/* one op call: the header and op-table checks, then the op body (query: validate only) */
+DI_HIDDEN DI_Status di_run_op(DI_Context* ctx, int op, const void* args, int query);
+
+/* ------------------------------------------------------------------ graphs (graph.c) */
+DI_HIDDEN int graph_capturing(DI_Context* ctx, DI_Stream stream);
+DI_HIDDEN DI_Status graph_capture_op(DI_Context* ctx, int op, const void* args, uint32_t lib_size);
+DI_HIDDEN DI_Status graph_capture_copy(DI_Context* ctx, void* dst, const void* src, uint64_t bytes);
+DI_HIDDEN DI_Status graph_begin(DI_Context* ctx, DI_Stream stream);
+DI_HIDDEN DI_Status graph_end(DI_Context* ctx, DI_Stream stream, DI_Graph** out);
+DI_HIDDEN DI_Status graph_launch(DI_Context* ctx, DI_Graph* g, DI_Stream stream);
+DI_HIDDEN DI_Status graph_destroy(DI_Context* ctx, DI_Graph* g);
+DI_HIDDEN void graph_abandon(DI_Context* ctx);   /* a capture never ended (context_destroy) */
+DI_HIDDEN void graph_profile_report(void);       /* DEEPINFER_CPU_PROFILE: per-op replay times */
 
 /* ------------------------------------------------------------------ thread pool */
 typedef void (*di_task_fn)(void* arg, int64_t task, int worker);
 DI_HIDDEN DI_Pool* pool_create(int nthreads);
 DI_HIDDEN void pool_destroy(DI_Pool* p);
-/* Runs fn(arg, i, worker) for i in [0, ntasks); the caller is worker 0. Blocks until done. */
-DI_HIDDEN void pool_run(DI_Pool* p, int64_t ntasks, di_task_fn fn, void* arg);
+/* Runs fn(arg, i, worker) for i in [0, ntasks); the caller is worker 0. Blocks until done.
+ * amount: about how many multiply-adds or elements the job touches; below DEEPINFER_CPU_PAR_MIN
+ * (default 65536) the caller runs every task itself, because waking a worker costs more than the
+ * job (a decode step of a small model is mostly such jobs). */
+DI_HIDDEN void pool_run(DI_Pool* p, int64_t ntasks, di_task_fn fn, void* arg, int64_t amount);
 DI_HIDDEN int pool_size(const DI_Pool* p);
+/* hot = 1: idle workers spin between jobs instead of sleeping (a graph replay's many tiny ops);
+ * hot = 0: back to sleeping after DEEPINFER_CPU_SPIN iterations */
+DI_HIDDEN void pool_hot(DI_Pool* p, int hot);
 
 /* ------------------------------------------------------------------ validation */
 /* One op call being checked: query mode accepts NULL data pointers on required tensors. */
@@ -146,6 +168,29 @@ typedef struct {
 } RowDot;
 typedef void (*rowdot_fn)(const RowDot* a, float* y);
 
+/*
+ * Integer rows for the W8A8 / W4A8 path (AVX512-VNNI vpdpbusd): for x rows i < mr (mr <= 8),
+ * y[i] = sum over segments s of scale[i * nseg + s] * (exact int32 dot of w and x_i over segment s).
+ * K is a multiple of 64 and segments end on 64-element chunks (seg_end[s], in chunks). vpdpbusd
+ * multiplies unsigned by signed bytes, so the weights are offset to unsigned (int4 q + 8, int8
+ * w + 128), and each accumulator lane starts at minus offset * (the x_i elements that lane sums
+ * over segment s): bias[((i * nseg + s) * lanes + lane], 8 lanes for int4, 16 for int8. Every lane
+ * then holds an exact signed partial dot, as small as one, so its conversion to f32 is exact.
+ * For int4 weights each 64-element chunk of an x row holds its 32 even elements and then its 32
+ * odd ones: the order in which a byte's low and high nibbles unpack.
+ */
+#define IDOT_MAX_MR 8
+typedef struct {
+    const void*    w;        /* the weight row (int8, or int4 packed low nibble first) */
+    const int8_t*  x[IDOT_MAX_MR];
+    int            mr;
+    int64_t        nseg;
+    const int64_t* seg_end;
+    const int32_t* bias;     /* negated, see above */
+    const float*   scale;
+} IDot;
+typedef void (*idot_fn)(const IDot* a, float* y);
+
 typedef struct {
     /* C[i * ldc + j] = dot(A[i], B[j]) over K (overwrites); A: M rows (lda), B: N rows (ldb) */
     void (*gemm_dot)(const float* A, int64_t lda, int M, const float* B, int64_t ldb, int N, int64_t K,
@@ -156,6 +201,7 @@ typedef struct {
     float (*dot_i8_seg)(const int8_t* a, const int8_t* b, const int64_t* seg, int64_t nseg, const float* scale);
     void (*unpack_i4)(const uint8_t* src, int64_t n, int8_t* dst, int sign);  /* n even */
     void (*axpy)(float a, const float* x, float* y, int64_t n);               /* y += a * x */
+    idot_fn idot[DT_COUNT];   /* DT_I8 and DT_I4 rows on VNNI; NULL: the generic integer path */
     const char* name;
 } Kernels;
 
@@ -164,6 +210,10 @@ DI_HIDDEN void kernels_scalar(Kernels* k);
 DI_HIDDEN int kernels_avx2(Kernels* k);    /* 0 when not compiled in */
 DI_HIDDEN int kernels_avx512(Kernels* k);
 DI_HIDDEN const char* cpu_features(void);
+/* ISA levels, each including the ones before: scalar, avx2, avx512 (F/BW/VL), avx512vnni (+VNNI
+ * integer rows), amx. DEEPINFER_CPU_ISA=<level> caps the kernels at that level (to test every
+ * fallback on one machine); isa_allows(level) says whether the cap admits `level`. */
+DI_HIDDEN int isa_allows(const char* level);
 
 /* ------------------------------------------------------------------ linear engine */
 /* Y[M, N] (ldy) = X[M, K] (ldx, f32) @ dequant(W)^T; W validated 2-d [N, K]. */

@@ -63,6 +63,23 @@ void kernels_scalar(Kernels* k) {
     k->name = "scalar";
 }
 
+static const char* const k_levels[] = {"scalar", "avx2", "avx512", "avx512vnni", "amx"};
+#define N_LEVELS 5
+
+static int level_of(const char* name) {
+    for (int i = 0; i < N_LEVELS; i++)
+        if (!strcmp(name, k_levels[i])) return i;
+    return -1;
+}
+
+int isa_allows(const char* level) {
+    const char* cap = getenv("DEEPINFER_CPU_ISA");
+    if (!cap || !*cap) return 1;
+    int c = level_of(cap), l = level_of(level);
+    if (c < 0) return 1;   /* an unknown cap caps nothing (the loader's probe reports it) */
+    return l <= c;
+}
+
 static Kernels g_kernels;
 static char g_features[256];
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
@@ -89,9 +106,8 @@ static void select_kernels(void) {
             size_t l = strlen(g_features);
             snprintf(g_features + l, sizeof g_features - l, "%s%s", l ? " " : "", names[i]);
         }
-    const char* force = getenv("DEEPINFER_CPU_ISA");  /* "scalar", "avx2": test the fallbacks */
-    int allow512 = !force || !strcmp(force, "avx512");
-    int allow2 = !force || strcmp(force, "scalar") != 0;
+    int allow512 = isa_allows("avx512");
+    int allow2 = isa_allows("avx2");
     if (allow2 && have[2] && have[3]) kernels_avx2(&g_kernels);
     if (allow512 && have[5] && have[6] && have[7] && have[2] && have[3]) kernels_avx512(&g_kernels);
 #else

@@ -301,6 +301,101 @@ static K512 void unpack_i4_512(const uint8_t* src, int64_t n, int8_t* dst, int s
     }
 }
 
+/* ------------------------------------------------------------------ VNNI integer rows (IDot) */
+#define TGTV TGT ",avx512vnni"
+#define KV static inline __attribute__((always_inline, target(TGTV)))
+
+/* int4: a chunk is 32 bytes = 64 weights; (b ^ 0x88) turns both nibbles' two's complement q into
+ * the unsigned q + 8; low nibbles are the even elements, high nibbles the odd ones. Two accumulators
+ * per row (even, odd) halve the dependency chain; the even one starts from the bias. */
+KV void idot_i4_mr(const IDot* a, float* y, const int MR) {
+    const uint8_t* w = (const uint8_t*)a->w;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8((char)0x88);
+    __m256 tot[IDOT_MAX_MR];
+    for (int i = 0; i < MR; i++) tot[i] = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (int64_t s = 0; s < a->nseg; s++) {
+        __m256i ae[IDOT_MAX_MR], ao[IDOT_MAX_MR];
+        for (int i = 0; i < MR; i++) {
+            ae[i] = _mm256_loadu_si256((const __m256i*)(a->bias + (i * a->nseg + s) * 8));
+            ao[i] = _mm256_setzero_si256();
+        }
+        for (int64_t c1 = a->seg_end[s]; c < c1; c++) {
+            _mm_prefetch((const char*)w + c * 32 + 2048, _MM_HINT_T0);
+            __m256i b = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + c * 32)), flip);
+            __m256i lo = _mm256_and_si256(b, m4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+            for (int i = 0; i < MR; i++) {
+                const int8_t* x = a->x[i] + c * 64;
+                ae[i] = _mm256_dpbusd_epi32(ae[i], lo, _mm256_loadu_si256((const __m256i*)x));
+                ao[i] = _mm256_dpbusd_epi32(ao[i], hi, _mm256_loadu_si256((const __m256i*)(x + 32)));
+            }
+        }
+        for (int i = 0; i < MR; i++)
+            tot[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(ae[i], ao[i])),
+                                     _mm256_set1_ps(a->scale[i * a->nseg + s]), tot[i]);
+    }
+    for (int i = 0; i < MR; i++) {
+        __m128 v = _mm_add_ps(_mm256_castps256_ps128(tot[i]), _mm256_extractf128_ps(tot[i], 1));
+        v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+        v = _mm_add_ss(v, _mm_movehdup_ps(v));
+        y[i] = _mm_cvtss_f32(v);
+    }
+}
+
+/* int8: a chunk is 64 weights; w ^ 0x80 is the unsigned w + 128. Chunks alternate between two
+ * accumulators per row, so a long per-channel segment is not one dependency chain. */
+KV void idot_i8_mr(const IDot* a, float* y, const int MR) {
+    const int8_t* w = (const int8_t*)a->w;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 tot[IDOT_MAX_MR];
+    for (int i = 0; i < MR; i++) tot[i] = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (int64_t s = 0; s < a->nseg; s++) {
+        __m512i a0[IDOT_MAX_MR], a1[IDOT_MAX_MR];
+        for (int i = 0; i < MR; i++) {
+            a0[i] = _mm512_loadu_si512((const void*)(a->bias + (i * a->nseg + s) * 16));
+            a1[i] = _mm512_setzero_si512();
+        }
+        int64_t c1 = a->seg_end[s];
+        for (; c + 2 <= c1; c += 2) {
+            _mm_prefetch((const char*)w + c * 64 + 2048, _MM_HINT_T0);
+            __m512i u0 = _mm512_xor_si512(_mm512_loadu_si512((const void*)(w + c * 64)), flip);
+            __m512i u1 = _mm512_xor_si512(_mm512_loadu_si512((const void*)(w + c * 64 + 64)), flip);
+            for (int i = 0; i < MR; i++) {
+                const int8_t* x = a->x[i] + c * 64;
+                a0[i] = _mm512_dpbusd_epi32(a0[i], u0, _mm512_loadu_si512((const void*)x));
+                a1[i] = _mm512_dpbusd_epi32(a1[i], u1, _mm512_loadu_si512((const void*)(x + 64)));
+            }
+        }
+        if (c < c1) {
+            __m512i u0 = _mm512_xor_si512(_mm512_loadu_si512((const void*)(w + c * 64)), flip);
+            for (int i = 0; i < MR; i++)
+                a0[i] = _mm512_dpbusd_epi32(a0[i], u0, _mm512_loadu_si512((const void*)(a->x[i] + c * 64)));
+            c++;
+        }
+        for (int i = 0; i < MR; i++)
+            tot[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0[i], a1[i])),
+                                     _mm512_set1_ps(a->scale[i * a->nseg + s]), tot[i]);
+    }
+    for (int i = 0; i < MR; i++) y[i] = _mm512_reduce_add_ps(tot[i]);
+}
+
+#define DEF_IDOT(NAME)                                                                              \
+    static __attribute__((target(TGTV))) void NAME(const IDot* a, float* y) {                       \
+        switch (a->mr) {                                                                            \
+        case 1: NAME##_mr(a, y, 1); break;                                                          \
+        case 2: NAME##_mr(a, y, 2); break;                                                          \
+        case 3: NAME##_mr(a, y, 3); break;                                                          \
+        case 4: NAME##_mr(a, y, 4); break;                                                          \
+        case 5: NAME##_mr(a, y, 5); break;                                                          \
+        case 6: NAME##_mr(a, y, 6); break;                                                          \
+        case 7: NAME##_mr(a, y, 7); break;                                                          \
+        default: NAME##_mr(a, y, 8); break;                                                         \
+        }                                                                                           \
+    }
+DEF_IDOT(idot_i4)
+DEF_IDOT(idot_i8)
+
 static K512 void axpy_512(float a, const float* x, float* y, int64_t n) {
     __m512 av = _mm512_set1_ps(a);
     int64_t i = 0;
@@ -325,12 +420,14 @@ int kernels_avx512(Kernels* k) {
     k->rowdot[DT_E4M3] = rowdot_e4m3;
     k->dot_i8 = dot_i8_512;
     k->dot_i8_seg = dot_i8_seg_512;
-    if (__builtin_cpu_supports("avx512vnni")) {
+    if (__builtin_cpu_supports("avx512vnni") && isa_allows("avx512vnni")) {
         k->dot_i8 = dot_i8_vnni;
         k->dot_i8_seg = dot_i8_seg_vnni;
+        k->idot[DT_I4] = idot_i4;
+        k->idot[DT_I8] = idot_i8;
     }
     k->unpack_i4 = unpack_i4_512;
-    k->name = __builtin_cpu_supports("avx512vnni") ? "avx512+vnni" : "avx512";
+    k->name = k->idot[DT_I8] ? "avx512+vnni" : "avx512";
     return 1;
 }
 

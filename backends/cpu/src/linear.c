@@ -116,47 +116,118 @@ static int fused_ok(const QMat* m, rowdot_fn f, int64_t M) {
     return 1;
 }
 
+/* Sets j up for Y = X @ dequant(w)^T in about `tasks` pool tasks (nothing runs yet). A job with
+ * nothing to do gets N = 0 (K = 0 writes its zeros here). */
+static DI_Status lin_prepare(DI_Context* ctx, const char* op, LinJob* j, const float* X, int64_t ldx, int64_t M,
+                             const DI_Tensor* w, float* Y, int64_t ldy, int64_t tasks) {
+    memset(j, 0, sizeof *j);
+    qmat_init(&j->m, w, 0);
+    j->X = X; j->ldx = ldx; j->M = M; j->K = j->m.C; j->N = j->m.R; j->Y = Y; j->ldy = ldy;
+    j->k = kernels();
+    if (M == 0 || j->N == 0) { j->N = 0; return DI_OK; }
+    if (j->K == 0) {
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t n = 0; n < j->N; n++) Y[i * ldy + n] = 0.0f;
+        j->N = 0;
+        return DI_OK;
+    }
+    rowdot_fn f = j->k->rowdot[j->m.dt];
+    j->fused = fused_ok(&j->m, f, M) ? f : NULL;
+    float* xsum = NULL;
+    if (j->fused && j->m.zbase) {
+        xsum = di_malloc((size_t)M * (size_t)j->m.ncb * sizeof(float));
+        if (!xsum) return DI_OOM(ctx, op);
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t cb = 0; cb < j->m.ncb; cb++) {
+                int64_t c0 = cb * j->m.bc, c1 = c0 + j->m.bc < j->K ? c0 + j->m.bc : j->K;
+                float s = 0.0f;
+                for (int64_t c = c0; c < c1; c++) s += X[i * ldx + c];
+                xsum[i * j->m.ncb + cb] = s;
+            }
+        j->xsum = xsum;
+    }
+    int nw = pool_size(ctx->pool);
+    j->scratch_per_worker = j->fused ? 2 * (j->m.ncb + 1) : (int64_t)TILE_N * j->K;
+    j->scratch = di_malloc((size_t)nw * (size_t)j->scratch_per_worker * sizeof(float));
+    if (!j->scratch) { free(xsum); j->xsum = NULL; return DI_OOM(ctx, op); }
+    /* enough tasks to balance threads, few enough that each streams a long run of W */
+    if (tasks < 1) tasks = 1;
+    int64_t per = (j->N + tasks - 1) / tasks;
+    if (j->fused) { if (per < 4) per = 4; }
+    else per = (per + TILE_N - 1) / TILE_N * TILE_N;
+    j->rows_per_task = per;
+    return DI_OK;
+}
+
+static void lin_release(LinJob* j) {
+    free(j->scratch);
+    free((void*)j->xsum);
+    j->scratch = NULL;
+    j->xsum = NULL;
+}
+
+static int64_t lin_ntasks(const LinJob* j) { return j->N ? (j->N + j->rows_per_task - 1) / j->rows_per_task : 0; }
+
 DI_Status lin_f32(DI_Context* ctx, const char* op, const float* X, int64_t ldx, int64_t M, const DI_Tensor* w,
                   float* Y, int64_t ldy) {
     LinJob j;
-    memset(&j, 0, sizeof j);
-    qmat_init(&j.m, w, 0);
-    j.X = X; j.ldx = ldx; j.M = M; j.K = j.m.C; j.N = j.m.R; j.Y = Y; j.ldy = ldy;
-    j.k = kernels();
-    if (M == 0 || j.N == 0) return DI_OK;
-    if (j.K == 0) {
-        for (int64_t i = 0; i < M; i++)
-            for (int64_t n = 0; n < j.N; n++) Y[i * ldy + n] = 0.0f;
-        return DI_OK;
-    }
-    rowdot_fn f = j.k->rowdot[j.m.dt];
-    j.fused = fused_ok(&j.m, f, M) ? f : NULL;
-    float* xsum = NULL;
-    if (j.fused && j.m.zbase) {
-        xsum = di_malloc((size_t)M * (size_t)j.m.ncb * sizeof(float));
-        if (!xsum) return DI_OOM(ctx, op);
-        for (int64_t i = 0; i < M; i++)
-            for (int64_t cb = 0; cb < j.m.ncb; cb++) {
-                int64_t c0 = cb * j.m.bc, c1 = c0 + j.m.bc < j.K ? c0 + j.m.bc : j.K;
-                float s = 0.0f;
-                for (int64_t c = c0; c < c1; c++) s += X[i * ldx + c];
-                xsum[i * j.m.ncb + cb] = s;
-            }
-        j.xsum = xsum;
-    }
-    int nw = pool_size(ctx->pool);
-    j.scratch_per_worker = j.fused ? 2 * (j.m.ncb + 1) : (int64_t)TILE_N * j.K;
-    j.scratch = di_malloc((size_t)nw * (size_t)j.scratch_per_worker * sizeof(float));
-    if (!j.scratch) { free(xsum); return DI_OOM(ctx, op); }
-    /* enough tasks to balance threads, few enough that each streams a long run of W */
-    int64_t per = (j.N + (int64_t)nw * 4 - 1) / ((int64_t)nw * 4);
-    if (j.fused) { if (per < 4) per = 4; }
-    else per = (per + TILE_N - 1) / TILE_N * TILE_N;
-    j.rows_per_task = per;
-    pool_run(ctx->pool, (j.N + per - 1) / per, lin_task, &j);
-    free(j.scratch);
-    free(xsum);
+    DI_Status st = lin_prepare(ctx, op, &j, X, ldx, M, w, Y, ldy, (int64_t)pool_size(ctx->pool) * 4);
+    if (st) return st;
+    pool_run(ctx->pool, lin_ntasks(&j), lin_task, &j, M * j.N * j.K);
+    lin_release(&j);
     return DI_OK;
+}
+
+/* Several independent products in one parallel region (the experts of a MoE layer): one wake-up
+ * of the pool instead of one per matrix, and threads balance across matrices. */
+typedef struct {
+    LinJob*  jobs;
+    int64_t* first;   /* first[i]: the first task of job i; first[n]: the total */
+    int      n;
+} MultiJob;
+
+static void multi_task(void* arg, int64_t task, int worker) {
+    const MultiJob* mj = (const MultiJob*)arg;
+    int lo = 0, hi = mj->n - 1;
+    while (lo < hi) {   /* the job whose task range holds `task` */
+        int mid = (lo + hi + 1) / 2;
+        if (mj->first[mid] <= task) lo = mid; else hi = mid - 1;
+    }
+    lin_task(&mj->jobs[lo], task - mj->first[lo], worker);
+}
+
+typedef struct {
+    const float*     X;
+    int64_t          ldx, M;
+    const DI_Tensor* w;
+    float*           Y;
+    int64_t          ldy;
+} LinSpec;
+
+static DI_Status lin_f32_multi(DI_Context* ctx, const char* op, const LinSpec* spec, int n) {
+    if (n <= 0) return DI_OK;
+    LinJob* jobs = calloc((size_t)n, sizeof(LinJob));
+    int64_t* first = calloc((size_t)n + 1, sizeof(int64_t));
+    if (!jobs || !first) { free(jobs); free(first); return DI_OOM(ctx, op); }
+    int64_t rows = 0, amount = 0;
+    for (int i = 0; i < n; i++) rows += spec[i].w->shape[0];
+    int64_t target = (int64_t)pool_size(ctx->pool) * 4;
+    DI_Status st = DI_OK;
+    for (int i = 0; i < n && !st; i++) {
+        int64_t N = spec[i].w->shape[0];
+        int64_t tasks = rows ? (target * N + rows - 1) / rows : 1;
+        st = lin_prepare(ctx, op, &jobs[i], spec[i].X, spec[i].ldx, spec[i].M, spec[i].w, spec[i].Y, spec[i].ldy, tasks);
+        first[i + 1] = first[i] + (st ? 0 : lin_ntasks(&jobs[i]));
+        amount += spec[i].M * jobs[i].N * jobs[i].K;
+    }
+    if (!st) {
+        MultiJob mj = {jobs, first, n};
+        pool_run(ctx->pool, first[n], multi_task, &mj, amount);
+    }
+    for (int i = 0; i < n; i++) lin_release(&jobs[i]);
+    free(jobs);
+    free(first);
+    return st;
 }
 
 /* ------------------------------------------------------------------ integer engine (W8A8 / W4A8) */
@@ -206,6 +277,134 @@ static void int_task(void* arg, int64_t task, int worker) {
     }
 }
 
+/* ------------------------------------------------------------------ VNNI integer rows */
+typedef struct {
+    const int8_t*  xp;      /* [M, K] x rows, int4 chunks reordered (see IDot) */
+    const float*   sx;      /* x scales [M / xbr rows of blocks, xncb] */
+    int64_t        xbr, xncb, M, K, N, nseg;
+    const int64_t* seg_end; /* chunk index where segment s ends */
+    const int64_t *seg_xb, *seg_wb;
+    const int32_t* bias;    /* [M, nseg, lanes] */
+    QMat           m;
+    float*         Y;
+    int64_t        ldy, rows_per_task;
+    float*         scratch; /* per worker: w scales, then the IDot scales [IDOT_MAX_MR, nseg] */
+    int64_t        scratch_per_worker;
+    idot_fn        fn;
+} VnniJob;
+
+static void vnni_task(void* arg, int64_t task, int worker) {
+    const VnniJob* j = (const VnniJob*)arg;
+    int64_t n0 = task * j->rows_per_task, n1 = n0 + j->rows_per_task < j->N ? n0 + j->rows_per_task : j->N;
+    float* sw = j->scratch + (size_t)worker * (size_t)j->scratch_per_worker;
+    float* sc = sw + j->m.ncb + 16;
+    const QMat* m = &j->m;
+    int64_t cur_rb = -1;
+    int bits = dt_bits(m->dt);
+    for (int64_t n = n0; n < n1; n++) {
+        int64_t rb = n / m->br;
+        if (rb != cur_rb) { qmat_scale_row(m, rb, sw, NULL); cur_rb = rb; }
+        IDot a;
+        a.w = m->base + (bits == 4 ? n * m->rs / 2 : n * m->rs);
+        a.nseg = j->nseg;
+        a.seg_end = j->seg_end;
+        for (int64_t m0 = 0; m0 < j->M; m0 += IDOT_MAX_MR) {
+            a.mr = (int)(j->M - m0 < IDOT_MAX_MR ? j->M - m0 : IDOT_MAX_MR);
+            for (int i = 0; i < a.mr; i++) {
+                int64_t r = m0 + i;
+                a.x[i] = j->xp + r * j->K;
+                const float* sxr = j->sx + (r / j->xbr) * j->xncb;
+                for (int64_t sg = 0; sg < j->nseg; sg++) sc[i * j->nseg + sg] = sxr[j->seg_xb[sg]] * sw[j->seg_wb[sg]];
+            }
+            a.bias = j->bias + m0 * j->nseg * (dt_bits(m->dt) == 4 ? 8 : 16);
+            a.scale = sc;
+            float y[IDOT_MAX_MR];
+            j->fn(&a, y);
+            for (int i = 0; i < a.mr; i++) j->Y[(m0 + i) * j->ldy + n] = y[i];
+        }
+    }
+}
+
+/* The VNNI kernels need K and every x / w block boundary on 64-element chunks. */
+static int vnni_ok(const QMat* xm, const QMat* wm) {
+    if (!kernels()->idot[wm->dt] || xm->C % 64) return 0;
+    if ((xm->bc < xm->C && xm->bc % 64) || (wm->bc < wm->C && wm->bc % 64)) return 0;
+    return 1;
+}
+
+static DI_Status lin_vnni(DI_Context* ctx, const QMat* xm, const QMat* wm, float* Y, int64_t ldy) {
+    VnniJob j;
+    memset(&j, 0, sizeof j);
+    j.m = *wm;
+    j.M = xm->R; j.K = xm->C; j.N = wm->R; j.Y = Y; j.ldy = ldy;
+    j.xbr = xm->br; j.xncb = xm->ncb;
+    j.fn = kernels()->idot[wm->dt];
+    int four = dt_bits(wm->dt) == 4;
+    int64_t nch = j.K / 64, maxseg = xm->ncb + wm->ncb + 1;
+    int nw = pool_size(ctx->pool);
+    int8_t* xp = di_malloc((size_t)(j.M * j.K));
+    int64_t* seg = di_malloc((size_t)(3 * maxseg) * sizeof(int64_t));
+    float* sx = di_malloc((size_t)(xm->nrb * xm->ncb) * sizeof(float));
+    int lanes = four ? 8 : 16;
+    int32_t* bias = di_malloc((size_t)(j.M * maxseg * lanes) * sizeof(int32_t));
+    j.scratch_per_worker = wm->ncb + 16 + (int64_t)IDOT_MAX_MR * maxseg;
+    j.scratch = di_malloc((size_t)nw * (size_t)j.scratch_per_worker * sizeof(float));
+    DI_Status st = DI_OK;
+    if (!xp || !seg || !sx || !bias || !j.scratch) { st = DI_OOM(ctx, "linear"); goto done; }
+    /* segments: maximal runs of chunks inside one x block and one w block */
+    int64_t* seg_xb = seg + maxseg;
+    int64_t* seg_wb = seg_xb + maxseg;
+    int64_t ns = 0;
+    for (int64_t c = 0; c < nch; c++) {
+        int64_t xb = c * 64 / xm->bc, wb = c * 64 / wm->bc;
+        if (!ns || seg_xb[ns - 1] != xb || seg_wb[ns - 1] != wb) {
+            seg_xb[ns] = xb;
+            seg_wb[ns] = wb;
+            ns++;
+        }
+        seg[ns - 1] = c + 1;
+    }
+    j.nseg = ns;
+    j.seg_end = seg;
+    j.seg_xb = seg_xb;
+    j.seg_wb = seg_wb;
+    /* x rows (int4: each chunk's even elements, then its odd ones) and the offset corrections */
+    int32_t off = four ? 8 : 128;
+    for (int64_t r = 0; r < j.M; r++) {
+        const int8_t* src = (const int8_t*)xm->base + r * xm->rs;
+        int8_t* dst = xp + r * j.K;
+        if (four) {
+            for (int64_t c = 0; c < nch; c++)
+                for (int e = 0; e < 32; e++) {
+                    dst[c * 64 + e] = src[c * 64 + 2 * e];
+                    dst[c * 64 + 32 + e] = src[c * 64 + 2 * e + 1];
+                }
+        } else {
+            memcpy(dst, src, (size_t)j.K);
+        }
+        /* lane l of the kernel sums bytes 4l..4l+3 of each 64-byte chunk (int8) or of each
+         * 32-byte half of a reordered chunk (int4) */
+        int64_t c = 0;
+        for (int64_t sg = 0; sg < ns; sg++) {
+            int32_t* b = bias + (r * ns + sg) * lanes;
+            for (int l = 0; l < lanes; l++) b[l] = 0;
+            for (; c < seg[sg]; c++)
+                for (int e = 0; e < 64; e++) b[(e % (4 * lanes)) / 4] -= off * (int32_t)dst[c * 64 + e];
+        }
+    }
+    j.xp = xp;
+    j.bias = bias;
+    for (int64_t rb = 0; rb < xm->nrb; rb++) qmat_scale_row(xm, rb, sx + rb * xm->ncb, NULL);
+    j.sx = sx;
+    int64_t per = (j.N + (int64_t)nw * 4 - 1) / ((int64_t)nw * 4);
+    if (per < 4) per = 4;
+    j.rows_per_task = per;
+    pool_run(ctx->pool, (j.N + per - 1) / per, vnni_task, &j, j.M * j.N * j.K / 4);
+done:
+    free(xp); free(seg); free(sx); free(bias); free(j.scratch);
+    return st;
+}
+
 static int int_path_ok(const DI_Tensor* x, const DI_Tensor* w) {
     int xd = dt_id(x->dtype), wd = dt_id(w->dtype);
     if (xd != DT_I8 || !x->quant || x->quant->zeros.data) return 0;
@@ -225,6 +424,7 @@ static DI_Status lin_int(DI_Context* ctx, const DI_Tensor* x, const DI_Tensor* w
     j.M = xm.R; j.K = xm.C; j.N = j.m.R; j.Y = Y; j.ldy = ldy;
     j.xbr = xm.br; j.xbc = xm.bc; j.xncb = xm.ncb;
     if (j.M == 0 || j.N == 0) return DI_OK;
+    if (vnni_ok(&xm, &j.m)) return lin_vnni(ctx, &xm, &j.m, Y, ldy);
     /* segments: maximal runs of K inside one x block and one w block */
     int64_t maxseg = xm.ncb + j.m.ncb + 1;
     int64_t* seg = malloc((size_t)(3 * maxseg + 1) * sizeof(int64_t));
@@ -259,7 +459,7 @@ static DI_Status lin_int(DI_Context* ctx, const DI_Tensor* x, const DI_Tensor* w
     int64_t per = (j.N + (int64_t)nw * 4 - 1) / ((int64_t)nw * 4);
     if (per < 4) per = 4;
     j.rows_per_task = per;
-    pool_run(ctx->pool, (j.N + per - 1) / per, int_task, &j);
+    pool_run(ctx->pool, (j.N + per - 1) / per, int_task, &j, j.M * j.N * j.K);
     free(seg); free(sx); free(j.scratch);
     return DI_OK;
 }
@@ -409,41 +609,60 @@ DI_Status op_moe_experts(DI_Context* ctx, const DI_MoEExpertsArgs* a, int query)
             }
             count[e]++;
         }
-    int64_t maxn = 0, total = 0;
-    for (int e = 0; e < E; e++) { total += count[e]; if (count[e] > maxn) maxn = count[e]; }
+    /* pairs grouped by expert: expert e's rows are [off[e], off[e] + count[e]) of the gathered
+     * buffers; every expert's gate and up products then run in one parallel region, and every
+     * down product in a second one */
+    int64_t total = 0, nact = 0;
+    int64_t* off = calloc((size_t)E + 1, sizeof(int64_t));
+    if (!off) { free(count); return DI_OOM(ctx, "moe_experts"); }
+    for (int e = 0; e < E; e++) {
+        off[e] = total;
+        total += count[e];
+        nact += count[e] > 0;
+    }
     int od = dt_id(a->out.dtype), xd = dt_id(a->x.dtype);
+    int64_t Ie = I > 0 ? I : 1;
     float* acc = calloc((size_t)(T * H > 0 ? T * H : 1), sizeof(float));
-    float* xg = di_malloc((size_t)(maxn * H) * sizeof(float));
-    float* gb = di_malloc((size_t)(maxn * (I > 0 ? I : 1)) * sizeof(float));
-    float* ub = di_malloc((size_t)(maxn * (I > 0 ? I : 1)) * sizeof(float));
-    float* yb = di_malloc((size_t)(maxn * H) * sizeof(float));
-    int64_t* rows = di_malloc((size_t)(maxn ? maxn : 1) * sizeof(int64_t));
-    float* rw = di_malloc((size_t)(maxn ? maxn : 1) * sizeof(float));
+    float* xg = di_malloc((size_t)(total * H) * sizeof(float));
+    float* gb = di_malloc((size_t)(total * Ie) * sizeof(float));
+    float* ub = di_malloc((size_t)(total * Ie) * sizeof(float));
+    float* yb = di_malloc((size_t)(total * H) * sizeof(float));
+    int64_t* rows = di_malloc((size_t)(total ? total : 1) * sizeof(int64_t));
+    float* rw = di_malloc((size_t)(total ? total : 1) * sizeof(float));
+    int64_t* cur = di_malloc((size_t)(E ? E : 1) * sizeof(int64_t));
+    LinSpec* spec = di_malloc((size_t)(2 * nact + 1) * sizeof(LinSpec));
     st = DI_OK;
-    if (!acc || !xg || !gb || !ub || !yb || !rows || !rw) st = DI_OOM(ctx, "moe_experts");
-    for (int e = 0; e < E && !st && total; e++) {
-        if (!count[e]) continue;
-        int64_t n = 0;
+    if (!acc || !xg || !gb || !ub || !yb || !rows || !rw || !cur || !spec) st = DI_OOM(ctx, "moe_experts");
+    if (!st && total) {
+        for (int e = 0; e < E; e++) cur[e] = off[e];
         for (int64_t t = 0; t < T; t++)
-            for (int64_t k = 0; k < K; k++)
-                if (ids[t * ids_rs + k] == e) {
-                    rows[n] = t;
-                    rw[n] = tw[t * w_rs + k];
-                    load_row(xd, t_row(&a->x, xd, t), 0, H, xg + n * H);
-                    n++;
-                }
-        if ((st = lin_f32(ctx, "moe_experts", xg, H, n, &a->w_gate[e], gb, I))) break;
-        if ((st = lin_f32(ctx, "moe_experts", xg, H, n, &a->w_up[e], ub, I))) break;
-        for (int64_t i = 0; i < n * I; i++) {
-            float g = gb[i];
-            gb[i] = g / (1.0f + expf(-g)) * ub[i];
+            for (int64_t k = 0; k < K; k++) {
+                int32_t e = ids[t * ids_rs + k];
+                if (e < 0 || e >= E) continue;
+                int64_t r = cur[e]++;
+                rows[r] = t;
+                rw[r] = tw[t * w_rs + k];
+                load_row(xd, t_row(&a->x, xd, t), 0, H, xg + r * H);
+            }
+        int ns = 0;
+        for (int e = 0; e < E; e++) {
+            if (!count[e]) continue;
+            spec[ns++] = (LinSpec){xg + off[e] * H, H, count[e], &a->w_gate[e], gb + off[e] * I, I};
+            spec[ns++] = (LinSpec){xg + off[e] * H, H, count[e], &a->w_up[e], ub + off[e] * I, I};
         }
-        if ((st = lin_f32(ctx, "moe_experts", gb, I, n, &a->w_down[e], yb, H))) break;
-        for (int64_t r = 0; r < n; r++) {
-            float* dst = acc + rows[r] * H;
-            const float* src = yb + r * H;
-            kernels()->axpy(rw[r], src, dst, H);
+        st = lin_f32_multi(ctx, "moe_experts", spec, ns);
+        if (!st) {
+            for (int64_t i = 0; i < total * I; i++) {
+                float g = gb[i];
+                gb[i] = g / (1.0f + expf(-g)) * ub[i];
+            }
+            ns = 0;
+            for (int e = 0; e < E; e++)
+                if (count[e]) spec[ns++] = (LinSpec){gb + off[e] * I, I, count[e], &a->w_down[e], yb + off[e] * H, H};
+            st = lin_f32_multi(ctx, "moe_experts", spec, ns);
         }
+        /* in (token, k) order per expert, experts in id order: the same sums as one expert at a time */
+        for (int64_t r = 0; r < total && !st; r++) kernels()->axpy(rw[r], yb + r * H, acc + rows[r] * H, H);
     }
     if (!st) {
         float* tmp = di_malloc((size_t)(H ? H : 1) * sizeof(float));
@@ -458,6 +677,7 @@ DI_Status op_moe_experts(DI_Context* ctx, const DI_MoEExpertsArgs* a, int query)
         }
         free(tmp);
     }
-    free(count); free(acc); free(xg); free(gb); free(ub); free(yb); free(rows); free(rw);
+    free(count); free(off); free(acc); free(xg); free(gb); free(ub); free(yb); free(rows); free(rw); free(cur);
+    free(spec);
     return st;
 }

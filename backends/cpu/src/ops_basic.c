@@ -135,7 +135,7 @@ DI_Status op_rmsnorm(DI_Context* ctx, const DI_RMSNormArgs* a, int query) {
     load_row(j.wd, t_base(&a->weight), 0, j.H, w);
     j.w = w;
     int64_t nt = chunks(j.T, j.H, &j.per);
-    pool_run(ctx->pool, nt, rmsnorm_task, &j);
+    pool_run(ctx->pool, nt, rmsnorm_task, &j, j.T * j.H * 4);
     free(w);
     free(j.s.mem);
     return DI_OK;
@@ -185,7 +185,7 @@ static DI_Status ew_run(DI_Context* ctx, VC* v, const DI_Tensor* a, const char* 
     j.rows = n_rows(a);
     if (!j.rows || !j.C) return DI_OK;
     if (!scratch_init(&j.s, ctx, 2 * j.C)) return DI_OOM(ctx, v->op);
-    pool_run(ctx->pool, chunks(j.rows, j.C, &j.per), ew_task, &j);
+    pool_run(ctx->pool, chunks(j.rows, j.C, &j.per), ew_task, &j, j.rows * j.C);
     free(j.s.mem);
     return DI_OK;
 }
@@ -323,7 +323,7 @@ DI_Status op_rope(DI_Context* ctx, const DI_RopeArgs* a, int query) {
         inv[i] = f;
     }
     j.inv = inv;
-    pool_run(ctx->pool, j.T, rope_task, &j);
+    pool_run(ctx->pool, j.T, rope_task, &j, j.T * j.H * j.D * 8);
     free(inv);
     free(j.s.mem);
     return DI_OK;

@@ -24,6 +24,8 @@
  *   ops_basic.c       embedding, rmsnorm, rope, add, mul, silu_mul, concat, mla_cache_write,
  *                     moe_router, sample.
  *   attention.c       mla_prefill and mla_decode.
+ *   graph.c           graph capture: ops issued on a captured stream are recorded (args deep-copied)
+ *                     and replayed natively by graph_launch, so a decode step is one call.
  *
  * Conventions
  *   - Dispatch (run_op) checks the header's struct_size rules and then every tensor argument against
@@ -40,7 +42,7 @@
  *     describe memory the caller owns.
  *
  * Environment (for testing and tuning; nothing needs to be set)
- *   DEEPINFER_CPU_ISA=scalar|avx2|avx512   cap the kernels chosen at start-up (test the fallbacks)
+ *   DEEPINFER_CPU_ISA=scalar|avx2|avx512|avx512vnni|amx   cap the kernels at that ISA level (test the fallbacks)
  *   DEEPINFER_CPU_SPIN=N                   idle workers spin N iterations before sleeping (default 0)
  */
 #include <stdarg.h>
@@ -83,6 +85,8 @@ void* di_malloc(size_t n) { return malloc(n ? n : 1); }
 static int ctx_ok(DI_Context* ctx) { return ctx && ctx->magic == CTX_MAGIC; }
 
 static const char* api_last_error(DI_Context* ctx) { (void)ctx; return g_err; }
+
+const char* di_last_error(void) { return g_err; }
 
 /* ------------------------------------------------------------------ struct_size rules */
 static DI_Status check_size(DI_Context* ctx, const char* what, const void* s, uint32_t given, uint32_t mine,
@@ -209,6 +213,8 @@ static DI_Status api_context_destroy(DI_Context* ctx) {
     if (!ctx) return di_fail(NULL, DI_INVALID_ARGUMENT, "context_destroy: ctx is NULL");
     if (!ctx_ok(ctx)) return di_fail(NULL, DI_INVALID_ARGUMENT, "context_destroy: not a live CPU context");
     ctx->magic = 0;
+    graph_abandon(ctx);
+    graph_profile_report();
     pool_destroy(ctx->pool);
     free(ctx);
     return DI_OK;
@@ -315,13 +321,13 @@ static DI_Status api_mem_free(DI_Context* ctx, void* ptr) {
 static DI_Status api_mem_copy(DI_Context* ctx, void* dst, const void* src, uint64_t bytes, int32_t kind,
                               DI_Stream stream) {
     NEED_CTX(ctx, "mem_copy");
-    (void)stream;
     if (kind < DI_COPY_HOST_TO_DEVICE || kind > DI_COPY_HOST_TO_HOST)
         return di_fail(ctx, DI_INVALID_ARGUMENT, "mem_copy: kind=%d is not a DI_CopyKind", kind);
     if (bytes == 0) return DI_OK;
     if (!dst || !src)
         return di_fail(ctx, DI_INVALID_ARGUMENT, "mem_copy: %s is NULL with %llu bytes to copy", dst ? "src" : "dst",
                        (unsigned long long)bytes);
+    if (graph_capturing(ctx, stream)) return graph_capture_copy(ctx, dst, src, bytes);
     memmove(dst, src, (size_t)bytes);
     return DI_OK;
 }
@@ -485,7 +491,7 @@ static DI_Status api_mem_copy_async(DI_Context* ctx, void* dst, const void* src,
     NEED_CTX(ctx, "mem_copy_async");
     DI_Status st = need_stream(ctx, stream, "mem_copy_async");
     if (st) return st;
-    return api_mem_copy(ctx, dst, src, bytes, kind, stream);
+    return api_mem_copy(ctx, dst, src, bytes, kind, stream);   /* recorded when the stream is captured */
 }
 
 static DI_Status api_device_count(int32_t* out) {
@@ -504,7 +510,7 @@ static const struct { const char* name; const char* sname; uint32_t size; op_imp
 #undef E
 };
 
-static DI_Status run_op(DI_Context* ctx, int op, const void* args, int query) {
+DI_Status di_run_op(DI_Context* ctx, int op, const void* args, int query) {
     const char* name = k_ops[op].name;
     if (!ctx_ok(ctx)) return di_fail(NULL, DI_INVALID_ARGUMENT, "%s: ctx is NULL or not a CPU backend context", name);
     di_clear(ctx);
@@ -530,7 +536,7 @@ static DI_Status api_op_query(DI_Context* ctx, int32_t op, const void* args, DI_
         return DI_OK;
     }
     if (!args) return di_fail(ctx, DI_INVALID_ARGUMENT, "op_query(%s): args is NULL", k_ops[op].name);
-    st = run_op(ctx, op, args, 1);
+    st = di_run_op(ctx, op, args, 1);
     if (st == DI_UNIMPLEMENTED) return DI_OK;  /* well-formed but unsupported: NO, with the reason kept */
     if (st == DI_QUERY_SLOW) {
         out->support = DI_SUPPORT_SLOW;
@@ -541,10 +547,40 @@ static DI_Status api_op_query(DI_Context* ctx, int32_t op, const void* args, DI_
     return DI_OK;
 }
 
-#define WRAP(id, name, T, minor) \
-    static DI_Status api_##name(DI_Context* ctx, const T* args) { return run_op(ctx, id, args, 0); }
+/* an op issued on a stream being captured is checked and recorded instead of run (graph.c) */
+#define WRAP(id, name, T, minor)                                                                   \
+    static DI_Status api_##name(DI_Context* ctx, const T* args) {                                \
+        if (ctx_ok(ctx) && ctx->capture && args && graph_capturing(ctx, args->header.stream)) {  \
+            di_clear(ctx);                                                                       \
+            return graph_capture_op(ctx, id, args, (uint32_t)sizeof(T));                         \
+        }                                                                                        \
+        return di_run_op(ctx, id, args, 0);                                                      \
+    }
 DI_OPS(WRAP)
 #undef WRAP
+
+/* ------------------------------------------------------------------ graph entries */
+static DI_Status api_graph_begin(DI_Context* ctx, DI_Stream stream) {
+    NEED_CTX(ctx, "graph_begin");
+    DI_Status st = need_stream(ctx, stream, "graph_begin");
+    return st ? st : graph_begin(ctx, stream);
+}
+
+static DI_Status api_graph_end(DI_Context* ctx, DI_Stream stream, DI_Graph** out) {
+    NEED_CTX(ctx, "graph_end");
+    return graph_end(ctx, stream, out);
+}
+
+static DI_Status api_graph_launch(DI_Context* ctx, DI_Graph* graph, DI_Stream stream) {
+    NEED_CTX(ctx, "graph_launch");
+    DI_Status st = need_stream(ctx, stream, "graph_launch");
+    return st ? st : graph_launch(ctx, graph, stream);
+}
+
+static DI_Status api_graph_destroy(DI_Context* ctx, DI_Graph* graph) {
+    NEED_CTX(ctx, "graph_destroy");
+    return graph_destroy(ctx, graph);
+}
 
 /* ------------------------------------------------------------------ the tables */
 static const DI_Api k_api = {
@@ -562,7 +598,10 @@ static const DI_Api k_api = {
     .stream_destroy = api_stream_destroy,
     .stream_synchronize = api_stream_synchronize,
     .op_query = api_op_query,
-    /* graph capture: a CPU op sequence is already as cheap to issue as a replay, so none */
+    .graph_begin = api_graph_begin,
+    .graph_end = api_graph_end,
+    .graph_launch = api_graph_launch,
+    .graph_destroy = api_graph_destroy,
     .embedding = api_embedding,
     .rmsnorm = api_rmsnorm,
     .linear = api_linear,

@@ -218,7 +218,7 @@ DI_Status op_quantize(DI_Context* ctx, const DI_QuantizeArgs* a, int query) {
     float* mem = di_malloc((size_t)nw * per * sizeof(float));
     if (!j.scratch || !mem) { free(j.scratch); free(mem); return DI_OOM(ctx, "quantize"); }
     for (int i = 0; i < nw; i++) j.scratch[i] = mem + (size_t)i * per;
-    pool_run(ctx->pool, L * j.nrb, quantize_task, &j);
+    pool_run(ctx->pool, L * j.nrb, quantize_task, &j, L * j.R * j.C * 4);
     free(mem);
     free(j.scratch);
     if (j.bad_scale)
@@ -280,7 +280,7 @@ DI_Status op_dequantize(DI_Context* ctx, const DI_DequantizeArgs* a, int query) 
     float* mem = di_malloc((size_t)nw * (size_t)C * sizeof(float));
     if (!j.scratch || !mem) { free(j.scratch); free(mem); return DI_OOM(ctx, "dequantize"); }
     for (int i = 0; i < nw; i++) j.scratch[i] = mem + (size_t)i * (size_t)C;
-    pool_run(ctx->pool, L * j.tasks_per_lead, dequant_task, &j);
+    pool_run(ctx->pool, L * j.tasks_per_lead, dequant_task, &j, L * j.R * C * 2);
     free(mem);
     free(j.scratch);
     return DI_OK;

@@ -7,6 +7,7 @@
  * (loop iterations, default 0). It pays on a dedicated machine and hurts on an oversubscribed
  * one (measured: 2 shared vCPUs got slower), hence off by default. */
 #include <stdlib.h>
+#include <time.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -19,6 +20,9 @@ static inline void cpu_relax(void) { __asm__ __volatile__("" ::: "memory"); }
 
 struct DI_Pool {
     int             n, spin;
+    _Atomic int     hot;      /* spin up to hot_ns between jobs while set (pool_hot) */
+    uint64_t        hot_ns;
+    int64_t         par_min;  /* jobs smaller than this run on the caller alone */
     pthread_t*      threads;
     pthread_mutex_t run_mu;   /* serializes pool_run callers sharing one context */
     pthread_mutex_t mu;
@@ -32,6 +36,36 @@ struct DI_Pool {
 };
 
 typedef struct { DI_Pool* p; int id; } WorkerArg;
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Spin while *gen == seen: DEEPINFER_CPU_SPIN iterations, or while the pool is hot up to hot_ns of
+ * wall time. The bound matters: on a machine whose vCPUs are shared (or oversubscribed), a worker
+ * spinning without end steals the time the caller needs and a step gets 10x slower (measured). */
+static void spin_wait(DI_Pool* p, _Atomic uint64_t* gen, uint64_t seen) {
+    for (int i = 0; i < p->spin && atomic_load(gen) == seen && !atomic_load(&p->stop); i++) cpu_relax();
+    if (!atomic_load_explicit(&p->hot, memory_order_relaxed) || atomic_load(gen) != seen) return;
+    uint64_t t0 = now_ns();
+    for (int i = 1; atomic_load(gen) == seen && !atomic_load(&p->stop); i++) {
+        cpu_relax();
+        if ((i & 255) == 0 && (now_ns() - t0 > p->hot_ns || !atomic_load_explicit(&p->hot, memory_order_relaxed)))
+            return;
+    }
+}
+
+static void spin_until_done(DI_Pool* p) {
+    for (int i = 0; i < p->spin && atomic_load(&p->active) > 0; i++) cpu_relax();
+    if (!atomic_load_explicit(&p->hot, memory_order_relaxed)) return;
+    uint64_t t0 = now_ns();
+    for (int i = 1; atomic_load(&p->active) > 0; i++) {
+        cpu_relax();
+        if ((i & 255) == 0 && now_ns() - t0 > p->hot_ns) return;
+    }
+}
 
 static void work(DI_Pool* p, int id) {
     for (;;) {
@@ -47,7 +81,7 @@ static void* worker_main(void* a) {
     DI_Pool* p = wa.p;
     uint64_t seen = 0;
     for (;;) {
-        for (int i = 0; i < p->spin && atomic_load(&p->gen) == seen && !atomic_load(&p->stop); i++) cpu_relax();
+        spin_wait(p, &p->gen, seen);
         if (atomic_load(&p->gen) == seen && !atomic_load(&p->stop)) {
             pthread_mutex_lock(&p->mu);
             p->sleepers++;
@@ -81,6 +115,11 @@ DI_Pool* pool_create(int nthreads) {
     const char* sp = getenv("DEEPINFER_CPU_SPIN");
     p->spin = sp ? atoi(sp) : 0;
     if (p->spin < 0) p->spin = 0;
+    const char* hs = getenv("DEEPINFER_CPU_HOT_SPIN_US");
+    long hot_us = hs ? atol(hs) : 50;
+    p->hot_ns = (uint64_t)(hot_us > 0 ? hot_us : 0) * 1000u;
+    const char* pm = getenv("DEEPINFER_CPU_PAR_MIN");
+    p->par_min = pm ? atoll(pm) : 65536;
     for (int i = 1; i < nthreads; i++) {
         WorkerArg* wa = malloc(sizeof(*wa));
         if (!wa) break;
@@ -109,9 +148,13 @@ void pool_destroy(DI_Pool* p) {
 
 int pool_size(const DI_Pool* p) { return p ? p->n : 1; }
 
-void pool_run(DI_Pool* p, int64_t ntasks, di_task_fn fn, void* arg) {
+void pool_hot(DI_Pool* p, int hot) {
+    if (p) atomic_store(&p->hot, hot);
+}
+
+void pool_run(DI_Pool* p, int64_t ntasks, di_task_fn fn, void* arg, int64_t amount) {
     if (ntasks <= 0) return;
-    if (!p || p->n == 1 || ntasks == 1) {
+    if (!p || p->n == 1 || ntasks == 1 || amount < p->par_min) {
         for (int64_t i = 0; i < ntasks; i++) fn(arg, i, 0);
         return;
     }
@@ -126,7 +169,7 @@ void pool_run(DI_Pool* p, int64_t ntasks, di_task_fn fn, void* arg) {
     if (p->sleepers) pthread_cond_broadcast(&p->cv_start);
     pthread_mutex_unlock(&p->mu);
     work(p, 0);
-    for (int i = 0; i < p->spin && atomic_load(&p->active) > 0; i++) cpu_relax();
+    spin_until_done(p);
     if (atomic_load(&p->active) > 0) {
         pthread_mutex_lock(&p->mu);
         while (atomic_load(&p->active) > 0) pthread_cond_wait(&p->cv_done, &p->mu);

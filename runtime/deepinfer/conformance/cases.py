@@ -567,6 +567,13 @@ def gen_linear(p, s):
     yield linear(s(), 1, 256, 48, "int8/token/f32", "int8/channel/f32")
     yield linear(s(), 300, 272, 136, "int8/token/f32", "int8/channel/f32")
     yield linear(s(), 4, 100, 9, "int8/token/f32", "int4/g32/sym/f32")
+    # K and blocks on 64-column chunks: the integer-dot (VNNI / dp4a) kernels, 1 to 17 rows of x,
+    # an odd number of chunks, groups of 64 and 128, per-channel rows
+    yield linear(s(), 1, 256, 40, "int8/token/f32", "int4/g64/sym/bf16")
+    yield linear(s(), 9, 384, 70, "int8/token/f32", "int4/g128/sym/f16")
+    yield linear(s(), 17, 320, 33, "int8/token/f32", "int4/g64/sym/bf16", bias=True)
+    yield linear(s(), 2, 320, 24, "int8/token/f32", "int8/channel/f32")
+    yield linear(s(), 8, 1024, 20, "int8/token/f32", "int8/channel/f32")
     yield linear(s(), 3, 200, 130, "e4m3/1x128/f32", "e4m3/128x128/f32")
     yield linear(s(), 0, 200, 130, "e4m3/1x128/f32", "e4m3/128x128/f32")
     for M in (1, 40, 300):  # whole 128 x 128 blocks: the fp8 tensor-core GEMM of a GPU library
@@ -754,6 +761,7 @@ def _large(op: str, s: _Seeds):
         yield linear(s(), 17, 1000, 257, "bf16", "int4/g128/sym/f16")
         yield linear(s(), 9, 1000, 300, "bf16", "e4m3/128x128/f32")
         yield linear(s(), 20, 1000, 130, "int8/token/f32", "int8/channel/f32")
+        yield linear(s(), 20, 1000, 512, "int8/token/f32", "int4/g128/sym/f16")
     elif op == "rmsnorm":
         yield rmsnorm(s(), 64, 2049, "bf16", "residual")
     elif op == "rope":
