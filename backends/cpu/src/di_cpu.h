@@ -167,6 +167,15 @@ typedef struct {
     const float* s;        /* per-block scales (NULL: 1) */
 } RowDot;
 typedef void (*rowdot_fn)(const RowDot* a, float* y);
+/* y[r] = dot(x, w[r]) for 4 weight rows against one x row (decode's M = 1): one x load feeds four
+ * rows and the call, block and reduction overheads are paid once per four rows. */
+typedef struct {
+    const float* x;
+    const void*  w[4];
+    int64_t      K, bc;
+    const float* s[4];     /* per-block scales of each row (NULL: 1) */
+} RowDot4;
+typedef void (*rowdot4_fn)(const RowDot4* a, float* y);
 
 /*
  * Integer rows for the W8A8 / W4A8 path (AVX512-VNNI vpdpbusd): for x rows i < mr (mr <= 8),
@@ -190,18 +199,30 @@ typedef struct {
     const float*   scale;
 } IDot;
 typedef void (*idot_fn)(const IDot* a, float* y);
+/* The same for four weight rows against one x row (M = 1): y[r] for w[r], scales scale[r][s]. */
+typedef struct {
+    const void*    w[4];
+    const int8_t*  x;
+    int64_t        nseg;
+    const int64_t* seg_end;
+    const int32_t* bias;     /* [nseg][lanes] of the one x row */
+    const float*   scale[4];
+} IDot4;
+typedef void (*idot4_fn)(const IDot4* a, float* y);
 
 typedef struct {
     /* C[i * ldc + j] = dot(A[i], B[j]) over K (overwrites); A: M rows (lda), B: N rows (ldb) */
     void (*gemm_dot)(const float* A, int64_t lda, int M, const float* B, int64_t ldb, int N, int64_t K,
                      float* C, int64_t ldc);
     rowdot_fn rowdot[DT_COUNT];  /* fused float-x kernels by weight dtype, NULL = none */
+    rowdot4_fn rowdot4[DT_COUNT];  /* the same for four rows at M = 1, NULL = use rowdot */
     int32_t (*dot_i8)(const int8_t* a, const int8_t* b, int64_t n);
     /* sum over segments s of scale[s] * (exact int32 dot of a, b over [seg[s], seg[s+1])) */
     float (*dot_i8_seg)(const int8_t* a, const int8_t* b, const int64_t* seg, int64_t nseg, const float* scale);
     void (*unpack_i4)(const uint8_t* src, int64_t n, int8_t* dst, int sign);  /* n even */
     void (*axpy)(float a, const float* x, float* y, int64_t n);               /* y += a * x */
     idot_fn idot[DT_COUNT];   /* DT_I8 and DT_I4 rows on VNNI; NULL: the generic integer path */
+    idot4_fn idot4[DT_COUNT];
     const char* name;
 } Kernels;
 

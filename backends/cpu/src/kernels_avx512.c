@@ -163,6 +163,51 @@ K512I void dec_e2m1_2(const void* w, int64_t k, __m512* a, __m512* b) {
         }                                                                                             \
     }
 
+#define DEF_ROWDOT4(NAME, DEC, DEC2, DT, BITS)                                                        \
+    static K512 void NAME(const RowDot4* a, float* y) {                                               \
+        const float* x = a->x;                                                                        \
+        __m512 t[4];                                                                                  \
+        float r[4] = {0, 0, 0, 0};                                                                    \
+        for (int q = 0; q < 4; q++) t[q] = _mm512_setzero_ps();                                       \
+        int64_t bi = 0;                                                                               \
+        for (int64_t b0 = 0; b0 < a->K; b0 += a->bc, bi++) {                                          \
+            int64_t b1 = b0 + a->bc < a->K ? b0 + a->bc : a->K, k = b0;                               \
+            __m512 c[4], d[4];                                                                        \
+            float sr[4] = {0, 0, 0, 0};                                                               \
+            for (int q = 0; q < 4; q++) c[q] = d[q] = _mm512_setzero_ps();                            \
+            for (; k + 32 <= b1; k += 32) {                                                           \
+                __m512 xa = _mm512_loadu_ps(x + k), xb = _mm512_loadu_ps(x + k + 16);                 \
+                for (int q = 0; q < 4; q++) {                                                         \
+                    __m512 wv, wu;                                                                    \
+                    DEC2(a->w[q], k, wv, wu);                                                         \
+                    c[q] = _mm512_fmadd_ps(xa, wv, c[q]);                                             \
+                    d[q] = _mm512_fmadd_ps(xb, wu, d[q]);                                             \
+                }                                                                                     \
+            }                                                                                         \
+            for (; k + 16 <= b1; k += 16) {                                                           \
+                __m512 xa = _mm512_loadu_ps(x + k);                                                   \
+                for (int q = 0; q < 4; q++) c[q] = _mm512_fmadd_ps(xa, DEC(a->w[q], k), c[q]);        \
+            }                                                                                         \
+            for (; k < b1; k++)                                                                       \
+                for (int q = 0; q < 4; q++) sr[q] += x[k] * ld_elem(a->w[q], DT, k);                  \
+            for (int q = 0; q < 4; q++) {                                                             \
+                float s = a->s[q] ? a->s[q][bi] : 1.0f;                                               \
+                t[q] = _mm512_fmadd_ps(_mm512_add_ps(c[q], d[q]), _mm512_set1_ps(s), t[q]);           \
+                r[q] += sr[q] * s;                                                                    \
+            }                                                                                         \
+        }                                                                                             \
+        for (int q = 0; q < 4; q++) y[q] = _mm512_reduce_add_ps(t[q]) + r[q];                         \
+    }
+
+DEF_ROWDOT4(rowdot4_f32, dec_f32, dec2_f32, DT_F32, 32)
+DEF_ROWDOT4(rowdot4_bf16, dec_bf16, dec2_bf16, DT_BF16, 16)
+DEF_ROWDOT4(rowdot4_f16, dec_f16, dec2_f16, DT_F16, 16)
+DEF_ROWDOT4(rowdot4_i8, dec_i8, dec2_i8, DT_I8, 8)
+DEF_ROWDOT4(rowdot4_i4, dec_i4, dec2_i4, DT_I4, 4)
+DEF_ROWDOT4(rowdot4_u4, dec_u4, dec2_u4, DT_U4, 4)
+DEF_ROWDOT4(rowdot4_e2m1, dec_e2m1, dec2_e2m1, DT_E2M1, 4)
+DEF_ROWDOT4(rowdot4_e4m3, dec_e4m3, dec2_e4m3, DT_E4M3, 8)
+
 DEF_ROWDOT(rowdot_f32, dec_f32, dec2_f32, DT_F32, 32)
 DEF_ROWDOT(rowdot_bf16, dec_bf16, dec2_bf16, DT_BF16, 16)
 DEF_ROWDOT(rowdot_f16, dec_f16, dec2_f16, DT_F16, 16)
@@ -380,6 +425,59 @@ KV void idot_i8_mr(const IDot* a, float* y, const int MR) {
     for (int i = 0; i < MR; i++) y[i] = _mm512_reduce_add_ps(tot[i]);
 }
 
+static __attribute__((target(TGTV))) void idot4_i4(const IDot4* a, float* y) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8((char)0x88);
+    __m256 tot[4];
+    for (int q = 0; q < 4; q++) tot[q] = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (int64_t s = 0; s < a->nseg; s++) {
+        __m256i ae[4], ao[4];
+        __m256i b0 = _mm256_loadu_si256((const __m256i*)(a->bias + s * 8));
+        for (int q = 0; q < 4; q++) { ae[q] = b0; ao[q] = _mm256_setzero_si256(); }
+        for (int64_t c1 = a->seg_end[s]; c < c1; c++) {
+            __m256i xe = _mm256_loadu_si256((const __m256i*)(a->x + c * 64));
+            __m256i xo = _mm256_loadu_si256((const __m256i*)(a->x + c * 64 + 32));
+            for (int q = 0; q < 4; q++) {
+                const uint8_t* w = (const uint8_t*)a->w[q] + c * 32;
+                __m256i b = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)w), flip);
+                ae[q] = _mm256_dpbusd_epi32(ae[q], _mm256_and_si256(b, m4), xe);
+                ao[q] = _mm256_dpbusd_epi32(ao[q], _mm256_and_si256(_mm256_srli_epi16(b, 4), m4), xo);
+            }
+        }
+        for (int q = 0; q < 4; q++)
+            tot[q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(ae[q], ao[q])),
+                                     _mm256_set1_ps(a->scale[q][s]), tot[q]);
+    }
+    for (int q = 0; q < 4; q++) {
+        __m128 v = _mm_add_ps(_mm256_castps256_ps128(tot[q]), _mm256_extractf128_ps(tot[q], 1));
+        v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+        v = _mm_add_ss(v, _mm_movehdup_ps(v));
+        y[q] = _mm_cvtss_f32(v);
+    }
+}
+
+static __attribute__((target(TGTV))) void idot4_i8(const IDot4* a, float* y) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 tot[4];
+    for (int q = 0; q < 4; q++) tot[q] = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (int64_t s = 0; s < a->nseg; s++) {
+        __m512i acc[4];
+        __m512i b0 = _mm512_loadu_si512((const void*)(a->bias + s * 16));
+        for (int q = 0; q < 4; q++) acc[q] = b0;
+        for (int64_t c1 = a->seg_end[s]; c < c1; c++) {
+            __m512i xv = _mm512_loadu_si512((const void*)(a->x + c * 64));
+            for (int q = 0; q < 4; q++) {
+                __m512i u = _mm512_xor_si512(_mm512_loadu_si512((const void*)((const int8_t*)a->w[q] + c * 64)), flip);
+                acc[q] = _mm512_dpbusd_epi32(acc[q], u, xv);
+            }
+        }
+        for (int q = 0; q < 4; q++)
+            tot[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[q]), _mm512_set1_ps(a->scale[q][s]), tot[q]);
+    }
+    for (int q = 0; q < 4; q++) y[q] = _mm512_reduce_add_ps(tot[q]);
+}
+
 #define DEF_IDOT(NAME)                                                                              \
     static __attribute__((target(TGTV))) void NAME(const IDot* a, float* y) {                       \
         switch (a->mr) {                                                                            \
@@ -418,6 +516,14 @@ int kernels_avx512(Kernels* k) {
     k->rowdot[DT_U4] = rowdot_u4;
     k->rowdot[DT_E2M1] = rowdot_e2m1;
     k->rowdot[DT_E4M3] = rowdot_e4m3;
+    k->rowdot4[DT_F32] = rowdot4_f32;
+    k->rowdot4[DT_BF16] = rowdot4_bf16;
+    k->rowdot4[DT_F16] = rowdot4_f16;
+    k->rowdot4[DT_I8] = rowdot4_i8;
+    k->rowdot4[DT_I4] = rowdot4_i4;
+    k->rowdot4[DT_U4] = rowdot4_u4;
+    k->rowdot4[DT_E2M1] = rowdot4_e2m1;
+    k->rowdot4[DT_E4M3] = rowdot4_e4m3;
     k->dot_i8 = dot_i8_512;
     k->dot_i8_seg = dot_i8_seg_512;
     if (__builtin_cpu_supports("avx512vnni") && isa_allows("avx512vnni")) {
@@ -425,6 +531,8 @@ int kernels_avx512(Kernels* k) {
         k->dot_i8_seg = dot_i8_seg_vnni;
         k->idot[DT_I4] = idot_i4;
         k->idot[DT_I8] = idot_i8;
+        k->idot4[DT_I4] = idot4_i4;
+        k->idot4[DT_I8] = idot4_i8;
     }
     k->unpack_i4 = unpack_i4_512;
     k->name = k->idot[DT_I8] ? "avx512+vnni" : "avx512";

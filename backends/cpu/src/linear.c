@@ -69,6 +69,41 @@ static void lin_task(void* arg, int64_t task, int worker) {
     int64_t n0 = task * j->rows_per_task, n1 = n0 + j->rows_per_task < j->N ? n0 + j->rows_per_task : j->N;
     float* scr = j->scratch + (size_t)worker * (size_t)j->scratch_per_worker;
     const QMat* m = &j->m;
+    if (j->fused && j->M == 1 && j->k->rowdot4[m->dt] && !m->zbase) {
+        /* four rows at a time; each keeps the scales of its row block */
+        float* sr[4];
+        int64_t rbq[4] = {-1, -1, -1, -1};
+        for (int q = 0; q < 4; q++) sr[q] = scr + q * (m->ncb + 1);
+        int64_t n = n0;
+        for (; n + 4 <= n1; n += 4) {
+            RowDot4 a;
+            a.x = j->X;
+            a.K = j->K;
+            a.bc = m->quant ? m->bc : j->K + 1;
+            for (int q = 0; q < 4; q++) {
+                a.w[q] = w_row(m, n + q);
+                a.s[q] = NULL;
+                if (m->quant) {
+                    int64_t rb = (n + q) / m->br;
+                    if (rb != rbq[q]) { qmat_scale_row(m, rb, sr[q], NULL); rbq[q] = rb; }
+                    a.s[q] = sr[q];
+                }
+            }
+            j->k->rowdot4[m->dt](&a, j->Y + n);
+        }
+        for (; n < n1; n++) {
+            RowDot a;
+            a.w = w_row(m, n);
+            a.K = j->K;
+            a.bc = m->quant ? m->bc : j->K + 1;
+            a.s = NULL;
+            if (m->quant) { qmat_scale_row(m, n / m->br, sr[0], NULL); a.s = sr[0]; }
+            a.mr = 1;
+            a.x[0] = j->X;
+            j->fused(&a, j->Y + n);
+        }
+        return;
+    }
     if (j->fused) {
         float* srow = scr;
         float* zrow = scr + m->ncb;
@@ -147,7 +182,7 @@ static DI_Status lin_prepare(DI_Context* ctx, const char* op, LinJob* j, const f
         j->xsum = xsum;
     }
     int nw = pool_size(ctx->pool);
-    j->scratch_per_worker = j->fused ? 2 * (j->m.ncb + 1) : (int64_t)TILE_N * j->K;
+    j->scratch_per_worker = j->fused ? 4 * (j->m.ncb + 1) : (int64_t)TILE_N * j->K;
     j->scratch = di_malloc((size_t)nw * (size_t)j->scratch_per_worker * sizeof(float));
     if (!j->scratch) { free(xsum); j->xsum = NULL; return DI_OOM(ctx, op); }
     /* enough tasks to balance threads, few enough that each streams a long run of W */
@@ -291,6 +326,7 @@ typedef struct {
     float*         scratch; /* per worker: w scales, then the IDot scales [IDOT_MAX_MR, nseg] */
     int64_t        scratch_per_worker;
     idot_fn        fn;
+    idot4_fn       k4;      /* four rows at M = 1, or NULL */
 } VnniJob;
 
 static void vnni_task(void* arg, int64_t task, int worker) {
@@ -301,6 +337,30 @@ static void vnni_task(void* arg, int64_t task, int worker) {
     const QMat* m = &j->m;
     int64_t cur_rb = -1;
     int bits = dt_bits(m->dt);
+    idot4_fn f4 = j->M == 1 ? j->k4 : NULL;
+    if (f4) {
+        /* decode: four weight rows share each x load; scales per row and segment */
+        float* sw4 = sc + IDOT_MAX_MR * j->nseg;   /* [4][ncb] */
+        int64_t n = n0;
+        const float* sxr = j->sx;
+        for (; n + 4 <= n1; n += 4) {
+            IDot4 a;
+            a.x = j->xp;
+            a.nseg = j->nseg;
+            a.seg_end = j->seg_end;
+            a.bias = j->bias;
+            for (int q = 0; q < 4; q++) {
+                float* swq = sw4 + q * (m->ncb + 1);
+                qmat_scale_row(m, (n + q) / m->br, swq, NULL);
+                float* scq = sc + q * j->nseg;
+                for (int64_t sg = 0; sg < j->nseg; sg++) scq[sg] = sxr[j->seg_xb[sg]] * swq[j->seg_wb[sg]];
+                a.w[q] = m->base + (bits == 4 ? (n + q) * m->rs / 2 : (n + q) * m->rs);
+                a.scale[q] = scq;
+            }
+            f4(&a, j->Y + n);
+        }
+        n0 = n;
+    }
     for (int64_t n = n0; n < n1; n++) {
         int64_t rb = n / m->br;
         if (rb != cur_rb) { qmat_scale_row(m, rb, sw, NULL); cur_rb = rb; }
@@ -339,6 +399,7 @@ static DI_Status lin_vnni(DI_Context* ctx, const QMat* xm, const QMat* wm, float
     j.M = xm->R; j.K = xm->C; j.N = wm->R; j.Y = Y; j.ldy = ldy;
     j.xbr = xm->br; j.xncb = xm->ncb;
     j.fn = kernels()->idot[wm->dt];
+    j.k4 = kernels()->idot4[wm->dt];
     int four = dt_bits(wm->dt) == 4;
     int64_t nch = j.K / 64, maxseg = xm->ncb + wm->ncb + 1;
     int nw = pool_size(ctx->pool);
@@ -347,7 +408,7 @@ static DI_Status lin_vnni(DI_Context* ctx, const QMat* xm, const QMat* wm, float
     float* sx = di_malloc((size_t)(xm->nrb * xm->ncb) * sizeof(float));
     int lanes = four ? 8 : 16;
     int32_t* bias = di_malloc((size_t)(j.M * maxseg * lanes) * sizeof(int32_t));
-    j.scratch_per_worker = wm->ncb + 16 + (int64_t)IDOT_MAX_MR * maxseg;
+    j.scratch_per_worker = wm->ncb + 16 + (int64_t)IDOT_MAX_MR * maxseg + 4 * (wm->ncb + 1);
     j.scratch = di_malloc((size_t)nw * (size_t)j.scratch_per_worker * sizeof(float));
     DI_Status st = DI_OK;
     if (!xp || !seg || !sx || !bias || !j.scratch) { st = DI_OOM(ctx, "linear"); goto done; }

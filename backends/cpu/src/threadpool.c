@@ -2,21 +2,30 @@
  * tasks are handed out through an atomic counter so uneven tasks balance themselves. The calling
  * thread works too, as worker 0, so a pool of n threads starts n - 1 of them.
  *
- * Decode issues many short ops back to back and a condition-variable wake-up costs tens of
- * microseconds, so idle workers can spin on the job counter before sleeping: DEEPINFER_CPU_SPIN
- * (loop iterations, default 0). It pays on a dedicated machine and hurts on an oversubscribed
- * one (measured: 2 shared vCPUs got slower), hence off by default. */
+ * Workers join a job; the caller never waits for one that has not. A job is open from the moment
+ * its fields are published until the caller has run out of tasks; then the caller closes it and
+ * waits only for the workers that joined while it was open. On a machine whose vCPUs are shared, a
+ * worker that is not scheduled in time simply misses the job (the caller ran its tasks), instead of
+ * holding the caller up until the hypervisor runs it.
+ *
+ * Waking a sleeping worker costs tens of microseconds, more than most decode ops, so:
+ *  - jobs smaller than DEEPINFER_CPU_PAR_MIN (pool_run's `amount`) run on the caller alone;
+ *  - while the pool is hot (a graph replay: many small ops back to back), idle workers spin up to
+ *    DEEPINFER_CPU_HOT_SPIN_US (default 50) between jobs before sleeping, and so does the caller
+ *    waiting for joined workers; the bound keeps a spinning thread from starving the others when
+ *    the machine is oversubscribed;
+ *  - DEEPINFER_CPU_SPIN=N adds N spin iterations before any sleep (default 0). */
 #include <stdlib.h>
 #include <time.h>
 #include <pthread.h>
 #include <stdatomic.h>
-#include <stdlib.h>
 
 #include "di_cpu.h"
 
-
 /* no PAUSE: hypervisors with pause-loop exiting deschedule a vCPU that spins on it */
 static inline void cpu_relax(void) { __asm__ __volatile__("" ::: "memory"); }
+
+#define CLOSED (1u << 30)   /* bit of `state`: the job takes no more workers */
 
 struct DI_Pool {
     int             n, spin;
@@ -27,8 +36,10 @@ struct DI_Pool {
     pthread_mutex_t run_mu;   /* serializes pool_run callers sharing one context */
     pthread_mutex_t mu;
     pthread_cond_t  cv_start, cv_done;
-    _Atomic uint64_t gen;
-    _Atomic int     stop, active, sleepers;
+    _Atomic uint64_t gen;     /* bumped for every job: wakes workers */
+    _Atomic unsigned state;   /* workers joined to the current job, | CLOSED once closed */
+    _Atomic int     finished; /* joined workers that are done with it */
+    _Atomic int     stop, sleepers, done_waiter;
     di_task_fn      fn;
     void*           arg;
     int64_t         ntasks;
@@ -43,27 +54,16 @@ static uint64_t now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-/* Spin while *gen == seen: DEEPINFER_CPU_SPIN iterations, or while the pool is hot up to hot_ns of
- * wall time. The bound matters: on a machine whose vCPUs are shared (or oversubscribed), a worker
- * spinning without end steals the time the caller needs and a step gets 10x slower (measured). */
-static void spin_wait(DI_Pool* p, _Atomic uint64_t* gen, uint64_t seen) {
-    for (int i = 0; i < p->spin && atomic_load(gen) == seen && !atomic_load(&p->stop); i++) cpu_relax();
-    if (!atomic_load_explicit(&p->hot, memory_order_relaxed) || atomic_load(gen) != seen) return;
-    uint64_t t0 = now_ns();
-    for (int i = 1; atomic_load(gen) == seen && !atomic_load(&p->stop); i++) {
-        cpu_relax();
-        if ((i & 255) == 0 && (now_ns() - t0 > p->hot_ns || !atomic_load_explicit(&p->hot, memory_order_relaxed)))
-            return;
-    }
-}
+static int hot(const DI_Pool* p) { return atomic_load_explicit(&p->hot, memory_order_relaxed); }
 
-static void spin_until_done(DI_Pool* p) {
-    for (int i = 0; i < p->spin && atomic_load(&p->active) > 0; i++) cpu_relax();
-    if (!atomic_load_explicit(&p->hot, memory_order_relaxed)) return;
+/* spin while gen == seen: p->spin iterations, then (hot pool) up to hot_ns of wall time */
+static void spin_wait(DI_Pool* p, uint64_t seen) {
+    for (int i = 0; i < p->spin && atomic_load(&p->gen) == seen && !atomic_load(&p->stop); i++) cpu_relax();
+    if (!hot(p) || atomic_load(&p->gen) != seen) return;
     uint64_t t0 = now_ns();
-    for (int i = 1; atomic_load(&p->active) > 0; i++) {
+    for (int i = 1; atomic_load(&p->gen) == seen && !atomic_load(&p->stop); i++) {
         cpu_relax();
-        if ((i & 255) == 0 && now_ns() - t0 > p->hot_ns) return;
+        if ((i & 255) == 0 && (now_ns() - t0 > p->hot_ns || !hot(p))) return;
     }
 }
 
@@ -75,13 +75,21 @@ static void work(DI_Pool* p, int id) {
     }
 }
 
+/* Join the open job, if any: fields published before the job opened are visible after this. */
+static int join(DI_Pool* p) {
+    unsigned s = atomic_load(&p->state);
+    while (!(s & CLOSED))
+        if (atomic_compare_exchange_weak(&p->state, &s, s + 1)) return 1;
+    return 0;
+}
+
 static void* worker_main(void* a) {
     WorkerArg wa = *(WorkerArg*)a;
     free(a);
     DI_Pool* p = wa.p;
     uint64_t seen = 0;
     for (;;) {
-        spin_wait(p, &p->gen, seen);
+        spin_wait(p, seen);
         if (atomic_load(&p->gen) == seen && !atomic_load(&p->stop)) {
             pthread_mutex_lock(&p->mu);
             p->sleepers++;
@@ -91,9 +99,11 @@ static void* worker_main(void* a) {
         }
         if (atomic_load(&p->stop)) break;
         seen = atomic_load(&p->gen);
+        if (!join(p)) continue;   /* the caller finished it alone */
         work(p, wa.id);
-        if (atomic_fetch_sub(&p->active, 1) == 1) {
-            pthread_mutex_lock(&p->mu);  /* the caller checks `active` under mu: no lost wake-up */
+        atomic_fetch_add(&p->finished, 1);
+        if (atomic_load(&p->done_waiter)) {
+            pthread_mutex_lock(&p->mu);   /* the caller re-checks under mu: no lost wake-up */
             pthread_cond_signal(&p->cv_done);
             pthread_mutex_unlock(&p->mu);
         }
@@ -111,6 +121,7 @@ DI_Pool* pool_create(int nthreads) {
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv_start, NULL);
     pthread_cond_init(&p->cv_done, NULL);
+    atomic_store(&p->state, CLOSED);
     p->n = 1;
     const char* sp = getenv("DEEPINFER_CPU_SPIN");
     p->spin = sp ? atoi(sp) : 0;
@@ -148,8 +159,8 @@ void pool_destroy(DI_Pool* p) {
 
 int pool_size(const DI_Pool* p) { return p ? p->n : 1; }
 
-void pool_hot(DI_Pool* p, int hot) {
-    if (p) atomic_store(&p->hot, hot);
+void pool_hot(DI_Pool* p, int on) {
+    if (p) atomic_store(&p->hot, on);
 }
 
 void pool_run(DI_Pool* p, int64_t ntasks, di_task_fn fn, void* arg, int64_t amount) {
@@ -159,21 +170,36 @@ void pool_run(DI_Pool* p, int64_t ntasks, di_task_fn fn, void* arg, int64_t amou
         return;
     }
     pthread_mutex_lock(&p->run_mu);
+    /* publish the job, then open it (release: a worker that joins sees these fields) */
     p->fn = fn;
     p->arg = arg;
     p->ntasks = ntasks;
     atomic_store(&p->next, 0);
-    atomic_store(&p->active, p->n - 1);
+    atomic_store(&p->finished, 0);
+    atomic_store(&p->state, 0u);
     pthread_mutex_lock(&p->mu);
-    atomic_fetch_add(&p->gen, 1);  /* publishes fn/arg/ntasks to spinning workers */
+    atomic_fetch_add(&p->gen, 1);
     if (p->sleepers) pthread_cond_broadcast(&p->cv_start);
     pthread_mutex_unlock(&p->mu);
     work(p, 0);
-    spin_until_done(p);
-    if (atomic_load(&p->active) > 0) {
-        pthread_mutex_lock(&p->mu);
-        while (atomic_load(&p->active) > 0) pthread_cond_wait(&p->cv_done, &p->mu);
-        pthread_mutex_unlock(&p->mu);
+    /* out of tasks: close the job and wait for the workers that joined it */
+    int joined = (int)(atomic_fetch_or(&p->state, CLOSED) & ~CLOSED);
+    if (atomic_load(&p->finished) < joined) {
+        for (int i = 0; i < p->spin && atomic_load(&p->finished) < joined; i++) cpu_relax();
+        if (hot(p)) {
+            uint64_t t0 = now_ns();
+            for (int i = 1; atomic_load(&p->finished) < joined; i++) {
+                cpu_relax();
+                if ((i & 255) == 0 && now_ns() - t0 > p->hot_ns) break;
+            }
+        }
+        if (atomic_load(&p->finished) < joined) {
+            pthread_mutex_lock(&p->mu);
+            atomic_store(&p->done_waiter, 1);
+            while (atomic_load(&p->finished) < joined) pthread_cond_wait(&p->cv_done, &p->mu);
+            atomic_store(&p->done_waiter, 0);
+            pthread_mutex_unlock(&p->mu);
+        }
     }
     pthread_mutex_unlock(&p->run_mu);
 }

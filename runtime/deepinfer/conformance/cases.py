@@ -543,6 +543,7 @@ def gen_linear(p, s):
         N = 130 if f.block[0] == 128 else 7
         for dt in FLOATS:
             yield linear(s(), 3, K, N, dt, wf, bias=dt == "f32")
+        yield linear(s(), 1, K, N + 2, "f32", wf)   # decode: rows in fours (GEMV kernels) and a tail
         yield linear(s(), 0, K, N, "bf16", wf)
         for _ in range(p.random_draws):
             r = s.rng
