@@ -177,7 +177,8 @@ static void decode_task(void* arg, int64_t task, int worker) {
     float* qrow = wrow + Dc;
     o = qrow + Dn + Dr;
     const DI_Tensor* W = &a->wkv_b;
-    /* q_lat[h] = q_nope[h] @ W_uk[h] */
+    const Kernels* K = j->k;
+    /* q_lat[h] = q_nope[h] @ W_uk[h]: rows of W_uk scaled and summed (bf16 rows decoded in registers) */
     for (int64_t i = 0; i < nh; i++) {
         int64_t h = h0 + i;
         load_row(j->qd, t_row2(&a->q, j->qd, t, h), 0, Dn + Dr, qrow);
@@ -185,53 +186,93 @@ static void decode_task(void* arg, int64_t task, int worker) {
         float* ql = qlat + i * Dc;
         for (int64_t c = 0; c < Dc; c++) ql[c] = 0.0f;
         for (int64_t d = 0; d < Dn; d++) {
-            load_row(j->wd, t_row(W, j->wd, h * (Dn + Dv) + d), 0, Dc, wrow);
-            j->k->axpy(qrow[d], wrow, ql, Dc);
+            const char* wr = t_row(W, j->wd, h * (Dn + Dv) + d);
+            if (j->wd == DT_BF16) K->axpy_bf16(qrow[d], (const uint16_t*)wr, ql, Dc);
+            else if (j->wd == DT_F32) K->axpy(qrow[d], (const float*)wr, ql, Dc);
+            else { load_row(j->wd, wr, 0, Dc, wrow); K->axpy(qrow[d], wrow, ql, Dc); }
         }
     }
     const int32_t* bt = (const int32_t*)t_row(&a->block_table, DT_I32, seq);
-    /* pass 1: scores over the cache, DEC_CHUNK positions at a time */
-    for (int64_t p0 = 0; p0 < L; p0 += DEC_CHUNK) {
-        int n = (int)(L - p0 < DEC_CHUNK ? L - p0 : DEC_CHUNK);
-        for (int r = 0; r < n; r++) {
-            int64_t p = p0 + r;
-            load_row(j->cd, t_row2(&a->cache, j->cd, bt[p / j->BS], p % j->BS), 0, Dw, chunk + r * Dw);
+    /* an f32 cache is read in place, one cache block at a time (its rows are contiguous);
+     * other dtypes are converted DEC_CHUNK rows at a time */
+    int direct = j->cd == DT_F32;
+    int64_t step = direct ? j->BS : DEC_CHUNK, crs = direct ? a->cache.strides[1] : Dw;
+    /* pass 1: scores */
+    for (int64_t p0 = 0; p0 < L; p0 += step) {
+        int n = (int)(L - p0 < step ? L - p0 : step);
+        const float* rows = chunk;
+        if (direct) {
+            rows = (const float*)t_row2(&a->cache, j->cd, bt[p0 / j->BS], 0);
+        } else {
+            for (int r = 0; r < n; r++) {
+                int64_t p = p0 + r;
+                load_row(j->cd, t_row2(&a->cache, j->cd, bt[p / j->BS], p % j->BS), 0, Dw, chunk + r * Dw);
+            }
         }
         for (int64_t i = 0; i < nh; i++) {
-            float* s = sc + i * L + p0;
-            float tmp[DEC_CHUNK];
-            j->k->gemm_dot(qlat + i * Dc, Dc, 1, chunk, Dw, n, Dc, s, 1);
+            float* sv = sc + i * L + p0;
+            float tmp[DEC_CHUNK > 256 ? DEC_CHUNK : 256];
+            K->gemm_dot(qlat + i * Dc, Dc, 1, rows, crs, n, Dc, sv, 1);
             if (Dr) {
-                j->k->gemm_dot(qpe + i * Dr, Dr, 1, chunk + Dc, Dw, n, Dr, tmp, 1);
-                for (int r = 0; r < n; r++) s[r] += tmp[r];
+                for (int r0 = 0; r0 < n; r0 += 256) {
+                    int nn = n - r0 < 256 ? n - r0 : 256;
+                    K->gemm_dot(qpe + i * Dr, Dr, 1, rows + r0 * crs + Dc, crs, nn, Dr, tmp, 1);
+                    for (int r = 0; r < nn; r++) sv[r0 + r] += tmp[r];
+                }
             }
         }
     }
     for (int64_t i = 0; i < nh; i++) {
-        float* s = sc + i * L;
-        for (int64_t p = 0; p < L; p++) s[p] *= j->scale;
-        softmax_inplace(s, L);
+        float* sv = sc + i * L;
+        for (int64_t p = 0; p < L; p++) sv[p] *= j->scale;
+        softmax_inplace(sv, L);
         for (int64_t c = 0; c < Dc; c++) olat[i * Dc + c] = 0.0f;
     }
     /* pass 2: o_lat = softmax @ c */
-    for (int64_t p0 = 0; p0 < L; p0 += DEC_CHUNK) {
-        int n = (int)(L - p0 < DEC_CHUNK ? L - p0 : DEC_CHUNK);
-        for (int r = 0; r < n; r++) {
-            int64_t p = p0 + r;
-            load_row(j->cd, t_row2(&a->cache, j->cd, bt[p / j->BS], p % j->BS), 0, Dc, chunk + r * Dw);
+    for (int64_t p0 = 0; p0 < L; p0 += step) {
+        int n = (int)(L - p0 < step ? L - p0 : step);
+        const float* rows = chunk;
+        if (direct) {
+            rows = (const float*)t_row2(&a->cache, j->cd, bt[p0 / j->BS], 0);
+        } else {
+            for (int r = 0; r < n; r++) {
+                int64_t p = p0 + r;
+                load_row(j->cd, t_row2(&a->cache, j->cd, bt[p / j->BS], p % j->BS), 0, Dc, chunk + r * Dw);
+            }
         }
         for (int64_t i = 0; i < nh; i++) {
             float* ol = olat + i * Dc;
-            const float* s = sc + i * L + p0;
-            for (int r = 0; r < n; r++) j->k->axpy(s[r], chunk + r * Dw, ol, Dc);
+            const float* sv = sc + i * L + p0;
+            for (int r = 0; r < n; r++) K->axpy(sv[r], rows + r * crs, ol, Dc);
         }
     }
-    /* out[h] = W_uv[h] @ o_lat[h] */
+    /* out[h] = W_uv[h] @ o_lat[h]: a GEMV over W_uv's rows, four at a time where the kernels allow */
+    rowdot_fn f1 = K->rowdot[j->wd];
+    rowdot4_fn f4 = K->rowdot4[j->wd];
     for (int64_t i = 0; i < nh; i++) {
-        int64_t h = h0 + i;
-        for (int64_t d = 0; d < Dv; d++) {
-            load_row(j->wd, t_row(W, j->wd, h * (Dn + Dv) + Dn + d), 0, Dc, wrow);
-            j->k->gemm_dot(olat + i * Dc, Dc, 1, wrow, Dc, 1, Dc, o + d, 1);
+        int64_t h = h0 + i, d = 0;
+        const float* ol = olat + i * Dc;
+        if (f4)
+            for (; d + 4 <= Dv; d += 4) {
+                RowDot4 r4 = {ol, {0}, Dc, Dc + 1, {NULL, NULL, NULL, NULL}};
+                for (int q = 0; q < 4; q++) r4.w[q] = t_row(W, j->wd, h * (Dn + Dv) + Dn + d + q);
+                f4(&r4, o + d);
+            }
+        for (; d < Dv; d++) {
+            const char* wr = t_row(W, j->wd, h * (Dn + Dv) + Dn + d);
+            if (f1) {
+                RowDot r1;
+                memset(&r1, 0, sizeof r1);
+                r1.x[0] = ol;
+                r1.mr = 1;
+                r1.w = wr;
+                r1.K = Dc;
+                r1.bc = Dc + 1;
+                f1(&r1, o + d);
+            } else {
+                load_row(j->wd, wr, 0, Dc, wrow);
+                K->gemm_dot(ol, Dc, 1, wrow, Dc, 1, Dc, o + d, 1);
+            }
         }
         store_row(j->od, t_row2(&a->out, j->od, t, h), o, Dv);
     }

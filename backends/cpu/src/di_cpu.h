@@ -221,6 +221,7 @@ typedef struct {
     float (*dot_i8_seg)(const int8_t* a, const int8_t* b, const int64_t* seg, int64_t nseg, const float* scale);
     void (*unpack_i4)(const uint8_t* src, int64_t n, int8_t* dst, int sign);  /* n even */
     void (*axpy)(float a, const float* x, float* y, int64_t n);               /* y += a * x */
+    void (*axpy_bf16)(float a, const uint16_t* x, float* y, int64_t n);      /* y += a * bf16 x */
     idot_fn idot[DT_COUNT];   /* DT_I8 and DT_I4 rows on VNNI; NULL: the generic integer path */
     idot4_fn idot4[DT_COUNT];
     const char* name;

@@ -53,6 +53,10 @@ static void axpy_scalar(float a, const float* x, float* y, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
+static void axpy_bf16_scalar(float a, const uint16_t* x, float* y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] += a * bf16_to_f32(x[i]);
+}
+
 void kernels_scalar(Kernels* k) {
     memset(k, 0, sizeof *k);
     k->gemm_dot = gemm_dot_scalar;
@@ -60,6 +64,7 @@ void kernels_scalar(Kernels* k) {
     k->dot_i8_seg = dot_i8_seg_scalar;
     k->unpack_i4 = unpack_i4_scalar;
     k->axpy = axpy_scalar;
+    k->axpy_bf16 = axpy_bf16_scalar;
     k->name = "scalar";
 }
 

@@ -259,8 +259,19 @@ static K2 void axpy_avx2(float a, const float* x, float* y, int64_t n) {
     for (; i < n; i++) y[i] += a * x[i];
 }
 
+static K2 void axpy_bf16_avx2(float a, const uint16_t* x, float* y, int64_t n) {
+    __m256 av = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 xv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(x + i))), 16));
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, xv, _mm256_loadu_ps(y + i)));
+    }
+    for (; i < n; i++) y[i] += a * bf16_to_f32(x[i]);
+}
+
 int kernels_avx2(Kernels* k) {
     k->axpy = axpy_avx2;
+    k->axpy_bf16 = axpy_bf16_avx2;
     k->gemm_dot = gemm_dot_avx2;
     k->rowdot[DT_F32] = rowdot_f32;
     k->rowdot[DT_BF16] = rowdot_bf16;

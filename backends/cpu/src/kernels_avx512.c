@@ -494,6 +494,18 @@ static __attribute__((target(TGTV))) void idot4_i8(const IDot4* a, float* y) {
 DEF_IDOT(idot_i4)
 DEF_IDOT(idot_i8)
 
+static K512 void axpy_bf16_512(float a, const uint16_t* x, float* y, int64_t n) {
+    __m512 av = _mm512_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, dec_bf16(x, i), _mm512_loadu_ps(y + i)));
+    if (i < n) {
+        __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
+        __m512 xv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x + i)), 16));
+        _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(av, xv, _mm512_maskz_loadu_ps(m, y + i)));
+    }
+}
+
 static K512 void axpy_512(float a, const float* x, float* y, int64_t n) {
     __m512 av = _mm512_set1_ps(a);
     int64_t i = 0;
@@ -507,6 +519,7 @@ static K512 void axpy_512(float a, const float* x, float* y, int64_t n) {
 
 int kernels_avx512(Kernels* k) {
     k->axpy = axpy_512;
+    k->axpy_bf16 = axpy_bf16_512;
     k->gemm_dot = gemm_dot_512;
     k->rowdot[DT_F32] = rowdot_f32;
     k->rowdot[DT_BF16] = rowdot_bf16;
