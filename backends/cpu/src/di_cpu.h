@@ -130,7 +130,7 @@ static inline char* t_row2(const DI_Tensor* t, int dt, int64_t i, int64_t j) {
 
 /* ------------------------------------------------------------------ quantized matrices */
 /* A resolved view of the last two dims [R, C] of a (possibly quantized) matrix slice. */
-typedef struct {
+typedef struct QMat_ {
     int         dt;          /* element storage dtype */
     int64_t     R, C;
     const char* base;        /* element (0, 0) */
@@ -153,6 +153,12 @@ DI_HIDDEN int64_t lead_offset(const DI_Tensor* t, int64_t lead);
 DI_HIDDEN void store_elem(int dt, void* base, int64_t e, float v);
 /* scales (and zeros, 0 when absent) of row block rb as f32, ncb values each */
 DI_HIDDEN void qmat_scale_row(const QMat* m, int64_t rb, float* s, float* z);
+/* row block rb's scales in place when they are contiguous f32 (no copy), else qmat_scale_row into buf */
+static inline const float* qmat_scales(const QMat* m, int64_t rb, float* buf) {
+    if (m->sdt == DT_F32 && (m->scs == 1 || m->ncb == 1)) return (const float*)m->sbase + rb * m->srs;
+    qmat_scale_row(m, rb, buf, NULL);
+    return buf;
+}
 /* bit-exact dequantized row r of m (C values): (q - z) * s in f32 */
 DI_HIDDEN void qmat_dequant_row(const QMat* m, int64_t r, float* out);
 
@@ -174,6 +180,7 @@ typedef struct {
     const void*  w[4];
     int64_t      K, bc;
     const float* s[4];     /* per-block scales of each row (NULL: 1) */
+    const float* xp;       /* 4-bit weights (rowdot4_nib): x with each 32-chunk's even elements, then odd */
 } RowDot4;
 typedef void (*rowdot4_fn)(const RowDot4* a, float* y);
 
@@ -210,12 +217,34 @@ typedef struct {
 } IDot4;
 typedef void (*idot4_fn)(const IDot4* a, float* y);
 
+/* The AMX integer GEMM (kernels_amx.c): Y[M, N] = x @ W^T for int8 x and int8 / int4 weights, one
+ * strip of 32 output columns per call; segments as for IDot (64-element chunks, one x block and one
+ * w block each). */
+#define AMX_MIN_M 32
+typedef struct {
+    const int8_t*  x;        /* [Mp, K] x rows, zero rows past M (Mp a multiple of 32) */
+    int64_t        M, Mp, K, N;
+    const struct QMat_* m;   /* the weights (int8, or int4 packed low nibble first) */
+    int64_t        nseg;
+    const int64_t *seg_end, *seg_xb, *seg_wb;
+    const float*   sx;       /* x scales [ceil(M / xbr), xncb] */
+    int64_t        xbr, xncb;
+    float*         Y;
+    int64_t        ldy;
+} AmxIntJob;
+DI_HIDDEN int amx_init(void);   /* 1: the CPU and the OS give this process AMX tiles */
+DI_HIDDEN size_t amx_scratch_bytes(int64_t K, int64_t nseg, int64_t ncb);
+DI_HIDDEN void amx_int_strip(const AmxIntJob* j, int64_t n0, void* scratch);
+
 typedef struct {
     /* C[i * ldc + j] = dot(A[i], B[j]) over K (overwrites); A: M rows (lda), B: N rows (ldb) */
     void (*gemm_dot)(const float* A, int64_t lda, int M, const float* B, int64_t ldb, int N, int64_t K,
                      float* C, int64_t ldc);
     rowdot_fn rowdot[DT_COUNT];  /* fused float-x kernels by weight dtype, NULL = none */
     rowdot4_fn rowdot4[DT_COUNT];  /* the same for four rows at M = 1, NULL = use rowdot */
+    /* 4-bit weights at M = 1 through a 16-entry value table (vpermps): no integer-to-float
+     * conversion; needs xp, block sizes a multiple of 32 (or one block), K's tail done in scalar */
+    rowdot4_fn rowdot4_nib[DT_COUNT];
     int32_t (*dot_i8)(const int8_t* a, const int8_t* b, int64_t n);
     /* sum over segments s of scale[s] * (exact int32 dot of a, b over [seg[s], seg[s+1])) */
     float (*dot_i8_seg)(const int8_t* a, const int8_t* b, const int64_t* seg, int64_t nseg, const float* scale);
@@ -224,6 +253,7 @@ typedef struct {
     void (*axpy_bf16)(float a, const uint16_t* x, float* y, int64_t n);      /* y += a * bf16 x */
     idot_fn idot[DT_COUNT];   /* DT_I8 and DT_I4 rows on VNNI; NULL: the generic integer path */
     idot4_fn idot4[DT_COUNT];
+    int amx;                  /* AMX tiles usable (amx_init succeeded and the ISA cap allows them) */
     const char* name;
 } Kernels;
 

@@ -115,6 +115,16 @@ static void select_kernels(void) {
     int allow2 = isa_allows("avx2");
     if (allow2 && have[2] && have[3]) kernels_avx2(&g_kernels);
     if (allow512 && have[5] && have[6] && have[7] && have[2] && have[3]) kernels_avx512(&g_kernels);
+    if (g_kernels.idot[DT_I8] && isa_allows("amx") && amx_init()) {
+        g_kernels.amx = 1;
+        g_kernels.name = "avx512+vnni+amx";
+    }
+#if __GNUC__ >= 11
+    if (__builtin_cpu_supports("amx-int8")) {
+        size_t l = strlen(g_features);
+        snprintf(g_features + l, sizeof g_features - l, "%s", l ? " amx-int8" : "amx-int8");
+    }
+#endif
 #else
     snprintf(g_features, sizeof g_features, "portable");
 #endif

@@ -199,6 +199,50 @@ K512I void dec_e2m1_2(const void* w, int64_t k, __m512* a, __m512* b) {
         for (int q = 0; q < 4; q++) y[q] = _mm512_reduce_add_ps(t[q]) + r[q];                         \
     }
 
+/* 32 weights of a 4-bit row per step: 16 bytes widened to 16 dwords, low nibbles (even elements)
+ * and high nibbles (odd ones) looked up in the dtype's value table, against x's even and odd
+ * elements (xp). One block scale per block as in the other kernels. */
+K512I void rowdot4_nib_impl(const RowDot4* a, float* y, const float* table) {
+    const __m512 lut = _mm512_loadu_ps(table);
+    const __m512i m4 = _mm512_set1_epi32(15);
+    __m512 t[4];
+    float r[4] = {0, 0, 0, 0};
+    for (int q = 0; q < 4; q++) t[q] = _mm512_setzero_ps();
+    int64_t bi = 0;
+    for (int64_t b0 = 0; b0 < a->K; b0 += a->bc, bi++) {
+        int64_t b1 = b0 + a->bc < a->K ? b0 + a->bc : a->K, k = b0;
+        __m512 c[4], d[4];
+        float sr[4] = {0, 0, 0, 0};
+        for (int q = 0; q < 4; q++) c[q] = d[q] = _mm512_setzero_ps();
+        for (; k + 32 <= b1; k += 32) {
+            __m512 xe = _mm512_loadu_ps(a->xp + k), xo = _mm512_loadu_ps(a->xp + k + 16);
+            for (int q = 0; q < 4; q++) {
+                __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)((const uint8_t*)a->w[q] + k / 2)));
+                c[q] = _mm512_fmadd_ps(xe, _mm512_permutexvar_ps(_mm512_and_si512(v, m4), lut), c[q]);
+                d[q] = _mm512_fmadd_ps(xo, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut), d[q]);
+            }
+        }
+        for (; k < b1; k++) {   /* a tail shorter than 32: x in its natural order */
+            for (int q = 0; q < 4; q++) {
+                const uint8_t* p = (const uint8_t*)a->w[q];
+                sr[q] += a->x[k] * table[(p[k >> 1] >> ((k & 1) * 4)) & 15];
+            }
+        }
+        for (int q = 0; q < 4; q++) {
+            float s = a->s[q] ? a->s[q][bi] : 1.0f;
+            t[q] = _mm512_fmadd_ps(_mm512_add_ps(c[q], d[q]), _mm512_set1_ps(s), t[q]);
+            r[q] += sr[q] * s;
+        }
+    }
+    for (int q = 0; q < 4; q++) y[q] = _mm512_reduce_add_ps(t[q]) + r[q];
+}
+static const float k_tab_i4[16] = {0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1};
+static const float k_tab_u4[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+static const float k_tab_e2m1[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
+static K512 void rowdot4_nib_i4(const RowDot4* a, float* y) { rowdot4_nib_impl(a, y, k_tab_i4); }
+static K512 void rowdot4_nib_u4(const RowDot4* a, float* y) { rowdot4_nib_impl(a, y, k_tab_u4); }
+static K512 void rowdot4_nib_e2m1(const RowDot4* a, float* y) { rowdot4_nib_impl(a, y, k_tab_e2m1); }
+
 DEF_ROWDOT4(rowdot4_f32, dec_f32, dec2_f32, DT_F32, 32)
 DEF_ROWDOT4(rowdot4_bf16, dec_bf16, dec2_bf16, DT_BF16, 16)
 DEF_ROWDOT4(rowdot4_f16, dec_f16, dec2_f16, DT_F16, 16)
@@ -537,6 +581,9 @@ int kernels_avx512(Kernels* k) {
     k->rowdot4[DT_U4] = rowdot4_u4;
     k->rowdot4[DT_E2M1] = rowdot4_e2m1;
     k->rowdot4[DT_E4M3] = rowdot4_e4m3;
+    k->rowdot4_nib[DT_I4] = rowdot4_nib_i4;
+    k->rowdot4_nib[DT_U4] = rowdot4_nib_u4;
+    k->rowdot4_nib[DT_E2M1] = rowdot4_nib_e2m1;
     k->dot_i8 = dot_i8_512;
     k->dot_i8_seg = dot_i8_seg_512;
     if (__builtin_cpu_supports("avx512vnni") && isa_allows("avx512vnni")) {

@@ -55,6 +55,7 @@ typedef struct {
     rowdot_fn    fused;
     int64_t      rows_per_task;
     const float* xsum;   /* [M, ncb] block sums of x, for zero points */
+    float*       xp;     /* M = 1, 4-bit weights: x reordered for rowdot4_nib (owned), else NULL */
     float*       scratch;
     int64_t      scratch_per_worker;
 } LinJob;
@@ -70,8 +71,10 @@ static void lin_task(void* arg, int64_t task, int worker) {
     float* scr = j->scratch + (size_t)worker * (size_t)j->scratch_per_worker;
     const QMat* m = &j->m;
     if (j->fused && j->M == 1 && j->k->rowdot4[m->dt] && !m->zbase) {
+        rowdot4_fn f4 = j->xp ? j->k->rowdot4_nib[m->dt] : j->k->rowdot4[m->dt];
         /* four rows at a time; each keeps the scales of its row block */
         float* sr[4];
+        const float* sp[4] = {NULL, NULL, NULL, NULL};
         int64_t rbq[4] = {-1, -1, -1, -1};
         for (int q = 0; q < 4; q++) sr[q] = scr + q * (m->ncb + 1);
         int64_t n = n0;
@@ -85,11 +88,12 @@ static void lin_task(void* arg, int64_t task, int worker) {
                 a.s[q] = NULL;
                 if (m->quant) {
                     int64_t rb = (n + q) / m->br;
-                    if (rb != rbq[q]) { qmat_scale_row(m, rb, sr[q], NULL); rbq[q] = rb; }
-                    a.s[q] = sr[q];
+                    if (rb != rbq[q]) { sp[q] = qmat_scales(m, rb, sr[q]); rbq[q] = rb; }
+                    a.s[q] = sp[q];
                 }
             }
-            j->k->rowdot4[m->dt](&a, j->Y + n);
+            a.xp = j->xp;
+            f4(&a, j->Y + n);
         }
         for (; n < n1; n++) {
             RowDot a;
@@ -97,7 +101,7 @@ static void lin_task(void* arg, int64_t task, int worker) {
             a.K = j->K;
             a.bc = m->quant ? m->bc : j->K + 1;
             a.s = NULL;
-            if (m->quant) { qmat_scale_row(m, n / m->br, sr[0], NULL); a.s = sr[0]; }
+            if (m->quant) a.s = qmat_scales(m, n / m->br, sr[0]);
             a.mr = 1;
             a.x[0] = j->X;
             j->fused(&a, j->Y + n);
@@ -181,10 +185,23 @@ static DI_Status lin_prepare(DI_Context* ctx, const char* op, LinJob* j, const f
             }
         j->xsum = xsum;
     }
+    if (j->fused && M == 1 && j->k->rowdot4_nib[j->m.dt] && !j->m.zbase &&
+        (j->m.bc >= j->K || j->m.bc % 32 == 0)) {
+        /* each 32-element chunk: its even elements, then its odd ones (the nibbles' order) */
+        j->xp = di_malloc((size_t)j->K * sizeof(float));
+        if (!j->xp) { free(xsum); j->xsum = NULL; return DI_OOM(ctx, op); }
+        int64_t k = 0;
+        for (; k + 32 <= j->K; k += 32)
+            for (int e = 0; e < 16; e++) {
+                j->xp[k + e] = X[k + 2 * e];
+                j->xp[k + 16 + e] = X[k + 2 * e + 1];
+            }
+        for (; k < j->K; k++) j->xp[k] = X[k];
+    }
     int nw = pool_size(ctx->pool);
     j->scratch_per_worker = j->fused ? 4 * (j->m.ncb + 1) : (int64_t)TILE_N * j->K;
     j->scratch = di_malloc((size_t)nw * (size_t)j->scratch_per_worker * sizeof(float));
-    if (!j->scratch) { free(xsum); j->xsum = NULL; return DI_OOM(ctx, op); }
+    if (!j->scratch) { free(xsum); j->xsum = NULL; free(j->xp); j->xp = NULL; return DI_OOM(ctx, op); }
     /* enough tasks to balance threads, few enough that each streams a long run of W */
     if (tasks < 1) tasks = 1;
     int64_t per = (j->N + tasks - 1) / tasks;
@@ -197,8 +214,10 @@ static DI_Status lin_prepare(DI_Context* ctx, const char* op, LinJob* j, const f
 static void lin_release(LinJob* j) {
     free(j->scratch);
     free((void*)j->xsum);
+    free(j->xp);
     j->scratch = NULL;
     j->xsum = NULL;
+    j->xp = NULL;
 }
 
 static int64_t lin_ntasks(const LinJob* j) { return j->N ? (j->N + j->rows_per_task - 1) / j->rows_per_task : 0; }
@@ -350,8 +369,7 @@ static void vnni_task(void* arg, int64_t task, int worker) {
             a.seg_end = j->seg_end;
             a.bias = j->bias;
             for (int q = 0; q < 4; q++) {
-                float* swq = sw4 + q * (m->ncb + 1);
-                qmat_scale_row(m, (n + q) / m->br, swq, NULL);
+                const float* swq = qmat_scales(m, (n + q) / m->br, sw4 + q * (m->ncb + 1));
                 float* scq = sc + q * j->nseg;
                 for (int64_t sg = 0; sg < j->nseg; sg++) scq[sg] = sxr[j->seg_xb[sg]] * swq[j->seg_wb[sg]];
                 a.w[q] = m->base + (bits == 4 ? (n + q) * m->rs / 2 : (n + q) * m->rs);
@@ -361,9 +379,10 @@ static void vnni_task(void* arg, int64_t task, int worker) {
         }
         n0 = n;
     }
+    const float* swr = sw;
     for (int64_t n = n0; n < n1; n++) {
         int64_t rb = n / m->br;
-        if (rb != cur_rb) { qmat_scale_row(m, rb, sw, NULL); cur_rb = rb; }
+        if (rb != cur_rb) { swr = qmat_scales(m, rb, sw); cur_rb = rb; }
         IDot a;
         a.w = m->base + (bits == 4 ? n * m->rs / 2 : n * m->rs);
         a.nseg = j->nseg;
@@ -374,7 +393,7 @@ static void vnni_task(void* arg, int64_t task, int worker) {
                 int64_t r = m0 + i;
                 a.x[i] = j->xp + r * j->K;
                 const float* sxr = j->sx + (r / j->xbr) * j->xncb;
-                for (int64_t sg = 0; sg < j->nseg; sg++) sc[i * j->nseg + sg] = sxr[j->seg_xb[sg]] * sw[j->seg_wb[sg]];
+                for (int64_t sg = 0; sg < j->nseg; sg++) sc[i * j->nseg + sg] = sxr[j->seg_xb[sg]] * swr[j->seg_wb[sg]];
             }
             a.bias = j->bias + m0 * j->nseg * (dt_bits(m->dt) == 4 ? 8 : 16);
             a.scale = sc;
@@ -383,6 +402,42 @@ static void vnni_task(void* arg, int64_t task, int worker) {
             for (int i = 0; i < a.mr; i++) j->Y[(m0 + i) * j->ldy + n] = y[i];
         }
     }
+}
+
+/* ------------------------------------------------------------------ AMX integer GEMM */
+typedef struct {
+    AmxIntJob a;
+    char*     scratch;
+    size_t    scratch_per_worker;
+} AmxTask;
+
+static void amx_task(void* arg, int64_t task, int worker) {
+    const AmxTask* t = (const AmxTask*)arg;
+    amx_int_strip(&t->a, task * 32, t->scratch + (size_t)worker * t->scratch_per_worker);
+}
+
+/* x rows from the VNNI job (natural element order), zero-padded to whole 32-row blocks */
+static DI_Status lin_amx(DI_Context* ctx, const QMat* xm, const VnniJob* v) {
+    AmxTask t;
+    memset(&t, 0, sizeof t);
+    int64_t Mp = (v->M + 31) / 32 * 32;
+    int nw = pool_size(ctx->pool);
+    int8_t* xpad = di_malloc((size_t)(Mp * v->K));
+    t.scratch_per_worker = (amx_scratch_bytes(v->K, v->nseg, v->m.ncb) + 63) & ~(size_t)63;
+    t.scratch = di_malloc((size_t)nw * t.scratch_per_worker + 64);
+    if (!xpad || !t.scratch) {
+        free(xpad);
+        free(t.scratch);
+        return DI_OOM(ctx, "linear");
+    }
+    for (int64_t r = 0; r < v->M; r++) memcpy(xpad + r * v->K, (const int8_t*)xm->base + r * xm->rs, (size_t)v->K);
+    memset(xpad + v->M * v->K, 0, (size_t)((Mp - v->M) * v->K));
+    t.a = (AmxIntJob){xpad, v->M, Mp, v->K, v->N, &v->m, v->nseg, v->seg_end, v->seg_xb, v->seg_wb, v->sx,
+                      v->xbr, v->xncb, v->Y, v->ldy};
+    pool_run(ctx->pool, (v->N + 31) / 32, amx_task, &t, v->M * v->N * v->K / 16);
+    free(xpad);
+    free(t.scratch);
+    return DI_OK;
 }
 
 /* The VNNI kernels need K and every x / w block boundary on 64-element chunks. */
@@ -457,6 +512,10 @@ static DI_Status lin_vnni(DI_Context* ctx, const QMat* xm, const QMat* wm, float
     j.bias = bias;
     for (int64_t rb = 0; rb < xm->nrb; rb++) qmat_scale_row(xm, rb, sx + rb * xm->ncb, NULL);
     j.sx = sx;
+    if (kernels()->amx && j.M >= AMX_MIN_M) {
+        st = lin_amx(ctx, xm, &j);
+        goto done;
+    }
     int64_t per = (j.N + (int64_t)nw * 4 - 1) / ((int64_t)nw * 4);
     if (per < 4) per = 4;
     j.rows_per_task = per;
