@@ -575,6 +575,10 @@ def gen_linear(p, s):
     yield linear(s(), 17, 320, 33, "int8/token/f32", "int4/g64/sym/bf16", bias=True)
     yield linear(s(), 2, 320, 24, "int8/token/f32", "int8/channel/f32")
     yield linear(s(), 8, 1024, 20, "int8/token/f32", "int8/channel/f32")
+    # 32 rows and more: integer matrix units (AMX tiles), partial row blocks and column strips
+    yield linear(s(), 33, 384, 45, "int8/token/f32", "int4/g64/sym/bf16")
+    yield linear(s(), 70, 256, 40, "int8/token/f32", "int4/g128/sym/f16", bias=True)
+    yield linear(s(), 64, 192, 33, "int8/token/f32", "int8/channel/f32")
     yield linear(s(), 3, 200, 130, "e4m3/1x128/f32", "e4m3/128x128/f32")
     yield linear(s(), 0, 200, 130, "e4m3/1x128/f32", "e4m3/128x128/f32")
     for M in (1, 40, 300):  # whole 128 x 128 blocks: the fp8 tensor-core GEMM of a GPU library
