@@ -15,7 +15,8 @@ not answer within DEEPINFER_PROBE_TIMEOUT seconds (default 30) rejects the libra
 that says which. Verdicts are cached by path, size, mtime, sha256, deepinfer version and host in
 probe-cache.json under DEEPINFER_CACHE_DIR, else $XDG_CACHE_HOME/deepinfer, else
 ~/.cache/deepinfer, so each library file costs one child once; timeouts are not cached (they may
-be the machine's load rather than the library's fault). An unwritable or corrupt cache is ignored.
+be the machine's load rather than the library's fault), and a verdict holds for the DEEPINFER_*
+settings it was made under. An unwritable or corrupt cache is ignored.
 
 get_backend("cpu") probes only the libraries named libdeepinfer_cpu.so: a library the user did not
 ask for never runs.
@@ -459,8 +460,13 @@ def cache_dir() -> Path:
 
 def _cache_key(path: Path) -> dict:
     st = path.stat()
+    # a library's facts can depend on the DEEPINFER_* settings it reads at start-up (the CPU
+    # library's DEEPINFER_CPU_ISA changes its device.arch): a verdict holds for the ones it saw
+    env = sorted((k, v) for k, v in os.environ.items()
+                 if k.startswith("DEEPINFER_") and k not in (CACHE_DIR_ENV, PROBE_TIMEOUT_ENV))
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": file_sha256(path),
-            "deepinfer": _ref_version(), "host": os.uname().nodename}
+            "deepinfer": _ref_version(), "host": os.uname().nodename,
+            "env": hashlib.sha256(repr(env).encode()).hexdigest()[:16]}
 
 
 def _read_cache() -> dict:
