@@ -174,13 +174,16 @@ typedef struct {
 } RowDot;
 typedef void (*rowdot_fn)(const RowDot* a, float* y);
 /* y[r] = dot(x, w[r]) for 4 weight rows against one x row (decode's M = 1): one x load feeds four
- * rows and the call, block and reduction overheads are paid once per four rows. */
+ * rows and the call, block and reduction overheads are paid once per four rows. Four short row
+ * streams do not wake the hardware prefetcher in time (measured: int4 rows of 1 KiB ran at a third
+ * of the memory bandwidth), so the kernels prefetch the next call's rows as they go (pf). */
 typedef struct {
     const float* x;
     const void*  w[4];
     int64_t      K, bc;
     const float* s[4];     /* per-block scales of each row (NULL: 1) */
     const float* xp;       /* 4-bit weights (rowdot4_nib): x with each 32-chunk's even elements, then odd */
+    int64_t      pf;       /* bytes from w[r] to the rows the next call reads (prefetched), 0: none */
 } RowDot4;
 typedef void (*rowdot4_fn)(const RowDot4* a, float* y);
 
@@ -214,6 +217,7 @@ typedef struct {
     const int64_t* seg_end;
     const int32_t* bias;     /* [nseg][lanes] of the one x row */
     const float*   scale[4];
+    int64_t        pf;       /* bytes from w[r] to the rows the next call reads (prefetched), 0: none */
 } IDot4;
 typedef void (*idot4_fn)(const IDot4* a, float* y);
 

@@ -176,6 +176,12 @@ K512I void dec_e2m1_2(const void* w, int64_t k, __m512* a, __m512* b) {
             float sr[4] = {0, 0, 0, 0};                                                               \
             for (int q = 0; q < 4; q++) c[q] = d[q] = _mm512_setzero_ps();                            \
             for (; k + 32 <= b1; k += 32) {                                                           \
+                if (a->pf && !((k * BITS / 8) & 63))                                                  \
+                    for (int q = 0; q < 4; q++)                                                       \
+                        _mm_prefetch((const char*)a->w[q] + a->pf + (k * BITS) / 8, _MM_HINT_T0);     \
+                if (a->pf && BITS >= 32)                                                              \
+                    for (int q = 0; q < 4; q++)                                                       \
+                        _mm_prefetch((const char*)a->w[q] + a->pf + (k * BITS) / 8 + 64, _MM_HINT_T0);\
                 __m512 xa = _mm512_loadu_ps(x + k), xb = _mm512_loadu_ps(x + k + 16);                 \
                 for (int q = 0; q < 4; q++) {                                                         \
                     __m512 wv, wu;                                                                    \
@@ -215,6 +221,8 @@ K512I void rowdot4_nib_impl(const RowDot4* a, float* y, const float* table) {
         float sr[4] = {0, 0, 0, 0};
         for (int q = 0; q < 4; q++) c[q] = d[q] = _mm512_setzero_ps();
         for (; k + 32 <= b1; k += 32) {
+            if (a->pf && !(k & 127))
+                for (int q = 0; q < 4; q++) _mm_prefetch((const char*)a->w[q] + a->pf + k / 2, _MM_HINT_T0);
             __m512 xe = _mm512_loadu_ps(a->xp + k), xo = _mm512_loadu_ps(a->xp + k + 16);
             for (int q = 0; q < 4; q++) {
                 __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)((const uint8_t*)a->w[q] + k / 2)));
@@ -479,6 +487,8 @@ static __attribute__((target(TGTV))) void idot4_i4(const IDot4* a, float* y) {
         __m256i b0 = _mm256_loadu_si256((const __m256i*)(a->bias + s * 8));
         for (int q = 0; q < 4; q++) { ae[q] = b0; ao[q] = _mm256_setzero_si256(); }
         for (int64_t c1 = a->seg_end[s]; c < c1; c++) {
+            if (a->pf && !(c & 1))
+                for (int q = 0; q < 4; q++) _mm_prefetch((const char*)a->w[q] + a->pf + c * 32, _MM_HINT_T0);
             __m256i xe = _mm256_loadu_si256((const __m256i*)(a->x + c * 64));
             __m256i xo = _mm256_loadu_si256((const __m256i*)(a->x + c * 64 + 32));
             for (int q = 0; q < 4; q++) {
@@ -510,6 +520,8 @@ static __attribute__((target(TGTV))) void idot4_i8(const IDot4* a, float* y) {
         __m512i b0 = _mm512_loadu_si512((const void*)(a->bias + s * 16));
         for (int q = 0; q < 4; q++) acc[q] = b0;
         for (int64_t c1 = a->seg_end[s]; c < c1; c++) {
+            if (a->pf)
+                for (int q = 0; q < 4; q++) _mm_prefetch((const char*)a->w[q] + a->pf + c * 64, _MM_HINT_T0);
             __m512i xv = _mm512_loadu_si512((const void*)(a->x + c * 64));
             for (int q = 0; q < 4; q++) {
                 __m512i u = _mm512_xor_si512(_mm512_loadu_si512((const void*)((const int8_t*)a->w[q] + c * 64)), flip);

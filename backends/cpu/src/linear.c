@@ -93,6 +93,7 @@ static void lin_task(void* arg, int64_t task, int worker) {
                 }
             }
             a.xp = j->xp;
+            a.pf = n + 8 <= n1 ? (const char*)w_row(m, n + 4) - (const char*)a.w[0] : 0;
             f4(&a, j->Y + n);
         }
         for (; n < n1; n++) {
@@ -375,6 +376,7 @@ static void vnni_task(void* arg, int64_t task, int worker) {
                 a.w[q] = m->base + (bits == 4 ? (n + q) * m->rs / 2 : (n + q) * m->rs);
                 a.scale[q] = scq;
             }
+            a.pf = n + 8 <= n1 ? 4 * (bits == 4 ? m->rs / 2 : m->rs) : 0;
             f4(&a, j->Y + n);
         }
         n0 = n;
