@@ -124,7 +124,8 @@ class WeightLoader:
     def load(self, load_mtp: bool) -> ModelWeights:
         c, H = self.cfg, self.cfg.hidden_size
         self.ckpt.used.clear()     # what this load reads, for _check_all_used
-        embed = self._t("model.embed_tokens.weight", (c.vocab_size, H))
+        embed = self._t("model.embed_tokens.weight", (c.vocab_size, H),
+                        "bf16" if self._keeps_bf16("model.embed_tokens.weight") else None)
         norm = self._t("model.norm.weight", (H,))
         if "lm_head.weight" in self.ckpt:
             lm_head = self._w("lm_head.weight", (c.vocab_size, H))
@@ -167,8 +168,19 @@ class WeightLoader:
             f"q_lora_rank, topk_method, first_k_dense_replace); use the config.json that came with them")
 
     # ------------------------------------------------------------------ one tensor
+    def _keeps_bf16(self, name: str) -> bool:
+        """A float tensor the precision leaves as it is (lm_head, the embedding table) stays bf16 when
+        stored bf16, under every precision but f32 and "as stored with activations' dtype" (None):
+        bf16 converts to f32 exactly, so the model computes the same values, and an f32 copy would
+        double the bytes decode reads (V2-Lite's lm_head: 420 MB more per token)."""
+        return self.weight_format not in (None, "f32") and self.ckpt.array(name).dtype == D.get("bf16").np
+
     def _w(self, name, shape) -> Tensor:
         be, fmt = self.backend, self.weight_format
+        if not QF.is_quantizable(name, shape) and self._keeps_bf16(name):
+            t = self.ckpt.weight(name, shape)
+            if t.quant is None:
+                return be.upload(t)
         if fmt is None or not QF.is_quantizable(name, shape):
             t = self.ckpt.weight(name, shape, self.dtype)
             if t.quant is not None and not QF.is_quantizable(name, shape) and fmt is not None:
