@@ -254,7 +254,7 @@ static void decode_task(void* arg, int64_t task, int worker) {
         const float* ol = olat + i * Dc;
         if (f4)
             for (; d + 4 <= Dv; d += 4) {
-                RowDot4 r4 = {ol, {0}, Dc, Dc + 1, {NULL, NULL, NULL, NULL}, NULL, 0};
+                RowDot4 r4 = {ol, {0}, Dc, Dc + 1, {NULL, NULL, NULL, NULL}, NULL, 0, NULL};
                 for (int q = 0; q < 4; q++) r4.w[q] = t_row(W, j->wd, h * (Dn + Dv) + Dn + d + q);
                 f4(&r4, o + d);
             }

@@ -184,6 +184,8 @@ typedef struct {
     const float* s[4];     /* per-block scales of each row (NULL: 1) */
     const float* xp;       /* 4-bit weights (rowdot4_nib): x with each 32-chunk's even elements, then odd */
     int64_t      pf;       /* bytes from w[r] to the rows the next call reads (prefetched), 0: none */
+    const uint16_t* xs;    /* bf16 weights (rowdot4_bf16dp): x as three bf16 rows hi, mid, lo of K
+                            * each, x = hi + mid + lo exactly */
 } RowDot4;
 typedef void (*rowdot4_fn)(const RowDot4* a, float* y);
 
@@ -249,6 +251,9 @@ typedef struct {
     /* 4-bit weights at M = 1 through a 16-entry value table (vpermps): no integer-to-float
      * conversion; needs xp, block sizes a multiple of 32 (or one block), K's tail done in scalar */
     rowdot4_fn rowdot4_nib[DT_COUNT];
+    /* bf16 weights at M = 1 on AVX512-BF16 dot products (vdpbf16ps) against x split exactly into
+     * three bf16 parts: every product is exact, as in the f32 path, without converting weights */
+    rowdot4_fn rowdot4_bf16dp;
     int32_t (*dot_i8)(const int8_t* a, const int8_t* b, int64_t n);
     /* sum over segments s of scale[s] * (exact int32 dot of a, b over [seg[s], seg[s+1])) */
     float (*dot_i8_seg)(const int8_t* a, const int8_t* b, const int64_t* seg, int64_t nseg, const float* scale);

@@ -244,6 +244,31 @@ K512I void rowdot4_nib_impl(const RowDot4* a, float* y, const float* table) {
     }
     for (int q = 0; q < 4; q++) y[q] = _mm512_reduce_add_ps(t[q]) + r[q];
 }
+static __attribute__((target(TGT ",avx512bf16"))) void rowdot4_bf16dp(const RowDot4* a, float* y) {
+    const uint16_t *xh = a->xs, *xm = a->xs + a->K, *xl = a->xs + 2 * a->K;
+    __m512 h[4], m[4], l[4];
+    for (int q = 0; q < 4; q++) h[q] = m[q] = l[q] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= a->K; k += 32) {
+        if (a->pf && !(k & 31))
+            for (int q = 0; q < 4; q++) _mm_prefetch((const char*)a->w[q] + a->pf + 2 * k, _MM_HINT_T0);
+        __m512bh vh = (__m512bh)_mm512_loadu_si512((const void*)(xh + k));
+        __m512bh vm = (__m512bh)_mm512_loadu_si512((const void*)(xm + k));
+        __m512bh vl = (__m512bh)_mm512_loadu_si512((const void*)(xl + k));
+        for (int q = 0; q < 4; q++) {
+            __m512bh w = (__m512bh)_mm512_loadu_si512((const void*)((const uint16_t*)a->w[q] + k));
+            h[q] = _mm512_dpbf16_ps(h[q], w, vh);
+            m[q] = _mm512_dpbf16_ps(m[q], w, vm);
+            l[q] = _mm512_dpbf16_ps(l[q], w, vl);
+        }
+    }
+    float r[4] = {0, 0, 0, 0};
+    for (; k < a->K; k++)
+        for (int q = 0; q < 4; q++) r[q] += a->x[k] * bf16_to_f32(((const uint16_t*)a->w[q])[k]);
+    for (int q = 0; q < 4; q++)
+        y[q] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(l[q], m[q]), h[q])) + r[q];
+}
+
 static const float k_tab_i4[16] = {0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1};
 static const float k_tab_u4[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 static const float k_tab_e2m1[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
@@ -596,6 +621,7 @@ int kernels_avx512(Kernels* k) {
     k->rowdot4_nib[DT_I4] = rowdot4_nib_i4;
     k->rowdot4_nib[DT_U4] = rowdot4_nib_u4;
     k->rowdot4_nib[DT_E2M1] = rowdot4_nib_e2m1;
+    if (__builtin_cpu_supports("avx512bf16") && isa_allows("avx512vnni")) k->rowdot4_bf16dp = rowdot4_bf16dp;
     k->dot_i8 = dot_i8_512;
     k->dot_i8_seg = dot_i8_seg_512;
     if (__builtin_cpu_supports("avx512vnni") && isa_allows("avx512vnni")) {

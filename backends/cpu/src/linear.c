@@ -56,6 +56,7 @@ typedef struct {
     int64_t      rows_per_task;
     const float* xsum;   /* [M, ncb] block sums of x, for zero points */
     float*       xp;     /* M = 1, 4-bit weights: x reordered for rowdot4_nib (owned), else NULL */
+    uint16_t*    xs;     /* M = 1, plain bf16 weights: x split for rowdot4_bf16dp (owned), else NULL */
     float*       scratch;
     int64_t      scratch_per_worker;
 } LinJob;
@@ -71,7 +72,7 @@ static void lin_task(void* arg, int64_t task, int worker) {
     float* scr = j->scratch + (size_t)worker * (size_t)j->scratch_per_worker;
     const QMat* m = &j->m;
     if (j->fused && j->M == 1 && j->k->rowdot4[m->dt] && !m->zbase) {
-        rowdot4_fn f4 = j->xp ? j->k->rowdot4_nib[m->dt] : j->k->rowdot4[m->dt];
+        rowdot4_fn f4 = j->xp ? j->k->rowdot4_nib[m->dt] : j->xs ? j->k->rowdot4_bf16dp : j->k->rowdot4[m->dt];
         /* four rows at a time; each keeps the scales of its row block */
         float* sr[4];
         const float* sp[4] = {NULL, NULL, NULL, NULL};
@@ -93,6 +94,7 @@ static void lin_task(void* arg, int64_t task, int worker) {
                 }
             }
             a.xp = j->xp;
+            a.xs = j->xs;
             a.pf = n + 8 <= n1 ? (const char*)w_row(m, n + 4) - (const char*)a.w[0] : 0;
             f4(&a, j->Y + n);
         }
@@ -199,10 +201,37 @@ static DI_Status lin_prepare(DI_Context* ctx, const char* op, LinJob* j, const f
             }
         for (; k < j->K; k++) j->xp[k] = X[k];
     }
+    if (j->fused && M == 1 && j->m.dt == DT_BF16 && !j->m.quant && j->k->rowdot4_bf16dp && j->N >= 4) {
+        /* x = hi + mid + lo in bf16, exactly: truncation keeps 8 significant bits per part */
+        j->xs = di_malloc((size_t)(3 * j->K) * sizeof(uint16_t));
+        if (!j->xs) { free(xsum); j->xsum = NULL; free(j->xp); j->xp = NULL; return DI_OOM(ctx, op); }
+        for (int64_t k = 0; k < j->K; k++) {
+            float v = X[k], hi, mid;
+            uint32_t b;
+            memcpy(&b, &v, 4);
+            b &= 0xffff0000u;
+            memcpy(&hi, &b, 4);
+            float r1 = isfinite(v) ? v - hi : 0.0f;   /* inf / NaN: all in hi, as the f32 path would see it */
+            memcpy(&b, &r1, 4);
+            b &= 0xffff0000u;
+            memcpy(&mid, &b, 4);
+            float r2 = r1 - mid;
+            uint32_t bh, bm, bl;
+            memcpy(&bh, &hi, 4);
+            memcpy(&bm, &mid, 4);
+            memcpy(&bl, &r2, 4);
+            j->xs[k] = (uint16_t)(bh >> 16);
+            j->xs[j->K + k] = (uint16_t)(bm >> 16);
+            j->xs[2 * j->K + k] = (uint16_t)(bl >> 16);
+        }
+    }
     int nw = pool_size(ctx->pool);
     j->scratch_per_worker = j->fused ? 4 * (j->m.ncb + 1) : (int64_t)TILE_N * j->K;
     j->scratch = di_malloc((size_t)nw * (size_t)j->scratch_per_worker * sizeof(float));
-    if (!j->scratch) { free(xsum); j->xsum = NULL; free(j->xp); j->xp = NULL; return DI_OOM(ctx, op); }
+    if (!j->scratch) {
+        free(xsum); j->xsum = NULL; free(j->xp); j->xp = NULL; free(j->xs); j->xs = NULL;
+        return DI_OOM(ctx, op);
+    }
     /* enough tasks to balance threads, few enough that each streams a long run of W */
     if (tasks < 1) tasks = 1;
     int64_t per = (j->N + tasks - 1) / tasks;
@@ -216,9 +245,11 @@ static void lin_release(LinJob* j) {
     free(j->scratch);
     free((void*)j->xsum);
     free(j->xp);
+    free(j->xs);
     j->scratch = NULL;
     j->xsum = NULL;
     j->xp = NULL;
+    j->xs = NULL;
 }
 
 static int64_t lin_ntasks(const LinJob* j) { return j->N ? (j->N + j->rows_per_task - 1) / j->rows_per_task : 0; }
