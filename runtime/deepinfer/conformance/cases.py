@@ -556,6 +556,10 @@ def gen_linear(p, s):
         for M in (1, 8, 13, 40):
             yield linear(s(), M, 256, 48, "bf16", wf, bias=M == 13, out_dtype="f32" if M == 8 else None)
         yield linear(s(), 2, 4096, 32, "bf16", wf)
+    # decode GEMV with f32 activations and output (the tight tolerance): rows in fours, K tails
+    for wf in ("bf16", "f32"):
+        yield linear(s(), 1, 300, 37, "f32", wf)
+        yield linear(s(), 1, 2048, 8, "f32", wf)
     yield linear(s(), 5, 192, 32, "bf16", "int4/g128/sym/f16")  # K = 1.5 groups: 64-column k-steps
     yield linear(s(), 300, 256, 272, "bf16", "e4m3/128x128/f32")
     yield linear(s(), 260, 384, 144, "bf16", "int4/g128/sym/f16", bias=True)
