@@ -262,6 +262,10 @@ typedef struct {
     void (*axpy_bf16)(float a, const uint16_t* x, float* y, int64_t n);      /* y += a * bf16 x */
     idot_fn idot[DT_COUNT];   /* DT_I8 and DT_I4 rows on VNNI; NULL: the generic integer path */
     idot4_fn idot4[DT_COUNT];
+    /* C[i, 0:nt] (=, or += when acc) X[i, 0:kc] @ P for i < mr (mr <= 6), P packed [kc][32] f32
+     * (columns past nt zero): the outer-product GEMM kernel of prefill; NULL = use gemm_dot */
+    void (*gemm_panel)(const float* X, int64_t ldx, int mr, const float* P, int64_t kc, float* C, int64_t ldc,
+                       int nt, int acc);
     int amx;                  /* AMX tiles usable (amx_init succeeded and the ISA cap allows them) */
     const char* name;
 } Kernels;
