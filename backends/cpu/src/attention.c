@@ -165,7 +165,7 @@ static void decode_task(void* arg, int64_t task, int worker) {
         free(z);
         return;
     }
-    size_t need = (size_t)(nh * Dc + nh * Dr + nh * L + DEC_CHUNK * Dw + nh * Dc + Dc + Dn + Dr + Dv + 16);
+    size_t need = (size_t)(nh * Dc + nh * Dr + nh * L + DEC_CHUNK * Dw + nh * Dc + Dc + Dn + Dr + Dc + Dv + 16);
     float* mem = di_malloc(need * sizeof(float));
     if (!mem) { j->oom = 1; return; }
     float* qlat = mem;
@@ -175,7 +175,7 @@ static void decode_task(void* arg, int64_t task, int worker) {
     float* olat = chunk + DEC_CHUNK * Dw;
     float* wrow = olat + nh * Dc;
     float* qrow = wrow + Dc;
-    o = qrow + Dn + Dr;
+    o = qrow + (Dn > Dc ? Dn : Dc) + Dr;   /* qrow also holds [q_lat, q_pe] for the scores */
     const DI_Tensor* W = &a->wkv_b;
     const Kernels* K = j->k;
     /* q_lat[h] = q_nope[h] @ W_uk[h]: rows of W_uk scaled and summed (bf16 rows decoded in registers) */
@@ -197,7 +197,8 @@ static void decode_task(void* arg, int64_t task, int worker) {
      * other dtypes are converted DEC_CHUNK rows at a time */
     int direct = j->cd == DT_F32;
     int64_t step = direct ? j->BS : DEC_CHUNK, crs = direct ? a->cache.strides[1] : Dw;
-    /* pass 1: scores */
+    /* pass 1: scores. A cache row is [latent (Dc), k_pe (Dr)], so one dot with [q_lat, q_pe] per row */
+    float* qcat = qrow;   /* q's row is no longer needed: qrow has room for max(Dn, Dc) + Dr */
     for (int64_t p0 = 0; p0 < L; p0 += step) {
         int n = (int)(L - p0 < step ? L - p0 : step);
         const float* rows = chunk;
@@ -210,22 +211,13 @@ static void decode_task(void* arg, int64_t task, int worker) {
             }
         }
         for (int64_t i = 0; i < nh; i++) {
-            float* sv = sc + i * L + p0;
-            float tmp[DEC_CHUNK > 256 ? DEC_CHUNK : 256];
-            K->gemm_dot(qlat + i * Dc, Dc, 1, rows, crs, n, Dc, sv, 1);
-            if (Dr) {
-                for (int r0 = 0; r0 < n; r0 += 256) {
-                    int nn = n - r0 < 256 ? n - r0 : 256;
-                    K->gemm_dot(qpe + i * Dr, Dr, 1, rows + r0 * crs + Dc, crs, nn, Dr, tmp, 1);
-                    for (int r = 0; r < nn; r++) sv[r0 + r] += tmp[r];
-                }
-            }
+            memcpy(qcat, qlat + i * Dc, (size_t)Dc * sizeof(float));
+            memcpy(qcat + Dc, qpe + i * Dr, (size_t)Dr * sizeof(float));
+            K->dot_rows(qcat, rows, crs, n, Dw, sc + i * L + p0);
         }
     }
     for (int64_t i = 0; i < nh; i++) {
-        float* sv = sc + i * L;
-        for (int64_t p = 0; p < L; p++) sv[p] *= j->scale;
-        softmax_inplace(sv, L);
+        K->softmax(sc + i * L, L, j->scale);
         for (int64_t c = 0; c < Dc; c++) olat[i * Dc + c] = 0.0f;
     }
     /* pass 2: o_lat = softmax @ c */
@@ -240,11 +232,7 @@ static void decode_task(void* arg, int64_t task, int worker) {
                 load_row(j->cd, t_row2(&a->cache, j->cd, bt[p / j->BS], p % j->BS), 0, Dc, chunk + r * Dw);
             }
         }
-        for (int64_t i = 0; i < nh; i++) {
-            float* ol = olat + i * Dc;
-            const float* sv = sc + i * L + p0;
-            for (int r = 0; r < n; r++) K->axpy(sv[r], rows + r * crs, ol, Dc);
-        }
+        for (int64_t i = 0; i < nh; i++) K->wsum_rows(sc + i * L + p0, rows, crs, n, Dc, olat + i * Dc);
     }
     /* out[h] = W_uv[h] @ o_lat[h]: a GEMV over W_uv's rows, four at a time where the kernels allow */
     rowdot_fn f1 = K->rowdot[j->wd];

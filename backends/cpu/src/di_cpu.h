@@ -266,6 +266,11 @@ typedef struct {
      * (columns past nt zero): the outer-product GEMM kernel of prefill; NULL = use gemm_dot */
     void (*gemm_panel)(const float* X, int64_t ldx, int mr, const float* P, int64_t kc, float* C, int64_t ldc,
                        int nt, int acc);
+    /* attention over cache rows (row r at rows + r * ld, D floats used): out[r] = q . row r for
+     * r < n; acc[0:D] += sum_r w[r] * row r; s[0:n] = softmax(scale * s) in place (f32) */
+    void (*dot_rows)(const float* q, const float* rows, int64_t ld, int n, int64_t D, float* out);
+    void (*wsum_rows)(const float* w, const float* rows, int64_t ld, int n, int64_t D, float* acc);
+    void (*softmax)(float* s, int64_t n, float scale);
     int amx;                  /* AMX tiles usable (amx_init succeeded and the ISA cap allows them) */
     const char* name;
 } Kernels;

@@ -4,6 +4,7 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 
 #include "di_cpu.h"
@@ -57,6 +58,28 @@ static void axpy_bf16_scalar(float a, const uint16_t* x, float* y, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * bf16_to_f32(x[i]);
 }
 
+static void dot_rows_scalar(const float* q, const float* rows, int64_t ld, int n, int64_t D, float* out) {
+    for (int r = 0; r < n; r++) {
+        float acc = 0.0f;
+        for (int64_t d = 0; d < D; d++) acc += q[d] * rows[r * ld + d];
+        out[r] = acc;
+    }
+}
+
+static void wsum_rows_scalar(const float* w, const float* rows, int64_t ld, int n, int64_t D, float* acc) {
+    for (int r = 0; r < n; r++)
+        for (int64_t d = 0; d < D; d++) acc[d] += w[r] * rows[r * ld + d];
+}
+
+static void softmax_scalar(float* s, int64_t n, float scale) {
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < n; i++) { s[i] *= scale; mx = fmaxf(mx, s[i]); }
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) { s[i] = expf(s[i] - mx); sum += s[i]; }
+    float inv = 1.0f / sum;
+    for (int64_t i = 0; i < n; i++) s[i] *= inv;
+}
+
 void kernels_scalar(Kernels* k) {
     memset(k, 0, sizeof *k);
     k->gemm_dot = gemm_dot_scalar;
@@ -65,6 +88,9 @@ void kernels_scalar(Kernels* k) {
     k->unpack_i4 = unpack_i4_scalar;
     k->axpy = axpy_scalar;
     k->axpy_bf16 = axpy_bf16_scalar;
+    k->dot_rows = dot_rows_scalar;
+    k->wsum_rows = wsum_rows_scalar;
+    k->softmax = softmax_scalar;
     k->name = "scalar";
 }
 

@@ -5,6 +5,7 @@
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
+#include <math.h>
 #include <string.h>
 
 #define TGT "avx512f,avx512bw,avx512vl,avx2,fma,f16c"
@@ -378,6 +379,122 @@ static K512 void gemm_panel_512(const float* X, int64_t ldx, int mr, const float
     }
 }
 
+/* ------------------------------------------------------------------ attention rows */
+/* four rows at a time: four accumulators, one transposing reduction for all four */
+K512I __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    /* 512 -> 256 per vector, then pairwise adds until each lane holds one vector's total */
+#define HI256(v) _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))
+    __m256 a2 = _mm256_add_ps(_mm512_castps512_ps256(a), HI256(a));
+    __m256 b2 = _mm256_add_ps(_mm512_castps512_ps256(b), HI256(b));
+    __m256 c2 = _mm256_add_ps(_mm512_castps512_ps256(c), HI256(c));
+    __m256 d2 = _mm256_add_ps(_mm512_castps512_ps256(d), HI256(d));
+#undef HI256
+    __m256 ab = _mm256_hadd_ps(a2, b2), cd = _mm256_hadd_ps(c2, d2);
+    __m256 abcd = _mm256_hadd_ps(ab, cd);   /* a0 a1 b0 b1 | ... per 128-bit lane: hadd order */
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+static K512 void dot_rows_512(const float* q, const float* rows, int64_t ld,
+                                                                    int n, int64_t D, float* out) {
+    int r = 0;
+    for (; r + 4 <= n; r += 4) {
+        const float *r0 = rows + r * ld, *r1 = r0 + ld, *r2 = r1 + ld, *r3 = r2 + ld;
+        __m512 a = _mm512_setzero_ps(), b = a, c = a, d = a;
+        int64_t k = 0;
+        for (; k + 16 <= D; k += 16) {
+            __m512 qv = _mm512_loadu_ps(q + k);
+            a = _mm512_fmadd_ps(qv, _mm512_loadu_ps(r0 + k), a);
+            b = _mm512_fmadd_ps(qv, _mm512_loadu_ps(r1 + k), b);
+            c = _mm512_fmadd_ps(qv, _mm512_loadu_ps(r2 + k), c);
+            d = _mm512_fmadd_ps(qv, _mm512_loadu_ps(r3 + k), d);
+        }
+        if (k < D) {
+            __mmask16 m = (__mmask16)((1u << (D - k)) - 1u);
+            __m512 qv = _mm512_maskz_loadu_ps(m, q + k);
+            a = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, r0 + k), a);
+            b = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, r1 + k), b);
+            c = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, r2 + k), c);
+            d = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, r3 + k), d);
+        }
+        _mm_storeu_ps(out + r, reduce4(a, b, c, d));
+    }
+    for (; r < n; r++) {
+        const float* rr = rows + r * ld;
+        __m512 a = _mm512_setzero_ps();
+        int64_t k = 0;
+        for (; k + 16 <= D; k += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + k), _mm512_loadu_ps(rr + k), a);
+        if (k < D) {
+            __mmask16 m = (__mmask16)((1u << (D - k)) - 1u);
+            a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + k), _mm512_maskz_loadu_ps(m, rr + k), a);
+        }
+        out[r] = _mm512_reduce_add_ps(a);
+    }
+}
+
+/* acc += sum_r w[r] row r, 128 columns at a time held in eight registers across all rows */
+static K512 void wsum_rows_512(const float* w, const float* rows, int64_t ld, int n, int64_t D, float* acc) {
+    int64_t d0 = 0;
+    for (; d0 + 128 <= D; d0 += 128) {
+        __m512 v[8];
+        for (int i = 0; i < 8; i++) v[i] = _mm512_loadu_ps(acc + d0 + 16 * i);
+        for (int r = 0; r < n; r++) {
+            __m512 wr = _mm512_set1_ps(w[r]);
+            const float* rr = rows + r * ld + d0;
+            for (int i = 0; i < 8; i++) v[i] = _mm512_fmadd_ps(wr, _mm512_loadu_ps(rr + 16 * i), v[i]);
+        }
+        for (int i = 0; i < 8; i++) _mm512_storeu_ps(acc + d0 + 16 * i, v[i]);
+    }
+    for (; d0 < D; d0 += 16) {
+        __mmask16 m = D - d0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - d0)) - 1u);
+        __m512 v = _mm512_maskz_loadu_ps(m, acc + d0);
+        for (int r = 0; r < n; r++)
+            v = _mm512_fmadd_ps(_mm512_set1_ps(w[r]), _mm512_maskz_loadu_ps(m, rows + r * ld + d0), v);
+        _mm512_mask_storeu_ps(acc + d0, m, v);
+    }
+}
+
+/* exp(x) for x <= 0 (softmax after the max is subtracted): 2^(x log2 e) split into 2^n * 2^f,
+ * 2^f by a degree-6 polynomial on [-0.5, 0.5] (relative error ~2e-7, that of expf to a few ulp);
+ * below -87 the result is 0 */
+K512I __m512 exp_neg(__m512 x) {
+    const __m512 l2e = _mm512_set1_ps(1.44269504088896341f);
+    __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), l2e);
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));   /* f ln2 in [-ln2/2, ln2/2] */
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512 r = _mm512_scalef_ps(p, n);
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), r, _mm512_setzero_ps());
+}
+
+static K512 void softmax_512(float* s, int64_t n, float scale) {
+    __m512 sc = _mm512_set1_ps(scale), mx = _mm512_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_mul_ps(_mm512_loadu_ps(s + i), sc);
+        _mm512_storeu_ps(s + i, v);
+        mx = _mm512_max_ps(mx, v);
+    }
+    float m = _mm512_reduce_max_ps(mx);
+    for (; i < n; i++) { s[i] *= scale; m = fmaxf(m, s[i]); }
+    __m512 mv = _mm512_set1_ps(m), sum = _mm512_setzero_ps();
+    for (i = 0; i + 16 <= n; i += 16) {
+        __m512 e = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + i), mv));
+        _mm512_storeu_ps(s + i, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    float tot = _mm512_reduce_add_ps(sum);
+    for (; i < n; i++) { s[i] = expf(s[i] - m); tot += s[i]; }
+    __m512 inv = _mm512_set1_ps(1.0f / tot);
+    for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
+    for (; i < n; i++) s[i] *= 1.0f / tot;
+}
+
 /* ------------------------------------------------------------------ int8 dot and int4 unpack */
 static K512 int32_t dot_i8_512(const int8_t* a, const int8_t* b, int64_t n) {
     __m512i acc = _mm512_setzero_si512();
@@ -643,6 +760,9 @@ int kernels_avx512(Kernels* k) {
     k->axpy_bf16 = axpy_bf16_512;
     k->gemm_dot = gemm_dot_512;
     k->gemm_panel = gemm_panel_512;
+    k->dot_rows = dot_rows_512;
+    k->wsum_rows = wsum_rows_512;
+    k->softmax = softmax_512;
     k->rowdot[DT_F32] = rowdot_f32;
     k->rowdot[DT_BF16] = rowdot_bf16;
     k->rowdot[DT_F16] = rowdot_f16;

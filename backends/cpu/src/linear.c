@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stdatomic.h>
 
 #include "di_cpu.h"
 
@@ -285,6 +286,20 @@ DI_Status lin_f32(DI_Context* ctx, const char* op, const float* X, int64_t ldx, 
     DI_Status st = lin_prepare(ctx, op, &j, X, ldx, M, w, Y, ldy, (int64_t)pool_size(ctx->pool) * 4);
     if (st) return st;
     pool_run(ctx->pool, lin_ntasks(&j), lin_task, &j, M * j.N * j.K);
+    lin_release(&j);
+    return DI_OK;
+}
+
+/* Y = X @ W^T on the calling thread only (inside another job's task: the pool takes one job at a time) */
+static DI_Status lin_f32_serial(DI_Context* ctx, const char* op, const float* X, int64_t ldx, int64_t M,
+                                const DI_Tensor* w, float* Y, int64_t ldy) {
+    LinJob j;
+    DI_Status st = lin_prepare(ctx, op, &j, X, ldx, M, w, Y, ldy, 1);
+    if (st) return st;
+    if (j.N) {
+        j.rows_per_task = j.N;
+        lin_task(&j, 0, 0);   /* this job's scratch is its own: worker slot 0 is free */
+    }
     lin_release(&j);
     return DI_OK;
 }
@@ -730,6 +745,96 @@ DI_Status op_linear(DI_Context* ctx, const DI_LinearArgs* a, int query) {
 }
 
 /* ------------------------------------------------------------------ moe_experts */
+/* Decode: a few tokens per expert. One task per active expert runs its gate, up, SiLU and down
+ * on one thread, so a layer is one parallel region and no matrix is split into tiny pieces. */
+typedef struct {
+    DI_Context*              ctx;
+    const DI_MoEExpertsArgs* a;
+    const int32_t*           act;     /* active expert ids */
+    const int64_t*           off;     /* first gathered row of each expert */
+    const int64_t*           count;
+    const float*             xg;      /* gathered x rows [total, H] */
+    float*                   yb;      /* expert outputs [total, H] */
+    float*                   hb;      /* per worker: gate and up rows [2, FUSED_MAX_M, I] */
+    int64_t                  H, I;
+    _Atomic int              st;
+} ExpertJob;
+
+static void expert_task(void* arg, int64_t t, int worker) {
+    ExpertJob* j = (ExpertJob*)arg;
+    int e = j->act[t];
+    int64_t n = j->count[e], H = j->H, I = j->I;
+    const float* x = j->xg + j->off[e] * H;
+    float* g = j->hb + (size_t)worker * 2 * FUSED_MAX_M * (size_t)I;
+    float* u = g + FUSED_MAX_M * I;
+    DI_Status st = lin_f32_serial(j->ctx, "moe_experts", x, H, n, &j->a->w_gate[e], g, I);
+    if (!st) st = lin_f32_serial(j->ctx, "moe_experts", x, H, n, &j->a->w_up[e], u, I);
+    if (!st) {
+        for (int64_t i = 0; i < n * I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        st = lin_f32_serial(j->ctx, "moe_experts", g, I, n, &j->a->w_down[e], j->yb + j->off[e] * H, H);
+    }
+    if (st) atomic_store(&j->st, (int)st);
+}
+
+static DI_Status moe_by_expert(DI_Context* ctx, const DI_MoEExpertsArgs* a, const int64_t* count, int64_t T,
+                               int64_t H, int64_t K, int64_t I) {
+    int E = a->num_experts, nw = pool_size(ctx->pool);
+    const int32_t* ids = (const int32_t*)t_base(&a->topk_ids);
+    const float* tw = (const float*)t_base(&a->topk_weights);
+    int64_t ids_rs = a->topk_ids.strides[0], w_rs = a->topk_weights.strides[0];
+    int od = dt_id(a->out.dtype), xd = dt_id(a->x.dtype);
+    int64_t total = 0, nact = 0;
+    for (int e = 0; e < E; e++) { total += count[e]; nact += count[e] > 0; }
+    int64_t* off = di_malloc((size_t)(E + 1) * sizeof(int64_t));
+    int64_t* cur = di_malloc((size_t)(E + 1) * sizeof(int64_t));
+    int32_t* act = di_malloc((size_t)(nact + 1) * sizeof(int32_t));
+    int64_t* rows = di_malloc((size_t)(total + 1) * sizeof(int64_t));
+    float* rw = di_malloc((size_t)(total + 1) * sizeof(float));
+    float* xg = di_malloc((size_t)(total * H + 1) * sizeof(float));
+    float* yb = di_malloc((size_t)(total * H + 1) * sizeof(float));
+    float* hb = di_malloc((size_t)nw * 2 * FUSED_MAX_M * (size_t)(I > 0 ? I : 1) * sizeof(float));
+    float* acc = calloc((size_t)(T * H > 0 ? T * H : 1), sizeof(float));
+    DI_Status st = DI_OK;
+    if (!off || !cur || !act || !rows || !rw || !xg || !yb || !hb || !acc) st = DI_OOM(ctx, "moe_experts");
+    if (!st) {
+        int64_t o = 0, na = 0;
+        for (int e = 0; e < E; e++) {
+            off[e] = cur[e] = o;
+            o += count[e];
+            if (count[e]) act[na++] = e;
+        }
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t k = 0; k < K; k++) {
+                int32_t e = ids[t * ids_rs + k];
+                if (e < 0 || e >= E) continue;
+                int64_t r = cur[e]++;
+                rows[r] = t;
+                rw[r] = tw[t * w_rs + k];
+                load_row(xd, t_row(&a->x, xd, t), 0, H, xg + r * H);
+            }
+        ExpertJob j = {ctx, a, act, off, count, xg, yb, hb, H, I, 0};
+        pool_run(ctx->pool, nact, expert_task, &j, total * 3 * H * I);
+        st = (DI_Status)atomic_load(&j.st);
+        /* the same sums, in the same order, as the general path: experts by id, then (token, k) */
+        for (int64_t r = 0; r < total && !st; r++) kernels()->axpy(rw[r], yb + r * H, acc + rows[r] * H, H);
+    }
+    if (!st) {
+        float* tmp = di_malloc((size_t)(H ? H : 1) * sizeof(float));
+        if (!tmp) st = DI_OOM(ctx, "moe_experts");
+        for (int64_t t = 0; t < T && !st; t++) {
+            float* ar = acc + t * H;
+            if (a->accumulate) {
+                load_row(od, t_row(&a->out, od, t), 0, H, tmp);
+                for (int64_t h = 0; h < H; h++) ar[h] += tmp[h];
+            }
+            store_row(od, t_row(&a->out, od, t), ar, H);
+        }
+        free(tmp);
+    }
+    free(off); free(cur); free(act); free(rows); free(rw); free(xg); free(yb); free(hb); free(acc);
+    return st;
+}
+
 DI_Status op_moe_experts(DI_Context* ctx, const DI_MoEExpertsArgs* a, int query) {
     VC v = {ctx, "moe_experts", query};
     DI_Status st;
@@ -787,6 +892,16 @@ DI_Status op_moe_experts(DI_Context* ctx, const DI_MoEExpertsArgs* a, int query)
             }
             count[e]++;
         }
+    int64_t maxn = 0, nact0 = 0;
+    for (int e = 0; e < E; e++) {
+        if (count[e] > maxn) maxn = count[e];
+        nact0 += count[e] > 0;
+    }
+    if (maxn <= FUSED_MAX_M && nact0 >= pool_size(ctx->pool)) {
+        st = moe_by_expert(ctx, a, count, T, H, K, I);
+        free(count);
+        return st;
+    }
     /* pairs grouped by expert: expert e's rows are [off[e], off[e] + count[e]) of the gathered
      * buffers; every expert's gate and up products then run in one parallel region, and every
      * down product in a second one */
