@@ -54,6 +54,20 @@ K512I __m512 dec_e4m3(const void* w, int64_t k) {
     return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
 }
 
+/* four rows at a time: four accumulators, one transposing reduction for all four */
+K512I __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    /* 512 -> 256 per vector, then pairwise adds until each lane holds one vector's total */
+#define HI256(v) _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))
+    __m256 a2 = _mm256_add_ps(_mm512_castps512_ps256(a), HI256(a));
+    __m256 b2 = _mm256_add_ps(_mm512_castps512_ps256(b), HI256(b));
+    __m256 c2 = _mm256_add_ps(_mm512_castps512_ps256(c), HI256(c));
+    __m256 d2 = _mm256_add_ps(_mm512_castps512_ps256(d), HI256(d));
+#undef HI256
+    __m256 ab = _mm256_hadd_ps(a2, b2), cd = _mm256_hadd_ps(c2, d2);
+    __m256 abcd = _mm256_hadd_ps(ab, cd);   /* a0 a1 b0 b1 | ... per 128-bit lane: hadd order */
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
 /* 32 weights at element k as two vectors: 4-bit rows decode both halves from one 16-byte load */
 #define DEF_PAIR(DEC)                                                                                 \
     K512I void DEC##_2(const void* w, int64_t k, __m512* a, __m512* b) { *a = DEC(w, k); *b = DEC(w, k + 16); }
@@ -203,7 +217,7 @@ K512I void dec_e2m1_2(const void* w, int64_t k, __m512* a, __m512* b) {
                 r[q] += sr[q] * s;                                                                    \
             }                                                                                         \
         }                                                                                             \
-        for (int q = 0; q < 4; q++) y[q] = _mm512_reduce_add_ps(t[q]) + r[q];                         \
+        _mm_storeu_ps(y, _mm_add_ps(reduce4(t[0], t[1], t[2], t[3]), _mm_loadu_ps(r)));               \
     }
 
 /* 32 weights of a 4-bit row per step: 16 bytes widened to 16 dwords, low nibbles (even elements)
@@ -243,7 +257,7 @@ K512I void rowdot4_nib_impl(const RowDot4* a, float* y, const float* table) {
             r[q] += sr[q] * s;
         }
     }
-    for (int q = 0; q < 4; q++) y[q] = _mm512_reduce_add_ps(t[q]) + r[q];
+    _mm_storeu_ps(y, _mm_add_ps(reduce4(t[0], t[1], t[2], t[3]), _mm_loadu_ps(r)));
 }
 static __attribute__((target(TGT ",avx512bf16"))) void rowdot4_bf16dp(const RowDot4* a, float* y) {
     const uint16_t *xh = a->xs, *xm = a->xs + a->K, *xl = a->xs + 2 * a->K;
@@ -266,8 +280,9 @@ static __attribute__((target(TGT ",avx512bf16"))) void rowdot4_bf16dp(const RowD
     float r[4] = {0, 0, 0, 0};
     for (; k < a->K; k++)
         for (int q = 0; q < 4; q++) r[q] += a->x[k] * bf16_to_f32(((const uint16_t*)a->w[q])[k]);
-    for (int q = 0; q < 4; q++)
-        y[q] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(l[q], m[q]), h[q])) + r[q];
+    __m512 t[4];
+    for (int q = 0; q < 4; q++) t[q] = _mm512_add_ps(_mm512_add_ps(l[q], m[q]), h[q]);
+    _mm_storeu_ps(y, _mm_add_ps(reduce4(t[0], t[1], t[2], t[3]), _mm_loadu_ps(r)));
 }
 
 static const float k_tab_i4[16] = {0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1};
@@ -380,20 +395,6 @@ static K512 void gemm_panel_512(const float* X, int64_t ldx, int mr, const float
 }
 
 /* ------------------------------------------------------------------ attention rows */
-/* four rows at a time: four accumulators, one transposing reduction for all four */
-K512I __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    /* 512 -> 256 per vector, then pairwise adds until each lane holds one vector's total */
-#define HI256(v) _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))
-    __m256 a2 = _mm256_add_ps(_mm512_castps512_ps256(a), HI256(a));
-    __m256 b2 = _mm256_add_ps(_mm512_castps512_ps256(b), HI256(b));
-    __m256 c2 = _mm256_add_ps(_mm512_castps512_ps256(c), HI256(c));
-    __m256 d2 = _mm256_add_ps(_mm512_castps512_ps256(d), HI256(d));
-#undef HI256
-    __m256 ab = _mm256_hadd_ps(a2, b2), cd = _mm256_hadd_ps(c2, d2);
-    __m256 abcd = _mm256_hadd_ps(ab, cd);   /* a0 a1 b0 b1 | ... per 128-bit lane: hadd order */
-    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-
 static K512 void dot_rows_512(const float* q, const float* rows, int64_t ld,
                                                                     int n, int64_t D, float* out) {
     int r = 0;
@@ -713,7 +714,7 @@ static __attribute__((target(TGTV))) void idot4_i8(const IDot4* a, float* y) {
         for (int q = 0; q < 4; q++)
             tot[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[q]), _mm512_set1_ps(a->scale[q][s]), tot[q]);
     }
-    for (int q = 0; q < 4; q++) y[q] = _mm512_reduce_add_ps(tot[q]);
+    _mm_storeu_ps(y, reduce4(tot[0], tot[1], tot[2], tot[3]));
 }
 
 #define DEF_IDOT(NAME)                                                                              \
