@@ -392,7 +392,8 @@ def run_llama(bins: Path, gguf: Path, a, cpus: list) -> dict:
 
 def run_deepinfer(mdir: Path, prec: str, a, cpus: list) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(mdir), prec, "--threads", str(a.threads),
-           "--prompt", str(a.prompt), "--gen", str(a.gen), "--deepinfer-root", str(a.deepinfer_root)]
+           "--prompt", str(a.prompt), "--gen", str(a.gen), "--deepinfer-root", str(a.deepinfer_root),
+           "--lm-head", a.lm_head]
     if a.lib:
         cmd += ["--lib", a.lib]
     p = subprocess.run(cmd, capture_output=True, text=True, env=child_env(a.threads), preexec_fn=pin(cpus))
@@ -468,6 +469,8 @@ def child(a) -> None:
     cfg = {"backend": a.lib or "cpu", "precision": prec, "max_batch": 1, "max_seq_len": P + G + 16,
            "kv_cache_tokens": P + G + 32, "max_num_batched_tokens": max(512, P), "enable_prefix_cache": False,
            "num_threads": a.threads, "speculative": {"mtp": False}}
+    if a.lm_head == "int8" and prec != "bf16":
+        cfg["quantize_lm_head"] = True      # llama.cpp's Q8_0 / Q4_0 files quantize output.weight too
     t0 = time.perf_counter()
     eng = Engine.from_pretrained(str(mdir), config=cfg)
     load_s = time.perf_counter() - t0
@@ -635,7 +638,8 @@ def markdown(res: dict) -> str:
           "repetition; its tg test generates from an "
           "empty context (deepinfer's decode attends to the prompt too, a small extra cost at this length). "
           "int8/int4 are weight-only (f32 activations); w8a8/w4a8 quantize activations to int8 like Q8_0/Q4_0's dot "
-          "products. Weights per token: bytes one decode token reads as each engine stores them (embedding row, "
+          f"products; deepinfer's lm_head in those rows: {m.get('lm_head', 'stored')} (llama.cpp quantizes "
+          "output.weight: Q8_0 in its Q8_0 files, Q6_K in its Q4_0 ones). Weights per token: bytes one decode token reads as each engine stores them (embedding row, "
           "attention, dense and shared MLPs, router, 6 of 64 routed experts per MoE layer, norms, lm_head); % of "
           "bandwidth = that x decode tok/s / the bound above.", ""]
     return "\n".join(L)
@@ -663,6 +667,10 @@ def main(argv=None) -> int:
                     help="deepinfer source tree whose runtime/ the measurements import (default: this one)")
     ap.add_argument("--commit", help="deepinfer commit to record (default: git rev-parse HEAD of --deepinfer-root)")
     ap.add_argument("--note", help="a line for the top of the markdown")
+    ap.add_argument("--lm-head", choices=["stored", "int8"], default="int8",
+                    help="deepinfer's output layer in the int8/int4/w8a8/w4a8 rows: int8 per channel "
+                         "(quantize_lm_head, like llama.cpp's Q8_0 / Q6_K output.weight; the default here) or as "
+                         "stored (the engine's default)")
     ap.add_argument("--jobs", type=int, default=2, help="parallel jobs of the llama.cpp build")
     ap.add_argument("--llama-load-mode", default="none",
                     help="llama-bench --load-mode (default none: weights read into memory at load, like deepinfer; "
@@ -768,7 +776,7 @@ def main(argv=None) -> int:
                     "prompt": a.prompt, "gen": a.gen, "reps": a.reps, "git": git_info(Path(a.deepinfer_root), a.commit),
                     "command": cmdline, "note": a.note, "bandwidth": bw,
                     "loadavg_before_after": [round(load_before[0], 2), round(load_after[0], 2)],
-                    "steal_fraction": steal, "llama_load_mode": a.llama_load_mode,
+                    "steal_fraction": steal, "llama_load_mode": a.llama_load_mode, "lm_head": a.lm_head,
                     "deepinfer_backend": first_di.get("backend"),
                     "deepinfer_file": first_di.get("deepinfer_file"), "lib": a.lib,
                     "llama": {"version": version, "work_dir": str(work), "bin": str(bins), "build_s": build_s,

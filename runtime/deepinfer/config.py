@@ -25,6 +25,11 @@ class EngineConfig:
     # accurate path that fits; "fastest": the fastest path that fits; or a format, forced
     precision: str = "auto"
     group_size: int = 64                 # int4 group size when the engine quantizes weights itself
+    # int8 / int4 / w8a8 / w4a8 only: also quantize the output layer (lm_head) to int8 per channel,
+    # as llama.cpp's Q8_0 / Q4_0 files do (Q8_0 / Q6_K there). Off by default: the head stays as
+    # stored, the most accurate choice; on, decode reads about 1 byte instead of 2 per head weight
+    # (V2-Lite: 210 MB less per token)
+    quantize_lm_head: bool = False
     memory_budget_bytes: Optional[int] = None   # None: the device's free memory
     max_batch: int = 8                   # sequences running together (the scheduler's max_num_seqs)
     max_seq_len: int = 2048              # longest prompt + generation
@@ -90,7 +95,7 @@ class EngineConfig:
         V.number("kv_cache_memory_fraction", self.kv_cache_memory_fraction, 0, 1, lo_open=True)
         V.integer("kv_block_size", self.kv_block_size, 1, MAX_BLOCK_SIZE)
         V.optional_integer("max_num_batched_tokens", self.max_num_batched_tokens, 1, MAX_KV_TOKENS)
-        for k in ("enable_prefix_cache", "enforce_eager", "fallback", "verbose"):
+        for k in ("enable_prefix_cache", "enforce_eager", "fallback", "verbose", "quantize_lm_head"):
             V.boolean(k, getattr(self, k))
         V.integer("max_queue", self.max_queue, 0)
         V.integer("num_threads", self.num_threads, 0, 4096)

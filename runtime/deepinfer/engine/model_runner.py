@@ -68,7 +68,7 @@ class ModelRunner:
                  num_cache_blocks: Optional[int] = None, block_size: int = 16, dtype: str = "f32",
                  load_mtp: bool = True, precision: Optional[str] = None, group_size: int = 64,
                  max_num_batched_tokens: Optional[int] = None, kv_cache_memory_fraction: Optional[float] = None,
-                 enable_prefix_cache: bool = True, enforce_eager: bool = False):
+                 enable_prefix_cache: bool = True, enforce_eager: bool = False, quantize_lm_head: bool = False):
         ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
         if dtype not in ("f32", "bf16"):
             raise ValueError(f"activation dtype must be 'f32' or 'bf16', not {dtype!r}")
@@ -94,7 +94,11 @@ class ModelRunner:
             self.stream = backend.create_stream()
             backend.set_stream(self.stream)
         self.has_mtp = bool(load_mtp and c.has_mtp and f"model.layers.{c.num_hidden_layers}.eh_proj.weight" in ckpt)
-        self.weights = WeightLoader(ckpt, backend, dtype, precision, group_size).load(self.has_mtp)
+        if quantize_lm_head and QF.weight_format_of(precision) not in ("int8", "int4"):
+            raise ConfigError(f"quantize_lm_head needs an int8, int4, w8a8 or w4a8 precision; this model runs "
+                              f"{precision or 'as stored'}: set such a precision, or drop quantize_lm_head")
+        self.weights = WeightLoader(ckpt, backend, dtype, precision, group_size,
+                                    quantize_lm_head=quantize_lm_head).load(self.has_mtp)
         self.graph = DeepseekGraph(c, self.weights, [], dtype, self.act_quant)
         self.arena = Arena(backend)
         self.plans: "OrderedDict[tuple, Plan]" = OrderedDict()
@@ -117,7 +121,8 @@ class ModelRunner:
         stored = c.quant_scheme.describe() if c.quant_scheme is not None else c.torch_dtype
         wq = f"{stored} weights" if precision is None else f"{precision} (from {stored})"
         self.precision_note = f"{wq}, {dtype} activations" + (", int8 per-token activations for int linears"
-                                                              if self.act_quant else "")
+                                                              if self.act_quant else "") + \
+            (", int8 lm_head" if quantize_lm_head else "")
 
     # ================================================================== KV cache sizing
     def _check_kv_fits(self, num_blocks: int, explicit: bool) -> None:
@@ -412,7 +417,8 @@ def load_runner(model_dir, backend, engine_config=None) -> ModelRunner:
     kw = dict(max_batch=int(ec.max_batch), max_seq_len=int(ec.max_seq_len), block_size=bs, group_size=int(group),
               max_num_batched_tokens=getattr(ec, "max_num_batched_tokens", None),
               enable_prefix_cache=bool(getattr(ec, "enable_prefix_cache", True)),
-              enforce_eager=bool(getattr(ec, "enforce_eager", False)))
+              enforce_eager=bool(getattr(ec, "enforce_eager", False)),
+              quantize_lm_head=bool(getattr(ec, "quantize_lm_head", False)))
     tokens = getattr(ec, "kv_cache_tokens", None)
     if tokens:
         kw["num_cache_blocks"] = -(-int(tokens) // bs)

@@ -115,8 +115,10 @@ def copy_bytes(backend, dst: Tensor, src: Tensor) -> None:
 class WeightLoader:
     """Reads a Checkpoint onto a backend in one precision (None: as stored)."""
 
-    def __init__(self, ckpt: Checkpoint, backend, dtype: str, precision: Optional[str], group_size: int):
+    def __init__(self, ckpt: Checkpoint, backend, dtype: str, precision: Optional[str], group_size: int,
+                 quantize_lm_head: bool = False):
         self.ckpt, self.cfg, self.backend, self.dtype = ckpt, ckpt.config, backend, dtype
+        self.quantize_lm_head = quantize_lm_head
         self.precision = precision
         self.weight_format = QF.weight_format_of(precision)
         self.group_size = int(group_size)
@@ -134,7 +136,9 @@ class WeightLoader:
         else:
             raise CheckpointError(f"{self.ckpt.dir}: tensor 'lm_head.weight' is missing from the checkpoint")
         layers = [self._layer(i) for i in range(c.num_hidden_layers)]
-        mtp = self._mtp(embed, lm_head) if load_mtp else None
+        mtp = self._mtp(embed, lm_head) if load_mtp else None   # the MTP head shares the stored lm_head
+        if self.quantize_lm_head and lm_head.quant is None:
+            lm_head = self._int8_rows(lm_head)
         self._check_all_used()
         return ModelWeights(embed=embed, norm=norm, lm_head=lm_head, layers=layers, mtp=mtp)
 
@@ -203,6 +207,14 @@ class WeightLoader:
         q = be.empty((N, K), qdt)
         q.quant = Quant(be.empty(grid, "f32"), block)
         be.quantize(x=be.upload(t), out=q, scale_pow2=0)
+        return q
+
+    def _int8_rows(self, w: Tensor) -> Tensor:
+        """w quantized to int8 with one scale per row (the backend's quantize op), for the head."""
+        N, K = w.shape
+        q = self.backend.empty((N, K), "int8")
+        q.quant = Quant(self.backend.empty((N, 1), "f32"), (1, 0))
+        self.backend.quantize(x=w, out=q, scale_pow2=0)
         return q
 
     def dequantized(self, t: Tensor, dtype: str) -> Tensor:
