@@ -25,7 +25,7 @@
 
 #define TILE_N 32      /* rows of W per GEMM tile (the panel kernel's width) */
 #define PANEL_K 256    /* k per packed panel: 32 KiB of f32, held in L1 while every x row streams */
-#define FUSED_MAX_M 8
+#define FUSED_MAX_M 32   /* up to this many x rows, weights stream through the row kernels (4 x rows a pass); more: GEBP */
 
 static const uint32_t k_wdts = DTM(DT_F32) | DTM(DT_BF16) | DTM(DT_F16) | DTM(DT_I8) | DTM(DT_U8) | DTM(DT_I4) |
                                DTM(DT_U4) | DTM(DT_E4M3) | DTM(DT_E2M1);
