@@ -18,7 +18,8 @@
  *   linear.c          linear and moe_experts: one engine (lin_f32) for every weight format, plus
  *                     the integer W8A8 / W4A8 path for int8-quantized activations.
  *   kernels.c         run-time kernel selection (__builtin_cpu_supports) and the scalar kernels.
- *   kernels_avx2.c    AVX2+FMA kernels, kernels_avx512.c AVX-512 (+VNNI) kernels; both compiled
+ *   kernels_avx2.c    AVX2+FMA kernels, kernels_avx512.c AVX-512 (+VNNI, +BF16) kernels, kernels_amx.c
+ *                     AMX-INT8 tiles; all compiled
  *                     with GCC target attributes so one binary runs on any x86-64 (and the files
  *                     compile to nothing elsewhere).
  *   ops_basic.c       embedding, rmsnorm, rope, add, mul, silu_mul, concat, mla_cache_write,
@@ -43,7 +44,20 @@
  *
  * Environment (for testing and tuning; nothing needs to be set)
  *   DEEPINFER_CPU_ISA=scalar|avx2|avx512|avx512vnni|amx   cap the kernels at that ISA level (test the fallbacks)
- *   DEEPINFER_CPU_SPIN=N                   idle workers spin N iterations before sleeping (default 0)
+ *   DEEPINFER_CPU_SPIN=N            idle workers spin N iterations before sleeping (default 0)
+ *   DEEPINFER_CPU_HOT_SPIN_US=N     during a graph replay, idle workers spin up to N us between ops (default 50)
+ *   DEEPINFER_CPU_PAR_MIN=N         jobs below N multiply-adds run on the calling thread alone (default 65536)
+ *   DEEPINFER_CPU_PROFILE=1         time every replayed graph node, per op, printed to stderr at exit
+ *
+ * Kernels by ISA level (kernels.c picks the best the CPU has, capped by DEEPINFER_CPU_ISA)
+ *   scalar       portable C for everything
+ *   avx2         AVX2/FMA row kernels and dot-product GEMM
+ *   avx512       decode GEMV four rows at a time (f32/bf16/f16/int8/int4/fp8/fp4 decoded in registers,
+ *                4-bit through a vpermps value table, the next rows prefetched), GEBP prefill GEMM
+ *                with a 6x32 outer-product panel, attention rows and softmax vectorized; bf16 weights
+ *                on vdpbf16ps against x split exactly into three bf16 parts where AVX512-BF16 exists
+ *   avx512vnni   W8A8 / W4A8 rows on vpdpbusd (weights offset to unsigned, corrected per lane)
+ *   amx          W8A8 / W4A8 GEMM at 32 rows of x and more on AMX-INT8 tiles (kernels_amx.c)
  */
 #include <stdarg.h>
 #include <stdio.h>
