@@ -35,7 +35,8 @@ What it does, every step but the measurements cached under --work-dir:
      For v2lite, decode is also a fraction of it: weight bytes one decode token reads as each engine
      stores them (one embedding row, attention and dense MLPs, router, shared experts, 6 of 64 routed
      experts per MoE layer, norms, lm_head) x tokens/s / bandwidth.
-  5. A markdown table (printed last) and JSON in --out-dir/cpu_vs_llamacpp_YYYYMMDD.{md,json}: date, CPU
+  5. A markdown table (printed last) and JSON in --out-dir/cpu_vs_llamacpp_YYYYMMDD_COMMIT.{md,json} (a
+     suffix _2, _3, ... rather than over an earlier run's files): date, CPU
      and its flags of interest, threads, commits, the command line, deepinfer/llama.cpp ratios.
 
 Not a test: the numbers depend on the machine, nothing here asserts on them.
@@ -788,7 +789,12 @@ def main(argv=None) -> int:
            "rows": rows}
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"cpu_vs_llamacpp_{today.strftime('%Y%m%d')}"
+    # date and commit in the name, and never over an earlier run's files
+    stem = out / f"cpu_vs_llamacpp_{today.strftime('%Y%m%d')}_{str(res['meta']['git'].get('commit') or 'unknown')[:7]}"
+    base, n = stem, 1
+    while stem.with_suffix(".md").exists() or stem.with_suffix(".json").exists():
+        n += 1
+        stem = base.with_name(f"{base.name}_{n}")
     md = markdown(res)
     stem.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
     stem.with_suffix(".md").write_text(md)
