@@ -185,7 +185,11 @@ static void decode_task(void* arg, int64_t task, int worker) {
         memcpy(qpe + i * Dr, qrow + Dn, (size_t)Dr * sizeof(float));
         float* ql = qlat + i * Dc;
         for (int64_t c = 0; c < Dc; c++) ql[c] = 0.0f;
-        for (int64_t d = 0; d < Dn; d++) {
+        int64_t d = 0;
+        if (j->wd == DT_BF16 && K->axpy4_bf16)
+            for (; d + 4 <= Dn; d += 4)
+                K->axpy4_bf16(qrow + d, (const uint16_t*)t_row(W, j->wd, h * (Dn + Dv) + d), W->strides[0], ql, Dc);
+        for (; d < Dn; d++) {
             const char* wr = t_row(W, j->wd, h * (Dn + Dv) + d);
             if (j->wd == DT_BF16) K->axpy_bf16(qrow[d], (const uint16_t*)wr, ql, Dc);
             else if (j->wd == DT_F32) K->axpy(qrow[d], (const float*)wr, ql, Dc);

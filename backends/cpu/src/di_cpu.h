@@ -260,6 +260,8 @@ typedef struct {
     void (*unpack_i4)(const uint8_t* src, int64_t n, int8_t* dst, int sign);  /* n even */
     void (*axpy)(float a, const float* x, float* y, int64_t n);               /* y += a * x */
     void (*axpy_bf16)(float a, const uint16_t* x, float* y, int64_t n);      /* y += a * bf16 x */
+    /* y += sum_r a[r] * bf16 row r for 4 rows (stride ld elements); NULL: use axpy_bf16 */
+    void (*axpy4_bf16)(const float* a, const uint16_t* x, int64_t ld, float* y, int64_t n);
     idot_fn idot[DT_COUNT];   /* DT_I8 and DT_I4 rows on VNNI; NULL: the generic integer path */
     idot4_fn idot4[DT_COUNT];
     /* C[i, 0:nt] (=, or += when acc) X[i, 0:kc] @ P for i < mr (mr <= 6), P packed [kc][32] f32

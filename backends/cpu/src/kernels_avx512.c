@@ -225,7 +225,6 @@ K512I void dec_e2m1_2(const void* w, int64_t k, __m512* a, __m512* b) {
  * elements (xp). One block scale per block as in the other kernels. */
 K512I void rowdot4_nib_impl(const RowDot4* a, float* y, const float* table) {
     const __m512 lut = _mm512_loadu_ps(table);
-    const __m512i m4 = _mm512_set1_epi32(15);
     __m512 t[4];
     float r[4] = {0, 0, 0, 0};
     for (int q = 0; q < 4; q++) t[q] = _mm512_setzero_ps();
@@ -241,7 +240,8 @@ K512I void rowdot4_nib_impl(const RowDot4* a, float* y, const float* table) {
             __m512 xe = _mm512_loadu_ps(a->xp + k), xo = _mm512_loadu_ps(a->xp + k + 16);
             for (int q = 0; q < 4; q++) {
                 __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)((const uint8_t*)a->w[q] + k / 2)));
-                c[q] = _mm512_fmadd_ps(xe, _mm512_permutexvar_ps(_mm512_and_si512(v, m4), lut), c[q]);
+                /* vpermps reads only the low 4 bits of each index: the low nibble as it is */
+                c[q] = _mm512_fmadd_ps(xe, _mm512_permutexvar_ps(v, lut), c[q]);
                 d[q] = _mm512_fmadd_ps(xo, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut), d[q]);
             }
         }
@@ -745,6 +745,22 @@ static K512 void axpy_bf16_512(float a, const uint16_t* x, float* y, int64_t n) 
     }
 }
 
+/* y += sum_r a[r] * x_r for four bf16 rows x_r (stride ld): y is read and written once per four rows */
+static K512 void axpy4_bf16_512(const float* a, const uint16_t* x, int64_t ld, float* y, int64_t n) {
+    __m512 a0 = _mm512_set1_ps(a[0]), a1 = _mm512_set1_ps(a[1]), a2 = _mm512_set1_ps(a[2]), a3 = _mm512_set1_ps(a[3]);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_loadu_ps(y + i);
+        v = _mm512_fmadd_ps(a0, dec_bf16(x, i), v);
+        v = _mm512_fmadd_ps(a1, dec_bf16(x + ld, i), v);
+        v = _mm512_fmadd_ps(a2, dec_bf16(x + 2 * ld, i), v);
+        v = _mm512_fmadd_ps(a3, dec_bf16(x + 3 * ld, i), v);
+        _mm512_storeu_ps(y + i, v);
+    }
+    for (; i < n; i++)
+        for (int r = 0; r < 4; r++) y[i] += a[r] * bf16_to_f32(x[r * ld + i]);
+}
+
 static K512 void axpy_512(float a, const float* x, float* y, int64_t n) {
     __m512 av = _mm512_set1_ps(a);
     int64_t i = 0;
@@ -759,6 +775,7 @@ static K512 void axpy_512(float a, const float* x, float* y, int64_t n) {
 int kernels_avx512(Kernels* k) {
     k->axpy = axpy_512;
     k->axpy_bf16 = axpy_bf16_512;
+    k->axpy4_bf16 = axpy4_bf16_512;
     k->gemm_dot = gemm_dot_512;
     k->gemm_panel = gemm_panel_512;
     k->dot_rows = dot_rows_512;
