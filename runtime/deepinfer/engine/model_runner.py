@@ -227,6 +227,8 @@ class ModelRunner:
         return logits.narrow(0, 0, T if all_logits else S)
 
     def _fill(self, p: Plan, batch: list, mode: str, T: int, Tb: int, Sb: int) -> None:
+        if mode == "decode" and T == len(batch):
+            return self._fill_decode(p, batch, T)
         bm, pad = self.block_manager, Tb - T
         ids = np.zeros(Tb, np.int32)
         pos = np.zeros(Tb, np.int32)
@@ -268,6 +270,34 @@ class ModelRunner:
         p.host_input("slots")[:] = slots
         if "last_idx" in p.inputs:
             p.host_input("last_idx")[:] = last
+
+    def _fill_decode(self, p: Plan, batch: list, T: int) -> None:
+        """The common decode step, one new token per sequence, written straight into the host views
+        (the general _fill builds arrays first; at a few hundred microseconds a step on a small model
+        on the CPU, that bookkeeping showed)."""
+        bs = self.block_size
+        h = p.host_input
+        ids, pos, slots, tseq, kvl = h("ids"), h("positions"), h("slots"), h("token_seq"), h("kv_len")
+        table = h("block_table")
+        starts = [start for _, start, _ in batch]
+        ids[:T] = [seq.token_ids[start] for seq, start, _ in batch]
+        pos[:T] = starts
+        slots[:T] = [seq.block_table[start // bs] * bs + start % bs for seq, start, _ in batch]
+        tseq[:T] = range(T)
+        kvl[:T] = [start + 1 for start in starts]
+        if T < len(ids):      # padded rows: no cache write, no keys
+            ids[T:] = 0
+            pos[T:] = 0
+            slots[T:] = -1
+            tseq[T:] = 0
+            kvl[T:] = 0
+        table[...] = 0
+        for r, (seq, _, _) in enumerate(batch):
+            table[r, :len(seq.block_table)] = seq.block_table
+        if "last_idx" in p.inputs:
+            last = h("last_idx")
+            last[:T] = range(T)
+            last[T:] = 0
 
     # ================================================================== sampling
     def sample(self, logits: Tensor, temperature, top_k=None, top_p=None, seeds=None) -> list:
@@ -468,6 +498,7 @@ class _SampleBuffers:
         raw = self.host.numpy()
         self._bound = None
         self._out_view = None
+        self._last = None       # the parameters last written (lists copied: callers may reuse theirs)
         self.views, self.params = {}, {}
         for name, dt in self.FIELDS:
             o = self.offsets[name]
@@ -477,6 +508,11 @@ class _SampleBuffers:
 
     def set(self, temperature, top_k, top_p, seeds) -> None:
         B, v = self.B, self.views
+        key = (temperature, top_k, top_p, seeds)
+        plain = all(x is None or isinstance(x, list) for x in key)
+        if plain and self._last == key and self.host is self.store:
+            return    # a greedy decode loop passes the same parameters every step
+        self._last = tuple(list(x) if isinstance(x, list) else x for x in key) if plain else None
         v["temperature"][:] = np.asarray(temperature, np.float32).reshape(B)
         v["top_k"][:] = np.asarray(top_k, np.int32).reshape(B) if top_k is not None else 0
         v["top_p"][:] = np.asarray(top_p, np.float32).reshape(B) if top_p is not None else 1.0
