@@ -264,10 +264,6 @@ typedef struct {
     void (*axpy4_bf16)(const float* a, const uint16_t* x, int64_t ld, float* y, int64_t n);
     idot_fn idot[DT_COUNT];   /* DT_I8 and DT_I4 rows on VNNI; NULL: the generic integer path */
     idot4_fn idot4[DT_COUNT];
-    /* C[i, 0:nt] (=, or += when acc) X[i, 0:kc] @ P for i < mr (mr <= 6), P packed [kc][32] f32
-     * (columns past nt zero): the outer-product GEMM kernel of prefill; NULL = use gemm_dot */
-    void (*gemm_panel)(const float* X, int64_t ldx, int mr, const float* P, int64_t kc, float* C, int64_t ldc,
-                       int nt, int acc);
     /* attention over cache rows (row r at rows + r * ld, D floats used): out[r] = q . row r for
      * r < n; acc[0:D] += sum_r w[r] * row r; s[0:n] = softmax(scale * s) in place (f32) */
     void (*dot_rows)(const float* q, const float* rows, int64_t ld, int n, int64_t D, float* out);

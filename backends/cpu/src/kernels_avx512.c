@@ -354,46 +354,6 @@ static K512 void gemm_dot_512(const float* A, int64_t lda, int M, const float* B
     }
 }
 
-/* ------------------------------------------------------------------ f32 outer-product panel */
-/* 6 rows x 32 columns of C in 12 registers; per k: two loads of P, six broadcasts of X, twelve
- * FMAs. No horizontal sums (gemm_dot's cost at short K). */
-K512I void panel_mr(const float* X, int64_t ldx, const float* P, int64_t kc, float* C, int64_t ldc, int nt, int acc,
-                    const int MR) {
-    __m512 c0[6], c1[6];
-    for (int i = 0; i < MR; i++) c0[i] = c1[i] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < kc; k++) {
-        __m512 p0 = _mm512_loadu_ps(P + k * 32), p1 = _mm512_loadu_ps(P + k * 32 + 16);
-        for (int i = 0; i < MR; i++) {
-            __m512 xv = _mm512_set1_ps(X[i * ldx + k]);
-            c0[i] = _mm512_fmadd_ps(xv, p0, c0[i]);
-            c1[i] = _mm512_fmadd_ps(xv, p1, c1[i]);
-        }
-    }
-    __mmask16 m0 = nt >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nt) - 1u);
-    __mmask16 m1 = nt >= 32 ? (__mmask16)0xffff : nt <= 16 ? (__mmask16)0 : (__mmask16)((1u << (nt - 16)) - 1u);
-    for (int i = 0; i < MR; i++) {
-        float* c = C + i * ldc;
-        if (acc) {
-            c0[i] = _mm512_add_ps(c0[i], _mm512_maskz_loadu_ps(m0, c));
-            c1[i] = _mm512_add_ps(c1[i], _mm512_maskz_loadu_ps(m1, c + 16));
-        }
-        _mm512_mask_storeu_ps(c, m0, c0[i]);
-        _mm512_mask_storeu_ps(c + 16, m1, c1[i]);
-    }
-}
-
-static K512 void gemm_panel_512(const float* X, int64_t ldx, int mr, const float* P, int64_t kc, float* C,
-                                int64_t ldc, int nt, int acc) {
-    switch (mr) {
-    case 1: panel_mr(X, ldx, P, kc, C, ldc, nt, acc, 1); break;
-    case 2: panel_mr(X, ldx, P, kc, C, ldc, nt, acc, 2); break;
-    case 3: panel_mr(X, ldx, P, kc, C, ldc, nt, acc, 3); break;
-    case 4: panel_mr(X, ldx, P, kc, C, ldc, nt, acc, 4); break;
-    case 5: panel_mr(X, ldx, P, kc, C, ldc, nt, acc, 5); break;
-    default: panel_mr(X, ldx, P, kc, C, ldc, nt, acc, 6); break;
-    }
-}
-
 /* ------------------------------------------------------------------ attention rows */
 static K512 void dot_rows_512(const float* q, const float* rows, int64_t ld,
                                                                     int n, int64_t D, float* out) {
@@ -777,7 +737,6 @@ int kernels_avx512(Kernels* k) {
     k->axpy_bf16 = axpy_bf16_512;
     k->axpy4_bf16 = axpy4_bf16_512;
     k->gemm_dot = gemm_dot_512;
-    k->gemm_panel = gemm_panel_512;
     k->dot_rows = dot_rows_512;
     k->wsum_rows = wsum_rows_512;
     k->softmax = softmax_512;

@@ -23,9 +23,12 @@
 
 #include "di_cpu.h"
 
-#define TILE_N 32      /* rows of W per GEMM tile (the panel kernel's width) */
-#define PANEL_K 256    /* k per packed panel: 32 KiB of f32, held in L1 while every x row streams */
-#define FUSED_MAX_M 32   /* up to this many x rows, weights stream through the row kernels (4 x rows a pass); more: GEBP */
+#define TILE_N 32      /* rows of W dequantized per GEMM tile */
+/* up to this many x rows, weights stream through the row kernels (4 x rows a pass); more: a
+ * dequantized tile and the dot-product GEMM (measured on Zen 4 and Sapphire Rapids: a GEBP
+ * outer-product panel lost to it at K = 2048, 119 against 190 GFLOP/s, and rows past 8 ran no
+ * faster through the row kernels than through the tile) */
+#define FUSED_MAX_M 8
 
 static const uint32_t k_wdts = DTM(DT_F32) | DTM(DT_BF16) | DTM(DT_F16) | DTM(DT_I8) | DTM(DT_U8) | DTM(DT_I4) |
                                DTM(DT_U4) | DTM(DT_E4M3) | DTM(DT_E2M1);
@@ -147,30 +150,6 @@ static void lin_task(void* arg, int64_t task, int worker) {
         }
         return;
     }
-    if (j->k->gemm_panel) {
-        /* GEBP: 32 rows of W dequantized, then K in panels of PANEL_K packed transposed
-         * ([k][32], L1-sized) and streamed against every row of X, six at a time */
-        float* P = scr + (size_t)TILE_N * (size_t)j->K;
-        for (int64_t t0 = n0; t0 < n1; t0 += TILE_N) {
-            int nt = (int)(n1 - t0 < TILE_N ? n1 - t0 : TILE_N);
-            for (int i = 0; i < nt; i++) qmat_dequant_row(m, t0 + i, scr + (size_t)i * (size_t)j->K);
-            for (int64_t k0 = 0; k0 < j->K; k0 += PANEL_K) {
-                int64_t kc = j->K - k0 < PANEL_K ? j->K - k0 : PANEL_K;
-                for (int64_t k = 0; k < kc; k++) {
-                    float* pr = P + k * TILE_N;
-                    int i = 0;
-                    for (; i < nt; i++) pr[i] = scr[(size_t)i * (size_t)j->K + k0 + k];
-                    for (; i < TILE_N; i++) pr[i] = 0.0f;
-                }
-                for (int64_t i0 = 0; i0 < j->M; i0 += 6) {
-                    int mr = (int)(j->M - i0 < 6 ? j->M - i0 : 6);
-                    j->k->gemm_panel(j->X + i0 * j->ldx + k0, j->ldx, mr, P, kc, j->Y + i0 * j->ldy + t0, j->ldy,
-                                     nt, k0 > 0);
-                }
-            }
-        }
-        return;
-    }
     for (int64_t t0 = n0; t0 < n1; t0 += TILE_N) {
         int nt = (int)(n1 - t0 < TILE_N ? n1 - t0 : TILE_N);
         for (int i = 0; i < nt; i++) qmat_dequant_row(m, t0 + i, scr + (size_t)i * (size_t)j->K);
@@ -252,7 +231,7 @@ static DI_Status lin_prepare(DI_Context* ctx, const char* op, LinJob* j, const f
         }
     }
     int nw = pool_size(ctx->pool);
-    j->scratch_per_worker = j->fused ? 4 * (j->m.ncb + 1) : (int64_t)TILE_N * j->K + (int64_t)TILE_N * PANEL_K;
+    j->scratch_per_worker = j->fused ? 4 * (j->m.ncb + 1) : (int64_t)TILE_N * j->K;
     j->scratch = di_malloc((size_t)nw * (size_t)j->scratch_per_worker * sizeof(float));
     if (!j->scratch) {
         free(xsum); j->xsum = NULL; free(j->xp); j->xp = NULL; free(j->xs); j->xs = NULL;

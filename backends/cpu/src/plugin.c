@@ -53,8 +53,8 @@
  *   scalar       portable C for everything
  *   avx2         AVX2/FMA row kernels and dot-product GEMM
  *   avx512       decode GEMV four rows at a time (f32/bf16/f16/int8/int4/fp8/fp4 decoded in registers,
- *                4-bit through a vpermps value table, the next rows prefetched), GEBP prefill GEMM
- *                with a 6x32 outer-product panel, attention rows and softmax vectorized; bf16 weights
+ *                4-bit through a vpermps value table, the next rows prefetched), dot-product prefill
+ *                GEMM on dequantized tiles, attention rows and softmax vectorized; bf16 weights
  *                on vdpbf16ps against x split exactly into three bf16 parts where AVX512-BF16 exists
  *   avx512vnni   W8A8 / W4A8 rows on vpdpbusd (weights offset to unsigned, corrected per lane)
  *   amx          W8A8 / W4A8 GEMM at 32 rows of x and more on AMX-INT8 tiles (kernels_amx.c)
