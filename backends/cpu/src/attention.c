@@ -148,6 +148,19 @@ typedef struct {
     DI_Status oom;
 } DecodeJob;
 
+/* Cache rows p0 .. p0 + n - 1 of a sequence: in place for an f32 cache (the caller's steps never
+ * cross a block), else their first `width` values converted into chunk (row stride Dc + Dr). */
+static const float* cache_rows(const DecodeJob* j, const int32_t* bt, int64_t p0, int n, int64_t width,
+                               float* chunk) {
+    const DI_Tensor* c = &j->a->cache;
+    if (j->cd == DT_F32) return (const float*)t_row2(c, j->cd, bt[p0 / j->BS], 0);
+    for (int r = 0; r < n; r++) {
+        int64_t p = p0 + r;
+        load_row(j->cd, t_row2(c, j->cd, bt[p / j->BS], p % j->BS), 0, width, chunk + r * (j->Dc + j->Dr));
+    }
+    return chunk;
+}
+
 static void decode_task(void* arg, int64_t task, int worker) {
     (void)worker;
     DecodeJob* j = (DecodeJob*)arg;
@@ -165,25 +178,25 @@ static void decode_task(void* arg, int64_t task, int worker) {
         free(z);
         return;
     }
-    size_t need = (size_t)(nh * Dc + nh * Dr + nh * L + DEC_CHUNK * Dw + nh * Dc + Dc + Dn + Dr + Dc + Dv + 16);
+    size_t need = (size_t)(nh * Dw + nh * L + DEC_CHUNK * Dw + nh * Dc + Dc + Dn + Dr + Dv + 16);
     float* mem = di_malloc(need * sizeof(float));
     if (!mem) { j->oom = 1; return; }
-    float* qlat = mem;
-    float* qpe = qlat + nh * Dc;
-    float* sc = qpe + nh * Dr;
+    /* per head [q_lat (Dc), q_pe (Dr)]: the layout of a cache row, so a score is one dot product */
+    float* qcat = mem;
+    float* sc = qcat + nh * Dw;
     float* chunk = sc + nh * L;
     float* olat = chunk + DEC_CHUNK * Dw;
     float* wrow = olat + nh * Dc;
     float* qrow = wrow + Dc;
-    o = qrow + (Dn > Dc ? Dn : Dc) + Dr;   /* qrow also holds [q_lat, q_pe] for the scores */
+    o = qrow + Dn + Dr;
     const DI_Tensor* W = &a->wkv_b;
     const Kernels* K = j->k;
     /* q_lat[h] = q_nope[h] @ W_uk[h]: rows of W_uk scaled and summed (bf16 rows decoded in registers) */
     for (int64_t i = 0; i < nh; i++) {
         int64_t h = h0 + i;
         load_row(j->qd, t_row2(&a->q, j->qd, t, h), 0, Dn + Dr, qrow);
-        memcpy(qpe + i * Dr, qrow + Dn, (size_t)Dr * sizeof(float));
-        float* ql = qlat + i * Dc;
+        float* ql = qcat + i * Dw;
+        memcpy(ql + Dc, qrow + Dn, (size_t)Dr * sizeof(float));
         for (int64_t c = 0; c < Dc; c++) ql[c] = 0.0f;
         int64_t d = 0;
         if (j->wd == DT_BF16 && K->axpy4_bf16)
@@ -199,26 +212,12 @@ static void decode_task(void* arg, int64_t task, int worker) {
     const int32_t* bt = (const int32_t*)t_row(&a->block_table, DT_I32, seq);
     /* an f32 cache is read in place, one cache block at a time (its rows are contiguous);
      * other dtypes are converted DEC_CHUNK rows at a time */
-    int direct = j->cd == DT_F32;
-    int64_t step = direct ? j->BS : DEC_CHUNK, crs = direct ? a->cache.strides[1] : Dw;
-    /* pass 1: scores. A cache row is [latent (Dc), k_pe (Dr)], so one dot with [q_lat, q_pe] per row */
-    float* qcat = qrow;   /* q's row is no longer needed: qrow has room for max(Dn, Dc) + Dr */
+    int64_t step = j->cd == DT_F32 ? j->BS : DEC_CHUNK, crs = j->cd == DT_F32 ? a->cache.strides[1] : Dw;
+    /* pass 1: scores, one dot of [q_lat, q_pe] with each cache row [latent, k_pe] */
     for (int64_t p0 = 0; p0 < L; p0 += step) {
         int n = (int)(L - p0 < step ? L - p0 : step);
-        const float* rows = chunk;
-        if (direct) {
-            rows = (const float*)t_row2(&a->cache, j->cd, bt[p0 / j->BS], 0);
-        } else {
-            for (int r = 0; r < n; r++) {
-                int64_t p = p0 + r;
-                load_row(j->cd, t_row2(&a->cache, j->cd, bt[p / j->BS], p % j->BS), 0, Dw, chunk + r * Dw);
-            }
-        }
-        for (int64_t i = 0; i < nh; i++) {
-            memcpy(qcat, qlat + i * Dc, (size_t)Dc * sizeof(float));
-            memcpy(qcat + Dc, qpe + i * Dr, (size_t)Dr * sizeof(float));
-            K->dot_rows(qcat, rows, crs, n, Dw, sc + i * L + p0);
-        }
+        const float* rows = cache_rows(j, bt, p0, n, Dw, chunk);
+        for (int64_t i = 0; i < nh; i++) K->dot_rows(qcat + i * Dw, rows, crs, n, Dw, sc + i * L + p0);
     }
     for (int64_t i = 0; i < nh; i++) {
         K->softmax(sc + i * L, L, j->scale);
@@ -227,15 +226,7 @@ static void decode_task(void* arg, int64_t task, int worker) {
     /* pass 2: o_lat = softmax @ c */
     for (int64_t p0 = 0; p0 < L; p0 += step) {
         int n = (int)(L - p0 < step ? L - p0 : step);
-        const float* rows = chunk;
-        if (direct) {
-            rows = (const float*)t_row2(&a->cache, j->cd, bt[p0 / j->BS], 0);
-        } else {
-            for (int r = 0; r < n; r++) {
-                int64_t p = p0 + r;
-                load_row(j->cd, t_row2(&a->cache, j->cd, bt[p / j->BS], p % j->BS), 0, Dc, chunk + r * Dw);
-            }
-        }
+        const float* rows = cache_rows(j, bt, p0, n, Dc, chunk);
         for (int64_t i = 0; i < nh; i++) K->wsum_rows(sc + i * L + p0, rows, crs, n, Dc, olat + i * Dc);
     }
     /* out[h] = W_uv[h] @ o_lat[h]: a GEMV over W_uv's rows, four at a time where the kernels allow */

@@ -7,6 +7,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <time.h>
 
 #include "deepinfer_abi.h"
 
@@ -297,6 +298,13 @@ DI_OPS(DI_OP_DECL)
 
 /* returned by an op in query mode only: supported, but by a fallback (op_query says SLOW) */
 #define DI_QUERY_SLOW 1000
+
+/* CLOCK_MONOTONIC in nanoseconds (bounded spins, the replay profile) */
+static inline uint64_t di_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
 
 /* malloc that never returns NULL for n == 0; NULL on failure */
 DI_HIDDEN void* di_malloc(size_t n);

@@ -20,7 +20,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "deepinfer_abi_check.h"
 #include "di_cpu.h"
@@ -34,12 +33,6 @@ static int g_profile = -1;
 static double g_prof_s[DI_OP_COUNT_V1_1 + 1];
 static int64_t g_prof_n[DI_OP_COUNT_V1_1 + 1];
 static int64_t g_prof_launches;
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 void graph_profile_report(void) {
     if (g_profile != 1 || !g_prof_launches) return;
@@ -239,7 +232,7 @@ DI_Status graph_launch(DI_Context* ctx, DI_Graph* g, DI_Stream stream) {
         if (g_profile) atexit(graph_profile_report);   /* and at exit, if no context is destroyed */
     }
     pool_hot(ctx->pool, 1);
-    double t = g_profile ? now_s() : 0;
+    double t = g_profile ? 1e-9 * (double)di_now_ns() : 0;
     for (int i = 0; i < g->n && !st; i++) {
         const Node* nd = &g->nodes[i];
         if (nd->kind == NODE_COPY) {
@@ -248,7 +241,7 @@ DI_Status graph_launch(DI_Context* ctx, DI_Graph* g, DI_Stream stream) {
             st = di_run_op(ctx, nd->op, nd->args, 0);
         }
         if (g_profile) {
-            double t1 = now_s();
+            double t1 = 1e-9 * (double)di_now_ns();
             int k = nd->kind == NODE_COPY ? DI_OP_COUNT_V1_1 : nd->op;
             g_prof_s[k] += t1 - t;
             g_prof_n[k]++;

@@ -545,6 +545,13 @@ static K512 void unpack_i4_512(const uint8_t* src, int64_t n, int8_t* dst, int s
 #define TGTV TGT ",avx512vnni"
 #define KV static inline __attribute__((always_inline, target(TGTV)))
 
+KV float hsum256(__m256 t) {
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_add_ss(v, _mm_movehdup_ps(v));
+    return _mm_cvtss_f32(v);
+}
+
 /* int4: a chunk is 32 bytes = 64 weights; (b ^ 0x88) turns both nibbles' two's complement q into
  * the unsigned q + 8; low nibbles are the even elements, high nibbles the odd ones. Two accumulators
  * per row (even, odd) halve the dependency chain; the even one starts from the bias. */
@@ -574,12 +581,7 @@ KV void idot_i4_mr(const IDot* a, float* y, const int MR) {
             tot[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(ae[i], ao[i])),
                                      _mm256_set1_ps(a->scale[i * a->nseg + s]), tot[i]);
     }
-    for (int i = 0; i < MR; i++) {
-        __m128 v = _mm_add_ps(_mm256_castps256_ps128(tot[i]), _mm256_extractf128_ps(tot[i], 1));
-        v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-        v = _mm_add_ss(v, _mm_movehdup_ps(v));
-        y[i] = _mm_cvtss_f32(v);
-    }
+    for (int i = 0; i < MR; i++) y[i] = hsum256(tot[i]);
 }
 
 /* int8: a chunk is 64 weights; w ^ 0x80 is the unsigned w + 128. Chunks alternate between two
@@ -645,12 +647,7 @@ static __attribute__((target(TGTV))) void idot4_i4(const IDot4* a, float* y) {
             tot[q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(ae[q], ao[q])),
                                      _mm256_set1_ps(a->scale[q][s]), tot[q]);
     }
-    for (int q = 0; q < 4; q++) {
-        __m128 v = _mm_add_ps(_mm256_castps256_ps128(tot[q]), _mm256_extractf128_ps(tot[q], 1));
-        v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-        v = _mm_add_ss(v, _mm_movehdup_ps(v));
-        y[q] = _mm_cvtss_f32(v);
-    }
+    for (int q = 0; q < 4; q++) y[q] = hsum256(tot[q]);
 }
 
 static __attribute__((target(TGTV))) void idot4_i8(const IDot4* a, float* y) {

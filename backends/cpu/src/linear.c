@@ -730,6 +730,47 @@ DI_Status op_linear(DI_Context* ctx, const DI_LinearArgs* a, int query) {
 }
 
 /* ------------------------------------------------------------------ moe_experts */
+/* Expert e's (token, k) pairs become rows [off[e], off[e] + count[e]) of the gathered buffers, in
+ * token order: the token (rows), its routing weight (rw) and its x row (xg). cur: E scratch. */
+static void moe_gather(const DI_MoEExpertsArgs* a, int64_t T, int64_t K, int64_t H, const int64_t* off,
+                       int64_t* cur, int64_t* rows, float* rw, float* xg) {
+    int E = a->num_experts, xd = dt_id(a->x.dtype);
+    const int32_t* ids = (const int32_t*)t_base(&a->topk_ids);
+    const float* tw = (const float*)t_base(&a->topk_weights);
+    int64_t ids_rs = a->topk_ids.strides[0], w_rs = a->topk_weights.strides[0];
+    for (int e = 0; e < E; e++) cur[e] = off[e];
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t k = 0; k < K; k++) {
+            int32_t e = ids[t * ids_rs + k];
+            if (e < 0 || e >= E) continue;
+            int64_t r = cur[e]++;
+            rows[r] = t;
+            rw[r] = tw[t * w_rs + k];
+            load_row(xd, t_row(&a->x, xd, t), 0, H, xg + r * H);
+        }
+}
+
+/* out[t] = sum over the gathered rows r of token t of rw[r] * yb[r] (+ out[t] when accumulating),
+ * summed in row order (experts by id, then (token, k): the sums of one expert at a time); acc is
+ * [T, H] zeroed scratch */
+static DI_Status moe_combine(DI_Context* ctx, const DI_MoEExpertsArgs* a, int64_t T, int64_t H, int64_t total,
+                             const int64_t* rows, const float* rw, const float* yb, float* acc) {
+    int od = dt_id(a->out.dtype);
+    for (int64_t r = 0; r < total; r++) kernels()->axpy(rw[r], yb + r * H, acc + rows[r] * H, H);
+    float* tmp = di_malloc((size_t)(H ? H : 1) * sizeof(float));
+    if (!tmp) return DI_OOM(ctx, "moe_experts");
+    for (int64_t t = 0; t < T; t++) {
+        float* ar = acc + t * H;
+        if (a->accumulate) {
+            load_row(od, t_row(&a->out, od, t), 0, H, tmp);
+            for (int64_t h = 0; h < H; h++) ar[h] += tmp[h];
+        }
+        store_row(od, t_row(&a->out, od, t), ar, H);
+    }
+    free(tmp);
+    return DI_OK;
+}
+
 /* Decode: a few tokens per expert. One task per active expert runs its gate, up, SiLU and down
  * on one thread, so a layer is one parallel region and no matrix is split into tiny pieces. */
 typedef struct {
@@ -764,10 +805,6 @@ static void expert_task(void* arg, int64_t t, int worker) {
 static DI_Status moe_by_expert(DI_Context* ctx, const DI_MoEExpertsArgs* a, const int64_t* count, int64_t T,
                                int64_t H, int64_t K, int64_t I) {
     int E = a->num_experts, nw = pool_size(ctx->pool);
-    const int32_t* ids = (const int32_t*)t_base(&a->topk_ids);
-    const float* tw = (const float*)t_base(&a->topk_weights);
-    int64_t ids_rs = a->topk_ids.strides[0], w_rs = a->topk_weights.strides[0];
-    int od = dt_id(a->out.dtype), xd = dt_id(a->x.dtype);
     int64_t total = 0, nact = 0;
     for (int e = 0; e < E; e++) { total += count[e]; nact += count[e] > 0; }
     int64_t* off = di_malloc((size_t)(E + 1) * sizeof(int64_t));
@@ -784,38 +821,16 @@ static DI_Status moe_by_expert(DI_Context* ctx, const DI_MoEExpertsArgs* a, cons
     if (!st) {
         int64_t o = 0, na = 0;
         for (int e = 0; e < E; e++) {
-            off[e] = cur[e] = o;
+            off[e] = o;
             o += count[e];
             if (count[e]) act[na++] = e;
         }
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t k = 0; k < K; k++) {
-                int32_t e = ids[t * ids_rs + k];
-                if (e < 0 || e >= E) continue;
-                int64_t r = cur[e]++;
-                rows[r] = t;
-                rw[r] = tw[t * w_rs + k];
-                load_row(xd, t_row(&a->x, xd, t), 0, H, xg + r * H);
-            }
+        moe_gather(a, T, K, H, off, cur, rows, rw, xg);
         ExpertJob j = {ctx, a, act, off, count, xg, yb, hb, H, I, 0};
         pool_run(ctx->pool, nact, expert_task, &j, total * 3 * H * I);
         st = (DI_Status)atomic_load(&j.st);
-        /* the same sums, in the same order, as the general path: experts by id, then (token, k) */
-        for (int64_t r = 0; r < total && !st; r++) kernels()->axpy(rw[r], yb + r * H, acc + rows[r] * H, H);
     }
-    if (!st) {
-        float* tmp = di_malloc((size_t)(H ? H : 1) * sizeof(float));
-        if (!tmp) st = DI_OOM(ctx, "moe_experts");
-        for (int64_t t = 0; t < T && !st; t++) {
-            float* ar = acc + t * H;
-            if (a->accumulate) {
-                load_row(od, t_row(&a->out, od, t), 0, H, tmp);
-                for (int64_t h = 0; h < H; h++) ar[h] += tmp[h];
-            }
-            store_row(od, t_row(&a->out, od, t), ar, H);
-        }
-        free(tmp);
-    }
+    if (!st) st = moe_combine(ctx, a, T, H, total, rows, rw, yb, acc);
     free(off); free(cur); free(act); free(rows); free(rw); free(xg); free(yb); free(hb); free(acc);
     return st;
 }
@@ -861,8 +876,7 @@ DI_Status op_moe_experts(DI_Context* ctx, const DI_MoEExpertsArgs* a, int query)
     if (query) return DI_OK;
 
     const int32_t* ids = (const int32_t*)t_base(&a->topk_ids);
-    int64_t ids_rs = a->topk_ids.strides[0], w_rs = a->topk_weights.strides[0];
-    const float* tw = (const float*)t_base(&a->topk_weights);
+    int64_t ids_rs = a->topk_ids.strides[0];
     /* group (token, k) pairs by expert; check residency before any work */
     int64_t* count = calloc((size_t)E + 1, sizeof(int64_t));
     if (!count) return DI_OOM(ctx, "moe_experts");
@@ -898,7 +912,6 @@ DI_Status op_moe_experts(DI_Context* ctx, const DI_MoEExpertsArgs* a, int query)
         total += count[e];
         nact += count[e] > 0;
     }
-    int od = dt_id(a->out.dtype), xd = dt_id(a->x.dtype);
     int64_t Ie = I > 0 ? I : 1;
     float* acc = calloc((size_t)(T * H > 0 ? T * H : 1), sizeof(float));
     float* xg = di_malloc((size_t)(total * H) * sizeof(float));
@@ -912,16 +925,7 @@ DI_Status op_moe_experts(DI_Context* ctx, const DI_MoEExpertsArgs* a, int query)
     st = DI_OK;
     if (!acc || !xg || !gb || !ub || !yb || !rows || !rw || !cur || !spec) st = DI_OOM(ctx, "moe_experts");
     if (!st && total) {
-        for (int e = 0; e < E; e++) cur[e] = off[e];
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t k = 0; k < K; k++) {
-                int32_t e = ids[t * ids_rs + k];
-                if (e < 0 || e >= E) continue;
-                int64_t r = cur[e]++;
-                rows[r] = t;
-                rw[r] = tw[t * w_rs + k];
-                load_row(xd, t_row(&a->x, xd, t), 0, H, xg + r * H);
-            }
+        moe_gather(a, T, K, H, off, cur, rows, rw, xg);
         int ns = 0;
         for (int e = 0; e < E; e++) {
             if (!count[e]) continue;
@@ -939,22 +943,8 @@ DI_Status op_moe_experts(DI_Context* ctx, const DI_MoEExpertsArgs* a, int query)
                 if (count[e]) spec[ns++] = (LinSpec){gb + off[e] * I, I, count[e], &a->w_down[e], yb + off[e] * H, H};
             st = lin_f32_multi(ctx, "moe_experts", spec, ns);
         }
-        /* in (token, k) order per expert, experts in id order: the same sums as one expert at a time */
-        for (int64_t r = 0; r < total && !st; r++) kernels()->axpy(rw[r], yb + r * H, acc + rows[r] * H, H);
     }
-    if (!st) {
-        float* tmp = di_malloc((size_t)(H ? H : 1) * sizeof(float));
-        if (!tmp) st = DI_OOM(ctx, "moe_experts");
-        for (int64_t t = 0; t < T && !st; t++) {
-            float* ar = acc + t * H;
-            if (a->accumulate) {
-                load_row(od, t_row(&a->out, od, t), 0, H, tmp);
-                for (int64_t h = 0; h < H; h++) ar[h] += tmp[h];
-            }
-            store_row(od, t_row(&a->out, od, t), ar, H);
-        }
-        free(tmp);
-    }
+    if (!st) st = moe_combine(ctx, a, T, H, total, rows, rw, yb, acc);
     free(count); free(off); free(acc); free(xg); free(gb); free(ub); free(yb); free(rows); free(rw); free(cur);
     free(spec);
     return st;

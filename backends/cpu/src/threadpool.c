@@ -16,7 +16,6 @@
  *    the machine is oversubscribed;
  *  - DEEPINFER_CPU_SPIN=N adds N spin iterations before any sleep (default 0). */
 #include <stdlib.h>
-#include <time.h>
 #include <pthread.h>
 #include <stdatomic.h>
 
@@ -48,22 +47,16 @@ struct DI_Pool {
 
 typedef struct { DI_Pool* p; int id; } WorkerArg;
 
-static uint64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 static int hot(const DI_Pool* p) { return atomic_load_explicit(&p->hot, memory_order_relaxed); }
 
 /* spin while gen == seen: p->spin iterations, then (hot pool) up to hot_ns of wall time */
 static void spin_wait(DI_Pool* p, uint64_t seen) {
     for (int i = 0; i < p->spin && atomic_load(&p->gen) == seen && !atomic_load(&p->stop); i++) cpu_relax();
     if (!hot(p) || atomic_load(&p->gen) != seen) return;
-    uint64_t t0 = now_ns();
+    uint64_t t0 = di_now_ns();
     for (int i = 1; atomic_load(&p->gen) == seen && !atomic_load(&p->stop); i++) {
         cpu_relax();
-        if ((i & 255) == 0 && (now_ns() - t0 > p->hot_ns || !hot(p))) return;
+        if ((i & 255) == 0 && (di_now_ns() - t0 > p->hot_ns || !hot(p))) return;
     }
 }
 
@@ -187,10 +180,10 @@ void pool_run(DI_Pool* p, int64_t ntasks, di_task_fn fn, void* arg, int64_t amou
     if (atomic_load(&p->finished) < joined) {
         for (int i = 0; i < p->spin && atomic_load(&p->finished) < joined; i++) cpu_relax();
         if (hot(p)) {
-            uint64_t t0 = now_ns();
+            uint64_t t0 = di_now_ns();
             for (int i = 1; atomic_load(&p->finished) < joined; i++) {
                 cpu_relax();
-                if ((i & 255) == 0 && now_ns() - t0 > p->hot_ns) break;
+                if ((i & 255) == 0 && di_now_ns() - t0 > p->hot_ns) break;
             }
         }
         if (atomic_load(&p->finished) < joined) {
