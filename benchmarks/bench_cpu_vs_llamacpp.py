@@ -403,43 +403,16 @@ def run_deepinfer(mdir: Path, prec: str, a, cpus: list) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def _nbytes(t) -> int:
-    if t is None:
-        return 0
-    if isinstance(t, (list, tuple)):
-        return sum(_nbytes(x) for x in t)
-    n = int(t.nbytes)
-    q = getattr(t, "quant", None)
-    if q is not None:
-        n += _nbytes(getattr(q, "scales", None)) + _nbytes(getattr(q, "zeros", None))
-    return n
-
-
 def deepinfer_bytes_per_token(runner) -> dict:
-    """Weight bytes one batch-1 decode token reads in deepinfer's own storage (as loaded): the embedding
-    row, every attention and dense weight (decode reads kv_b through its dense copy), the router, shared
-    experts, top-k of the routed experts, norms, lm_head. Same accounting as bench_gpu_e2e.step_bytes."""
-    import dataclasses
+    """Weight bytes one batch-1 decode token reads in deepinfer's own storage (as loaded), by
+    _decode_bytes.step_bytes (the GPU benchmark's accounting): the embedding row, the top-k routed
+    experts, lm_head, and everything else (attention with kv_b's dense copy, dense and shared MLPs,
+    router, norms)."""
+    from _decode_bytes import step_bytes
 
-    w, c = runner.weights, runner.cfg
-    parts = {"embedding_row": _nbytes(w.embed) // c.vocab_size, "routed_experts": 0, "lm_head": _nbytes(w.lm_head),
-             "other": _nbytes(w.norm)}
-    K = c.num_experts_per_tok or 1
-    for L in w.layers:
-        at = L.attn
-        fused = ("q", "q_a", "kv_a") if getattr(at, "x_proj", None) is not None else ()
-        parts["other"] += sum(_nbytes(getattr(at, f.name)) for f in dataclasses.fields(at)
-                              if f.name != "kv_b" and f.name not in fused)
-        parts["other"] += _nbytes(L.ln1) + _nbytes(L.ln2)
-        if L.mlp is not None:
-            parts["other"] += _nbytes(L.mlp.gate) + _nbytes(L.mlp.up) + _nbytes(L.mlp.down)
-        if L.moe is not None:
-            m = L.moe
-            parts["other"] += _nbytes(m.gate) + _nbytes(m.gate_bias)
-            if m.shared is not None:
-                parts["other"] += _nbytes(m.shared.gate) + _nbytes(m.shared.up) + _nbytes(m.shared.down)
-            per = (_nbytes(m.experts_gate) + _nbytes(m.experts_up) + _nbytes(m.experts_down)) // len(m.experts_gate)
-            parts["routed_experts"] += per * K
+    p = step_bytes(runner.weights, runner.cfg, 1, 0)
+    parts = {"embedding_row": p["embedding_rows"], "routed_experts": p["routed_experts"], "lm_head": p["lm_head"],
+             "other": p["attention"] + p["dense_mlp"] + p["shared_experts"] + p["router"] + p["norms"]}
     parts["total"] = sum(parts.values())
     return parts
 

@@ -31,7 +31,6 @@ every section, so a run cut short still leaves what it measured.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import shutil
@@ -47,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
 from bench_gpu_prefill_profile import category, make_checkpoint  # noqa: E402
+from _decode_bytes import step_bytes as _step_bytes  # noqa: E402
 
 from deepinfer.loader import load_library  # noqa: E402
 from deepinfer.engine.model_runner import ModelRunner  # noqa: E402
@@ -77,44 +77,9 @@ def copy_bandwidth() -> float:
     return 2 * n / float(np.median(ts))
 
 
-def nbytes(t) -> int:
-    if t is None:
-        return 0
-    if isinstance(t, (list, tuple)):
-        return sum(nbytes(x) for x in t)
-    n = t.nbytes
-    if t.quant is not None:
-        n += nbytes(t.quant.scales) + nbytes(t.quant.zeros)
-    return n
-
-
 def step_bytes(runner: ModelRunner, B: int, context: int) -> dict:
-    """Bytes one decode step of B sequences at `context` tokens reads, by part."""
-    w, c = runner.weights, runner.cfg
-    parts = {"attention": 0, "dense_mlp": 0, "shared_experts": 0, "routed_experts": 0, "router": 0,
-             "lm_head": nbytes(w.lm_head), "embedding_rows": B * c.hidden_size * 2, "norms": 0}
-    E, K = c.n_routed_experts or 1, c.num_experts_per_tok or 1
-    distinct = E * (1 - (1 - K / E) ** B)
-    for L in w.layers:
-        a = L.attn
-        # decode reads kv_b through its dense copy (mla_decode absorbs it), never the quantized one
-        # (q / q_a and kv_a are views of x_proj when it is there: counted once)
-        fused = ("q", "q_a", "kv_a") if a.x_proj is not None else ()
-        parts["attention"] += sum(nbytes(getattr(a, f.name)) for f in dataclasses.fields(a)
-                                  if f.name != "kv_b" and f.name not in fused)
-        parts["norms"] += nbytes(L.ln1) + nbytes(L.ln2)
-        if L.mlp is not None:
-            parts["dense_mlp"] += nbytes(L.mlp.gate) + nbytes(L.mlp.up) + nbytes(L.mlp.down)
-        if L.moe is not None:
-            m = L.moe
-            parts["router"] += nbytes(m.gate) + nbytes(m.gate_bias)
-            if m.shared is not None:
-                parts["shared_experts"] += nbytes(m.shared.gate) + nbytes(m.shared.up) + nbytes(m.shared.down)
-            per_expert = nbytes(m.experts_gate[0]) + nbytes(m.experts_up[0]) + nbytes(m.experts_down[0])
-            parts["routed_experts"] += int(distinct * per_expert)
-    parts["kv_cache"] = B * context * len(w.layers) * c.cache_width * 2
-    parts["total"] = sum(parts.values())
-    return parts
+    """Bytes one decode step of B sequences at `context` tokens reads, by part (_decode_bytes)."""
+    return _step_bytes(runner.weights, runner.cfg, B, context)
 
 
 # ---------------------------------------------------------------------------- transformers
