@@ -23,38 +23,36 @@
 #error "hip_compat.h: HIP_VERSION_MAJOR is not defined; hip/hip_version.h is missing from this HIP install"
 #endif
 
-// ==================================================================================================
-//  WARP SIZE -- READ THIS BEFORE TURNING THE HIP BUILD ON
-// ==================================================================================================
-// AMD CDNA GPUs (gfx90a = MI200, gfx942 = MI300) run 64-lane wavefronts; NVIDIA warps have 32 lanes.
-// The CUDA kernels in backends/cuda/src still ASSUME 32 LANES: `threadIdx.x & 31`, `threadIdx.x >> 5`,
-// xor-shuffle loops starting at offset 16, per-warp scratch arrays `red[32]`, `lane + 32 * r`
-// striding, GEMV_WARPS / launch geometry computed from 32 (device.cuh, gemv.cuh, ops_attn.cu,
-// ops_quant.cu, ops_route.cu, ops_basic.cu, ops_linear.cu).
-//
-// The shuffle mapping below keeps those kernels in "logical 32-lane warps" (width 32: a 64-lane
-// wavefront acts as two independent halves), which is what their indexing expects. That is believed
-// to give correct results for the xor reductions, but it is NOT verified on hardware, wastes half
-// of each cross-lane step, and any code relying on warp-wide behaviour beyond xor shuffles (ballot,
-// activemask, __syncwarp, warp-level cub) would break. Every such kernel must be audited and either
-// confirmed or rewritten in terms of DI_WARP_SIZE before the HIP build is enabled.
+// ---- wavefronts --------------------------------------------------------------------------------
+// AMD CDNA GPUs (gfx90a = MI200, gfx94x = MI300) run 64-lane wavefronts; NVIDIA warps have 32 lanes.
+// The kernels cooperate in groups of di::LANES = 32 lanes on both vendors (device.cuh says why and
+// how): on CDNA a wavefront holds two groups, and every cross-lane exchange goes through the two
+// functions below with the group's width, so it never crosses into the other half. HIP implements a
+// width-w shuffle as ds_bpermute confined to the lane's aligned w-lane segment (amd_warp_functions.h).
 //
 // Host code needs the width for launch geometry too, and the host pass has no wavefront macro, so
 // the value is fixed to 64 for the supported CDNA targets; a wave32 device pass (RDNA) would then
 // disagree with the host, hence the #error.
 #if defined(__HIP_PLATFORM_AMD__)
+#define DI_GPU_AMD 1
 #define DI_WARP_SIZE 64
 #if defined(__AMDGCN_WAVEFRONT_SIZE) && __AMDGCN_WAVEFRONT_SIZE != 64
-#error "hip_compat.h: this device pass targets a wave32 GPU (RDNA?) but DI_WARP_SIZE is 64 on the host. The HIP build supports CDNA only: --offload-arch=gfx90a;gfx942."
+#error "hip_compat.h: this device pass targets a wave32 GPU (RDNA?) but DI_WARP_SIZE is 64 on the host. The HIP build supports CDNA only: --offload-arch=gfx90a;gfx942 (or gfx940)."
 #endif
 #else
-#define DI_WARP_SIZE 32  // HIP on the NVIDIA platform: real CUDA warps
+#error "hip_compat.h: only the AMD platform is supported (HIP_PLATFORM=amd); on NVIDIA build backends/cuda with nvcc."
 #endif
 
-// HIP 5.2 has no *_sync shuffles (they arrived, 64-bit-mask only, in ROCm 6.2). The 32-bit CUDA mask
-// is dropped: a wavefront executes in lockstep, and every call site passes the full mask anyway.
-// Width 32 keeps the shuffle inside the 32-lane half that `threadIdx.x & 31` indexes (see above).
-#define __shfl_xor_sync(mask, v, lane) __shfl_xor((v), (lane), 32)
+// HIP 5.2 has no *_sync shuffles (they arrived, with 64-bit masks, in ROCm 6.2), and a wavefront
+// executes in lockstep, so the CUDA mask has no counterpart: every call site passes all lanes.
+template <class T>
+__device__ inline T di_shfl_xor(T v, int lane_mask, int width) {
+    return __shfl_xor(v, lane_mask, width);
+}
+template <class T>
+__device__ inline T di_shfl_up(T v, unsigned delta, int width) {
+    return __shfl_up(v, delta, width);
+}
 
 // __grid_constant__ only lets CUDA take a kernel parameter's address without a local copy; HIP
 // kernel arguments already live in read-only kernarg memory, so dropping it changes nothing.
@@ -185,23 +183,7 @@ static inline hipError_t di_hip_pointer_get_attributes(di_hip_pointer_attributes
 
 #endif  // DI_HIP_COMPAT_BASE_
 
-// ---- opt-in: fp8 (DI_GPU_NEED_FP8) ---------------------------------------------------------------
-#if defined(DI_GPU_NEED_FP8) && !defined(DI_HIP_COMPAT_FP8_)
-#define DI_HIP_COMPAT_FP8_
-// HIP 5.2 has no counterpart of cuda_fp8.h. Even ROCm 6's hip_fp8.h would not be a drop-in: gfx942's
-// native fp8 is the FNUZ variant (bias 8, 0x80 = NaN), not the OCP e4m3fn the ABI stores, and its
-// intrinsics have other names. So the HIP build needs a software e4m3 path.
-#error "HIP build: backends/cuda/src/gemv.cuh decode<WF_FP8> uses cuda_fp8.h (__nv_cvt_fp8x2_to_halfraw2, __nv_fp8x2_storage_t, __NV_E4M3), which HIP 5.2 lacks. Give it a software e4m3 path under #ifdef __HIP_PLATFORM_AMD__ (di::e4m3_to_f in device.cuh already decodes OCP e4m3) before enabling the HIP build."
-#endif
-
-// ---- opt-in: cub (DI_GPU_NEED_CUB) ---------------------------------------------------------------
-#if defined(DI_GPU_NEED_CUB) && !defined(DI_HIP_COMPAT_CUB_)
-#define DI_HIP_COMPAT_CUB_
-#if defined(__has_include)
-#if !__has_include(<hipcub/hipcub.hpp>)
-#error "HIP build: backends/cuda/src/ops_route.cu (moe_router, sample: cub::BlockScan, cub::DeviceSegmentedRadixSort) needs hipCUB + rocPRIM, which Debian's hipcc package does not ship. Install ROCm's hipcub-dev and rocprim-dev (or pass -I to their include dirs)."
-#endif
-#endif
-#include <hipcub/hipcub.hpp>
-namespace cub = hipcub;
-#endif
+// ---- opt-in parts ----------------------------------------------------------------------------------
+// DI_GPU_NEED_FP8 and DI_GPU_NEED_CUB add nothing on AMD: gemv.cuh decodes e4m3 in software there
+// (CDNA3's fp8 is the FNUZ variant, not the OCP e4m3fn the ABI stores), and ops_route.cu uses its
+// portable sort and scan instead of CUB (Debian's HIP 5.2 ships no hipCUB/rocPRIM).

@@ -25,7 +25,7 @@ struct DI_Graph {
         return set_error(ctx, DI_RESOURCE_EXHAUSTED, "host out of memory");                    \
     }                                                                                          \
     catch (...) {                                                                              \
-        return set_error(ctx, DI_INTERNAL, "unexpected C++ exception inside the CUDA backend"); \
+        return set_error(ctx, DI_INTERNAL, "unexpected C++ exception inside the " DI_GPU_LIB_NAME " backend"); \
     }
 
 #define NEED_CTX(ctx, fn)                                                                     \
@@ -45,11 +45,11 @@ static DI_Status context_create(const DI_ContextOptions* o, DI_Context** out) {
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess) {
         (void)cudaGetLastError();
-        return set_error(nullptr, DI_FAILED_PRECONDITION, "context_create: no CUDA device usable: %s",
+        return set_error(nullptr, DI_FAILED_PRECONDITION, "context_create: no " DI_GPU_RUNTIME " device usable: %s",
                          cudaGetErrorString(e));
     }
     if (o->device_id < 0 || o->device_id >= n)
-        return set_error(nullptr, DI_INVALID_ARGUMENT, "context_create: device_id=%d but %d CUDA device(s) exist",
+        return set_error(nullptr, DI_INVALID_ARGUMENT, "context_create: device_id=%d but %d " DI_GPU_RUNTIME " device(s) exist",
                          o->device_id, n);
     if (o->num_threads < 0)
         return set_error(nullptr, DI_INVALID_ARGUMENT, "context_create: num_threads=%d is negative", o->num_threads);
@@ -94,7 +94,8 @@ static DI_Status get_attribute(DI_Context* ctx, const char* key, char* buf, uint
     clear_error(ctx);
     if (!key) return set_error(ctx, DI_INVALID_ARGUMENT, "get_attribute: key is NULL");
     char tmp[256];
-    if (!strcmp(key, "name")) return put_str(ctx, key, "cuda", buf, size);
+    if (!strcmp(key, "name")) return put_str(ctx, key, DI_GPU_LIB_NAME, buf, size);
+    if (!strcmp(key, "device.type")) return put_str(ctx, key, DI_GPU_DEVICE_TYPE, buf, size);
     if (!strcmp(key, "version")) return put_str(ctx, key, DI_CUDA_VERSION, buf, size);
     if (!strcmp(key, "abi.version")) {
         snprintf(tmp, sizeof(tmp), "%d.%d", DI_ABI_MAJOR, DI_ABI_MINOR);
@@ -114,7 +115,11 @@ static DI_Status get_attribute(DI_Context* ctx, const char* key, char* buf, uint
         DI_TRY(cuda_status(ctx, cudaMemGetInfo(&fr, &tot), "get_attribute: cudaMemGetInfo"));
         snprintf(tmp, sizeof(tmp), "%zu", !strcmp(key, "device.memory_free_bytes") ? fr : tot);
     }
+#if DI_GPU_AMD
+    else snprintf(tmp, sizeof(tmp), "%s", ctx->prop.gcnArchName);  // e.g. gfx90a:sramecc+:xnack-
+#else
     else snprintf(tmp, sizeof(tmp), "sm_%d%d", ctx->prop.major, ctx->prop.minor);
+#endif
     return put_str(ctx, key, tmp, buf, size);
     DI_GUARD_END(ctx)
 }
@@ -132,7 +137,7 @@ static DI_Status mem_alloc(DI_Context* ctx, uint64_t bytes, void** out) {
         (void)cudaGetLastError();
         if (e == cudaErrorMemoryAllocation) {
             size_t fr = 0, tot = 0;
-            cudaMemGetInfo(&fr, &tot);
+            (void)cudaMemGetInfo(&fr, &tot);
             (void)cudaGetLastError();
             return set_error(ctx, DI_RESOURCE_EXHAUSTED,
                              "mem_alloc: out of device memory allocating %llu bytes (%zu of %zu free)",
@@ -214,13 +219,13 @@ static DI_Status graph_end(DI_Context* ctx, DI_Stream stream, DI_Graph** out) {
     cudaGraphExec_t ex = nullptr;
     DI_Status st = cuda_status(ctx, cudaGraphInstantiate(&ex, g, 0), "graph_end: cudaGraphInstantiate");
     if (st != DI_OK) {
-        cudaGraphDestroy(g);
+        (void)cudaGraphDestroy(g);
         return st;
     }
     DI_Graph* G = new (std::nothrow) DI_Graph{g, ex};
     if (!G) {
-        cudaGraphExecDestroy(ex);
-        cudaGraphDestroy(g);
+        (void)cudaGraphExecDestroy(ex);
+        (void)cudaGraphDestroy(g);
         return set_error(ctx, DI_RESOURCE_EXHAUSTED, "graph_end: host out of memory");
     }
     *out = G;
@@ -238,8 +243,8 @@ static DI_Status graph_destroy(DI_Context* ctx, DI_Graph* g) {
     NEED_CTX(ctx, "graph_destroy");
     if (!g) return set_error(ctx, DI_INVALID_ARGUMENT, "graph_destroy: graph is NULL");
     DI_TRY(use_device(ctx));
-    cudaGraphExecDestroy(g->exec);
-    cudaGraphDestroy(g->graph);
+    (void)cudaGraphExecDestroy(g->exec);
+    (void)cudaGraphDestroy(g->graph);
     delete g;
     return DI_OK;
 }
@@ -252,7 +257,7 @@ static DI_Status check_args(DI_Context* ctx, int32_t op, const void* a, bool que
     const DI_OpInfo* info = di_op_info(op);
     DI_TRY(check_header(ctx, info->name, a, info->struct_size, info->struct_name));
     char msg[512];
-    DI_Status st = di_check_op_args(op, a, DI_DEVICE_CUDA, query ? 1 : 0, DI_CHECK_SKIP_ARRAYS, msg, sizeof(msg));
+    DI_Status st = di_check_op_args(op, a, DI_GPU_DEVICE, query ? 1 : 0, DI_CHECK_SKIP_ARRAYS, msg, sizeof(msg));
     if (st != DI_OK) return set_error(ctx, st, "%s", msg);
     return DI_OK;
 }
@@ -485,25 +490,82 @@ static const DI_Api g_api = make_api();
 
 static const DI_Api* get_api(uint32_t major) { return major == DI_ABI_MAJOR ? &g_api : nullptr; }
 
-// Ranks builds of this vendor: compute capability as 10*major+minor; < 0 when no device can run us.
+#if DI_GPU_AMD
+#ifdef DI_HIP_TARGETS
+#define DI_HIP_TARGETS_STR DI_HIP_TARGETS
+#else
+#define DI_HIP_TARGETS_STR "(no target list recorded)"
+#endif
+// DI_HIP_TARGETS: the --offload-arch list the library was built for (backends/hip/build.sh passes it).
+// A GPU outside it has no code object here, and every launch would fail.
+static bool built_for(const char* gcn_arch) {
+#ifdef DI_HIP_TARGETS
+    char want[64];
+    snprintf(want, sizeof(want), "%s", gcn_arch);
+    want[strcspn(want, ":")] = 0;  // gfx90a:sramecc+:xnack- -> gfx90a
+    const char* t = DI_HIP_TARGETS;
+    const size_t n = strlen(want);
+    while (*t) {
+        while (*t == ' ') ++t;
+        size_t len = strcspn(t, " ");
+        if (len == n && n > 0 && !strncmp(t, want, n)) return true;
+        t += len;
+    }
+    return false;
+#else
+    (void)gcn_arch;
+    return true;
+#endif
+}
+#endif
+
+// Ranks builds of this vendor: the device's major * 10 + minor (compute capability on NVIDIA, the
+// gfx generation on AMD: gfx90a 90, gfx942 94). < 0 when no device can run us, with the reason in
+// last_error(NULL), which the loader shows.
 static int32_t score(void) {
+    clear_error(nullptr);
     int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess || n == 0) {
         (void)cudaGetLastError();
+        set_error(nullptr, DI_FAILED_PRECONDITION,
+                  "no usable " DI_GPU_RUNTIME " device: the runtime's device count says %s%s",
+                  e != cudaSuccess ? cudaGetErrorString(e) : "0 devices",
+                  DI_GPU_AMD ? " (is the amdgpu kernel driver loaded, and /dev/kfd readable by this user?)"
+                             : " (is the NVIDIA driver installed and a GPU visible?)");
         return -1;
     }
     int major = 0, minor = 0;
     if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) != cudaSuccess ||
         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0) != cudaSuccess) {
         (void)cudaGetLastError();
+        set_error(nullptr, DI_FAILED_PRECONDITION, "cannot read device 0's architecture");
         return -1;
     }
-    if (major < 8) return -1;  // built for sm_80 and newer
+#if DI_GPU_AMD
+    cudaDeviceProp p;
+    if (cudaGetDeviceProperties(&p, 0) != cudaSuccess) {
+        (void)cudaGetLastError();
+        set_error(nullptr, DI_FAILED_PRECONDITION, "cannot read device 0's properties");
+        return -1;
+    }
+    if (!built_for(p.gcnArchName)) {
+        set_error(nullptr, DI_FAILED_PRECONDITION, "device 0 is %s; this library was built for %s: rebuild with "
+                  "DI_HIP_ARCHS set to it (backends/hip/build.sh)", p.gcnArchName, DI_HIP_TARGETS_STR);
+        return -1;
+    }
+#else
+    if (major < 8) {  // built for sm_80 and newer
+        set_error(nullptr, DI_FAILED_PRECONDITION, "device 0 is sm_%d%d; this library needs sm_80 or newer",
+                  major, minor);
+        return -1;
+    }
+#endif
     return major * 10 + minor;
 }
 
 static const DI_PluginInfo g_info = {
-    sizeof(DI_PluginInfo), DI_ABI_MAJOR, DI_ABI_MINOR, 0, "cuda", DI_CUDA_VERSION, get_api, score,
+    sizeof(DI_PluginInfo), DI_ABI_MAJOR, DI_ABI_MINOR, 0, DI_GPU_LIB_NAME, DI_CUDA_VERSION, get_api, score,
 };
 
 extern "C" DI_EXPORT const DI_PluginInfo* deepinfer_plugin_info(void) { return &g_info; }

@@ -109,8 +109,8 @@ static DI_Status take_plain(DI_Context* ctx, const OpMode* mode, const char* op,
                          DI_MAX_DIMS);
     if (ndim >= 0 && t.ndim != ndim)
         return set_error(ctx, DI_INVALID_ARGUMENT, "%s: %s.ndim=%d, expected %d", op, name, t.ndim, ndim);
-    if (t.device_type != DI_DEVICE_CUDA)
-        return set_error(ctx, DI_INVALID_ARGUMENT, "%s: %s.device_type=%d, expected DI_DEVICE_CUDA (2)", op, name,
+    if (t.device_type != DI_GPU_DEVICE)
+        return set_error(ctx, DI_INVALID_ARGUMENT, "%s: %s.device_type=%d, expected " DI_GPU_DEVICE_STR, op, name,
                          t.device_type);
     if (t.device_id != ctx->device)
         return set_error(ctx, DI_INVALID_ARGUMENT, "%s: %s.device_id=%d but the context is on device %d", op,
@@ -137,7 +137,7 @@ static DI_Status take_plain(DI_Context* ctx, const OpMode* mode, const char* op,
                                  "%s: %s is 4-bit packed but strides[%d]=%lld is odd", op, name, d,
                                  (long long)t.strides[d]);
     if (t.data && mode->check_ptrs) {
-        // A host pointer labelled DI_DEVICE_CUDA would fault inside a kernel and poison the whole CUDA
+        // A host pointer labelled as device memory would fault inside a kernel and poison the whole GPU
         // context; one driver lookup per tensor keeps that an ordinary INVALID_ARGUMENT.
         cudaPointerAttributes pa;
         cudaError_t e = cudaPointerGetAttributes(&pa, t.data);
@@ -205,7 +205,7 @@ DI_Status take_tensor(DI_Context* ctx, const OpMode* mode, const char* op, const
             return set_error(ctx, DI_INVALID_ARGUMENT, "%s: scales.shape[%d]=%lld, expected %lld for block (%d, %d)",
                              W(), d, (long long)v->s.shape[d], (long long)expect[d], q.block_rows, q.block_cols);
     v->mode = 1;
-    if (q.zeros.data || (!mode->launch && q.zeros.ndim > 0 && q.zeros.device_type == DI_DEVICE_CUDA)) {
+    if (q.zeros.data || (!mode->launch && q.zeros.ndim > 0 && q.zeros.device_type == DI_GPU_DEVICE)) {
         if (take_plain(ctx, mode, op, "zeros", q.zeros, t.ndim, true, &v->z) != DI_OK) {
             snprintf(sname, sizeof(sname), "%s.quant->zeros", name);
             return take_plain(ctx, mode, op, sname, q.zeros, t.ndim, true, &v->z);
@@ -270,7 +270,7 @@ DI_Status Workspace::acquire(DI_Context* ctx, const DI_ArgsHeader& h, uint64_t b
 }
 
 void Workspace::release() {
-    if (owned && ptr) cudaFreeAsync(ptr, stream);
+    if (owned && ptr) (void)cudaFreeAsync(ptr, stream);
     ptr = nullptr;
     owned = false;
 }

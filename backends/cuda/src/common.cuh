@@ -15,6 +15,22 @@
 
 #define DI_CUDA_VERSION "0.1.0"
 
+// What the library calls itself and the memory it hands out: the same sources build
+// libdeepinfer_cuda.so with nvcc and libdeepinfer_hip.so with hipcc (backends/hip).
+#if DI_GPU_AMD
+#define DI_GPU_LIB_NAME    "hip"                  // DI_PluginInfo.name: the loader's libdeepinfer_hip.so
+#define DI_GPU_DEVICE      DI_DEVICE_ROCM         // device_type of every tensor the ops accept
+#define DI_GPU_DEVICE_STR  "DI_DEVICE_ROCM (10)"
+#define DI_GPU_DEVICE_TYPE "rocm"                 // the device.type attribute
+#define DI_GPU_RUNTIME     "ROCm"                 // for messages
+#else
+#define DI_GPU_LIB_NAME    "cuda"
+#define DI_GPU_DEVICE      DI_DEVICE_CUDA
+#define DI_GPU_DEVICE_STR  "DI_DEVICE_CUDA (2)"
+#define DI_GPU_DEVICE_TYPE "cuda"
+#define DI_GPU_RUNTIME     "CUDA"
+#endif
+
 struct DI_Context {
     int32_t        device;
     int32_t        sm_count;

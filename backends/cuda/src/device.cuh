@@ -206,24 +206,64 @@ __device__ __forceinline__ float qload_inline(const QTensor& t, int64_t L, int64
     return v;
 }
 
-static __device__ __noinline__ float qload(const QTensor& t, int64_t L, int64_t r, int64_t c) {
+[[maybe_unused]] static __device__ __noinline__ float qload(const QTensor& t, int64_t L, int64_t r, int64_t c) {
     return qload_inline(t, L, r, c);
+}
+
+// ---------------------------------------------------------------------------------------- lanes
+// The kernels cooperate in groups of LANES = 32 threads, called warps throughout: a thread's lane is
+// threadIdx.x % LANES, per-lane strides are LANES elements, per-warp scratch is indexed by
+// threadIdx.x / LANES, and reductions and scans run over the LANES lanes of one group. On NVIDIA that
+// is the hardware warp. On AMD CDNA a wavefront has DI_WARP_SIZE = 64 lanes and holds two groups side
+// by side; the exchanges below confine themselves to their group (width LANES), so a kernel's lane
+// arithmetic means the same on both vendors. The price on AMD is one extra step in the cross-warp
+// part of a block reduction, which is small next to the loads it follows.
+//
+// Kernels must not use anything that depends on the hardware width (raw shuffles, 32-bit lane masks,
+// ballot, activemask, match): they exchange through shfl_xor / shfl_up here, and
+// backends/hip/check_compat.sh fails the build check on raw ones.
+constexpr int LANES = 32;
+constexpr int MAX_WARPS = 1024 / LANES;  // warps of the largest block: per-warp scratch arrays
+static_assert(DI_WARP_SIZE % LANES == 0, "a hardware warp must hold whole lane groups");
+
+__device__ __forceinline__ int lane_id() { return threadIdx.x % LANES; }
+__device__ __forceinline__ int warp_id() { return threadIdx.x / LANES; }
+
+template <class T>
+__device__ __forceinline__ T shfl_xor(T v, int lane_mask) {
+    return di_shfl_xor(v, lane_mask, LANES);
+}
+template <class T>
+__device__ __forceinline__ T shfl_up(T v, unsigned delta) {
+    return di_shfl_up(v, delta, LANES);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    for (int o = LANES / 2; o > 0; o >>= 1) v += shfl_xor(v, o);
     return v;
 }
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    for (int o = LANES / 2; o > 0; o >>= 1) v = fmaxf(v, shfl_xor(v, o));
     return v;
 }
 
-// Block-wide sum / max for blockDim.x a multiple of 32 (<= 1024); red needs 32 floats of smem.
+// Inclusive prefix sum over the lanes of a warp.
+template <class T>
+__device__ __forceinline__ T warp_scan_incl(T v) {
+    const int lane = lane_id();
+#pragma unroll
+    for (int d = 1; d < LANES; d *= 2) {
+        const T a = shfl_up(v, d);
+        if (lane >= d) v += a;
+    }
+    return v;
+}
+
+// Block-wide sum / max for blockDim.x a multiple of LANES (<= 1024); red needs MAX_WARPS floats of smem.
 __device__ __forceinline__ float block_sum(float v, float* red) {
-    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int lane = lane_id(), w = warp_id(), nw = blockDim.x / LANES;
     v = warp_sum(v);
     __syncthreads();
     if (lane == 0) red[w] = v;
@@ -235,7 +275,7 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
     return red[0];
 }
 __device__ __forceinline__ float block_max(float v, float* red) {
-    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int lane = lane_id(), w = warp_id(), nw = blockDim.x / LANES;
     v = warp_max(v);
     __syncthreads();
     if (lane == 0) red[w] = v;
@@ -245,6 +285,26 @@ __device__ __forceinline__ float block_max(float v, float* red) {
     if (threadIdx.x == 0) red[0] = v;
     __syncthreads();
     return red[0];
+}
+
+// Block-wide inclusive prefix sum in thread order, and the block's total, for blockDim.x a multiple of
+// LANES (<= 1024); red needs MAX_WARPS elements of smem. Every thread must call it.
+template <class T>
+__device__ __forceinline__ T block_scan_incl(T v, T* total, T* red) {
+    const int lane = lane_id(), w = warp_id(), nw = blockDim.x / LANES;
+    v = warp_scan_incl(v);
+    __syncthreads();  // red may still be read by a previous call
+    if (lane == LANES - 1) red[w] = v;
+    __syncthreads();
+    if (w == 0) {
+        T s = lane < nw ? red[lane] : T(0);
+        s = warp_scan_incl(s);
+        if (lane < nw) red[lane] = s;
+    }
+    __syncthreads();
+    if (w > 0) v += red[w - 1];
+    *total = red[nw - 1];
+    return v;
 }
 
 }  // namespace di

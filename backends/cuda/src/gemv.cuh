@@ -2,7 +2,7 @@
 // its own translation unit (gemv_<fmt>.cu) so the heavy unrolled bodies compile in parallel.
 #pragma once
 
-#define DI_GPU_NEED_FP8  // decode(WF_FP8) uses the cuda_fp8.h conversion intrinsics
+#define DI_GPU_NEED_FP8  // decode(WF_FP8) uses the cuda_fp8.h conversion intrinsics on NVIDIA
 #include "gpu_runtime.cuh"
 
 #include "device.cuh"
@@ -41,6 +41,12 @@ __device__ __forceinline__ void decode(const uint4& v, int j, float* f, const fl
 #pragma unroll
         for (int i = 0; i < 4; ++i) f[i] = __uint_as_float(wd[i]);
     } else if constexpr (F == WF_FP8) {
+#if DI_GPU_AMD
+        // AMD: CDNA2 has no fp8 conversions and CDNA3's decode the FNUZ variant (bias 8, 0x80 = NaN),
+        // not the OCP e4m3fn stored here, so decode in software; every e4m3 value is exact in f32.
+#pragma unroll
+        for (int i = 0; i < 8; ++i) f[i] = e4m3_to_f((wd[2 * j + i / 4] >> (8 * (i % 4))) & 0xffu);
+#else
 #pragma unroll
         for (int w = 0; w < 2; ++w) {
             uint32_t word = wd[2 * j + w];
@@ -52,6 +58,7 @@ __device__ __forceinline__ void decode(const uint4& v, int j, float* f, const fl
                 f[4 * w + 2 * h + 1] = p.y;
             }
         }
+#endif
     } else if constexpr (F == WF_I8) {
 #pragma unroll
         for (int w = 0; w < 2; ++w) {
@@ -86,7 +93,7 @@ __global__ __launch_bounds__(256) void k_gemv(const __grid_constant__ QTensor x,
     constexpr int EPV = Fmt<F>::EPV, SUB = Fmt<F>::SUB, NSUB = EPV / SUB, KC = GEMV_XS_FLOATS / MT;
     __shared__ __align__(16) float xs[GEMV_XS_FLOATS];
     __shared__ float lut[16];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warp = warp_id(), lane = lane_id();
     if (threadIdx.x < 16) lut[threadIdx.x] = e2m1_to_f(threadIdx.x);
     const int64_t n0 = ((int64_t)blockIdx.x * GEMV_WARPS + warp) * GEMV_RPW;
     const int bits = (F == WF_F32) ? 32 : (F == WF_BF16 || F == WF_F16) ? 16 : (F == WF_FP8 || F == WF_I8) ? 8 : 4;
@@ -132,14 +139,14 @@ __global__ __launch_bounds__(256) void k_gemv(const __grid_constant__ QTensor x,
             for (int r = 0; r < GEMV_RPW; ++r)
                 wn[r] = __ldg(reinterpret_cast<const uint4*>(rowp[r] + (kc + lane * EPV) * bits / 8));
         }
-        for (int kb = lane * EPV; kb < kn; kb += 32 * EPV) {
+        for (int kb = lane * EPV; kb < kn; kb += LANES * EPV) {
             uint4 wv[GEMV_RPW];
 #pragma unroll
             for (int r = 0; r < GEMV_RPW; ++r) wv[r] = wn[r];
-            if (kb + 32 * EPV < kn) {
+            if (kb + LANES * EPV < kn) {
 #pragma unroll
                 for (int r = 0; r < GEMV_RPW; ++r)
-                    wn[r] = __ldg(reinterpret_cast<const uint4*>(rowp[r] + (kc + kb + 32 * EPV) * bits / 8));
+                    wn[r] = __ldg(reinterpret_cast<const uint4*>(rowp[r] + (kc + kb + LANES * EPV) * bits / 8));
             }
 #pragma unroll
             for (int j = 0; j < NSUB; ++j) {

@@ -25,9 +25,20 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-// Lanes per warp. The CUDA kernels are written for 32 (see backends/hip/hip_compat.h for what that
-// means on AMD); new code that depends on the width should say DI_WARP_SIZE so the HIP audit finds it.
-#define DI_WARP_SIZE 32
+#define DI_GPU_AMD 0      // the vendor, for the few host decisions that differ (device type, tensor-core paths)
+#define DI_WARP_SIZE 32   // lanes per hardware warp
+
+// Cross-lane exchange inside groups of `width` lanes (a power of two dividing the hardware warp). All
+// lanes of the group take part, as every call site in this folder guarantees; device.cuh wraps these
+// for the kernels (di::shfl_xor, di::shfl_up) with the kernels' group width.
+template <class T>
+__device__ __forceinline__ T di_shfl_xor(T v, int lane_mask, int width) {
+    return __shfl_xor_sync(0xffffffffu, v, lane_mask, width);
+}
+template <class T>
+__device__ __forceinline__ T di_shfl_up(T v, unsigned delta, int width) {
+    return __shfl_up_sync(0xffffffffu, v, delta, width);
+}
 #endif  // DI_GPU_RUNTIME_BASE_
 
 #if defined(DI_GPU_NEED_FP8) && !defined(DI_GPU_RUNTIME_FP8_)

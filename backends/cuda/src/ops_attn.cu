@@ -1,6 +1,6 @@
 // mla_prefill and mla_decode.
 //
-// Both use one warp per key: the lanes hold the query (dims lane, lane+32, ...) in registers, a warp
+// Both use one warp per key: the lanes hold the query (dims lane, lane + LANES, ...) in registers, a warp
 // reduction gives the score, and each warp keeps its own online-softmax state, merged at the end.
 // mla_decode absorbs kv_b_proj: q_lat = q_nope @ W_uk (kernel 1), attention over the latent cache
 // split across position chunks (kernel 2, flash-decoding style), then merge of the chunks and
@@ -21,8 +21,8 @@ __global__ __launch_bounds__(128) void k_mla_prefill(DTensor q, DTensor kv, DTen
                                                      int64_t T, int64_t H, int64_t S, int Dn, int Dr, int Dv,
                                                      float scale) {
     __shared__ float sm_m[4], sm_l[4];
-    __shared__ float sm_o[4][NV * 32];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __shared__ float sm_o[4][NV * LANES];
+    const int warp = warp_id(), lane = lane_id();
     const int Dq = Dn + Dr;
     for (int64_t bi = blockIdx.x; bi < T * H; bi += gridDim.x) {
         const int64_t i = bi / H, h = bi % H;
@@ -44,7 +44,7 @@ __global__ __launch_bounds__(128) void k_mla_prefill(DTensor q, DTensor kv, DTen
         const int64_t qo = i * q.strides[0] + h * q.strides[1];
 #pragma unroll
         for (int r = 0; r < NQ; ++r) {
-            int d = lane + 32 * r;
+            int d = lane + LANES * r;
             qr[r] = d < Dq ? load_f(q.dt, q.base, qo + d) : 0.f;
         }
         float m = -INFINITY, l = 0.f, acc[NV];
@@ -56,7 +56,7 @@ __global__ __launch_bounds__(128) void k_mla_prefill(DTensor q, DTensor kv, DTen
                 float dot = 0.f;
 #pragma unroll
                 for (int r = 0; r < NQ; ++r) {
-                    int d = lane + 32 * r;
+                    int d = lane + LANES * r;
                     if (d < Dn) dot += qr[r] * load_f(kv.dt, kv.base, ko + d);
                     else if (d < Dq) dot += qr[r] * load_f(kpe.dt, kpe.base, po + d - Dn);
                 }
@@ -65,7 +65,7 @@ __global__ __launch_bounds__(128) void k_mla_prefill(DTensor q, DTensor kv, DTen
                 l = l * corr + pj;
 #pragma unroll
                 for (int r = 0; r < NV; ++r) {
-                    int d = lane + 32 * r;
+                    int d = lane + LANES * r;
                     if (d < Dv) acc[r] = acc[r] * corr + pj * load_f(kv.dt, kv.base, ko + Dn + d);
                 }
                 m = mn;
@@ -77,7 +77,7 @@ __global__ __launch_bounds__(128) void k_mla_prefill(DTensor q, DTensor kv, DTen
         }
 #pragma unroll
         for (int r = 0; r < NV; ++r) {
-            int d = lane + 32 * r;
+            int d = lane + LANES * r;
             if (d < Dv) sm_o[warp][d] = acc[r];
         }
         __syncthreads();
@@ -142,7 +142,7 @@ __global__ __launch_bounds__(128) void k_mla_prefill_tc(DTensor q, DTensor kv, D
                                                         int64_t T, int64_t S, float scale_log2) {
     __shared__ __align__(16) uint16_t ks[FA_K * FA_KS];    // Q tile first, then each K tile
     __shared__ __align__(16) uint16_t vt[FA_DV * FA_VS];   // V tile, transposed: vt[dv][key]
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c4 = lane & 3;
+    const int warp = warp_id(), lane = lane_id(), g = lane >> 2, c4 = lane & 3;
     const int64_t h = blockIdx.y, i0 = (int64_t)blockIdx.x * FA_Q;
     if (i0 >= T) return;
     const char* qb = q.base;
@@ -221,10 +221,10 @@ __global__ __launch_bounds__(128) void k_mla_prefill_tc(DTensor q, DTensor kv, D
                 mxb = fmaxf(mxb, sc[n][2 + e]);
             }
         }
-        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 1));
-        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 2));
-        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 1));
-        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
+        mxa = fmaxf(mxa, shfl_xor(mxa, 1));
+        mxa = fmaxf(mxa, shfl_xor(mxa, 2));
+        mxb = fmaxf(mxb, shfl_xor(mxb, 1));
+        mxb = fmaxf(mxb, shfl_xor(mxb, 2));
         const float na = fmaxf(ma, mxa), nb = fmaxf(mb, mxb);
         const float ua = na == -INFINITY ? 0.f : na, ub = nb == -INFINITY ? 0.f : nb;
         const float ca = exp2f(ma - ua), cb = exp2f(mb - ub);   // exp2(-inf) = 0 on the first tile
@@ -259,10 +259,10 @@ __global__ __launch_bounds__(128) void k_mla_prefill_tc(DTensor q, DTensor kv, D
             }
         }
     }
-    la += __shfl_xor_sync(0xffffffffu, la, 1);
-    la += __shfl_xor_sync(0xffffffffu, la, 2);
-    lb += __shfl_xor_sync(0xffffffffu, lb, 1);
-    lb += __shfl_xor_sync(0xffffffffu, lb, 2);
+    la += shfl_xor(la, 1);
+    la += shfl_xor(la, 2);
+    lb += shfl_xor(lb, 1);
+    lb += shfl_xor(lb, 2);
     const float ia = la > 0.f ? 1.f / la : 0.f, ib = lb > 0.f ? 1.f / lb : 0.f;
 #pragma unroll
     for (int n = 0; n < FA_DV / 8; ++n) {
@@ -278,10 +278,11 @@ __global__ __launch_bounds__(128) void k_mla_prefill_tc(DTensor q, DTensor kv, D
     }
 }
 
-// the tensor-core kernel's preconditions: its head shape, bf16 operands, 16-byte aligned rows
+// the tensor-core kernel's preconditions: an NVIDIA GPU of sm_80 or newer (its mma.sync is PTX; AMD
+// runs k_mla_prefill), its head shape, bf16 operands, 16-byte aligned rows
 static bool prefill_tc_ok(const DI_Context* ctx, const QTensor& q, const QTensor& kv, const QTensor& kpe,
                           int64_t Dn, int64_t Dr, int64_t Dv) {
-    if (ctx->prop.major < 8 || Dn + Dr != FA_DQ || Dr != 64 || Dv != FA_DV) return false;
+    if (DI_GPU_AMD || ctx->prop.major < 8 || Dn + Dr != FA_DQ || Dr != 64 || Dv != FA_DV) return false;
     if (q.q.dt != DT_BF16 || kv.q.dt != DT_BF16 || kpe.q.dt != DT_BF16) return false;
     auto al = [](const DTensor& t, int lead) {
         if (reinterpret_cast<uintptr_t>(t.base) % 16) return false;
@@ -323,9 +324,9 @@ DI_Status op_mla_prefill(DI_Context* ctx, const DI_MLAPrefillArgs* a, OpMode* mo
                          (long long)Dn, (long long)Dr);
     if (cu.q.shape[0] < 1)
         return set_error(ctx, DI_INVALID_ARGUMENT, "%s: cu_seqlens needs S + 1 >= 1 entries", op);
-    if (Dq > 32 * ATT_MAXQ || Dv > 32 * ATT_MAXV)
+    if (Dq > LANES * ATT_MAXQ || Dv > LANES * ATT_MAXV)
         return set_error(ctx, DI_UNIMPLEMENTED, "%s: head dims Dn+Dr=%lld, Dv=%lld exceed this kernel's %d / %d", op,
-                         (long long)Dq, (long long)Dv, 32 * ATT_MAXQ, 32 * ATT_MAXV);
+                         (long long)Dq, (long long)Dv, LANES * ATT_MAXQ, LANES * ATT_MAXV);
     if (!mode->launch || T * H == 0) return DI_OK;
     const unsigned grid = grid_for(T * H, 1, 1 << 20);
     cudaStream_t s = (cudaStream_t)a->header.stream;
@@ -439,9 +440,9 @@ template <int NQ>
 __global__ __launch_bounds__(256) void k_mla_attn(const float* qf, DTensor cache, DTensor btab, DTensor seq,
                                                   DTensor kvl, float* part, DecodeDims d, float scale) {
     __shared__ float sm_m[8][MLA_HG], sm_l[8][MLA_HG];
-    __shared__ float sm_o[8][NQ * 32];
-    __shared__ float sm_q[MLA_HG][NQ * 32];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __shared__ float sm_o[8][NQ * LANES];
+    __shared__ float sm_q[MLA_HG][NQ * LANES];
+    const int warp = warp_id(), lane = lane_id();
     const int Dk = d.Dc + d.Dr;
     const int64_t groups = ceil_div(d.H, MLA_HG);
     const int64_t t = blockIdx.x / groups, h0 = (blockIdx.x % groups) * MLA_HG, split = blockIdx.y;
@@ -451,8 +452,8 @@ __global__ __launch_bounds__(256) void k_mla_attn(const float* qf, DTensor cache
     const int64_t chunk = decode_chunk(len, d.splits);
     const int64_t p0 = split * chunk, p1 = min(len, p0 + chunk);
     if (p0 >= len && split > 0) return;   // inactive chunk (chunk 0 always reports, even for len 0)
-    for (int i = threadIdx.x; i < MLA_HG * NQ * 32; i += blockDim.x) {
-        int g = i / (NQ * 32), k = i % (NQ * 32);
+    for (int i = threadIdx.x; i < MLA_HG * NQ * LANES; i += blockDim.x) {
+        int g = i / (NQ * LANES), k = i % (NQ * LANES);
         sm_q[g][k] = (g < ng && k < Dk) ? qf[(t * d.H + h0 + g) * Dk + k] : 0.f;
     }
     __syncthreads();
@@ -471,20 +472,20 @@ __global__ __launch_bounds__(256) void k_mla_attn(const float* qf, DTensor cache
         float kvv[NQ];
 #pragma unroll
         for (int r = 0; r < NQ; ++r) {
-            int k = lane + 32 * r;
+            int k = lane + LANES * r;
             kvv[r] = k < Dk ? load_f(cache.dt, cache.base, ro + k) : 0.f;
         }
 #pragma unroll
         for (int g = 0; g < MLA_HG; ++g) {
             float dot = 0.f;
 #pragma unroll
-            for (int r = 0; r < NQ; ++r) dot += sm_q[g][lane + 32 * r] * kvv[r];
+            for (int r = 0; r < NQ; ++r) dot += sm_q[g][lane + LANES * r] * kvv[r];
             float sc = warp_sum(dot) * scale;
             float mn = fmaxf(m[g], sc), corr = expf(m[g] - mn), pj = expf(sc - mn);
             l[g] = l[g] * corr + pj;
 #pragma unroll
             for (int r = 0; r < NQ; ++r)
-                if (lane + 32 * r < d.Dc) acc[g][r] = acc[g][r] * corr + pj * kvv[r];
+                if (lane + LANES * r < d.Dc) acc[g][r] = acc[g][r] * corr + pj * kvv[r];
             m[g] = mn;
         }
     }
@@ -500,7 +501,7 @@ __global__ __launch_bounds__(256) void k_mla_attn(const float* qf, DTensor cache
         __syncthreads();
 #pragma unroll
         for (int r = 0; r < NQ; ++r) {
-            int k = lane + 32 * r;
+            int k = lane + LANES * r;
             if (k < d.Dc) sm_o[warp][k] = acc[g][r];
         }
         __syncthreads();
@@ -532,7 +533,7 @@ __global__ __launch_bounds__(256) void k_mla_attn(const float* qf, DTensor cache
 __global__ __launch_bounds__(128) void k_mla_merge(const float* part, DTensor seq, DTensor kvl, float* ol,
                                                    DecodeDims d) {
     __shared__ float wgt[1024];
-    __shared__ float red[32];
+    __shared__ float red[MAX_WARPS];
     const int64_t stride = d.Dc + 2;
     for (int64_t bi = blockIdx.x; bi < d.T * d.H; bi += gridDim.x) {
         const int64_t t = bi / d.H;
@@ -568,7 +569,7 @@ __global__ __launch_bounds__(128) void k_mla_merge(const float* part, DTensor se
 // out[t, h, j] = sum_c W_uv[h][j, c] * ol[t, h, c]
 __global__ __launch_bounds__(256) void k_mla_uv(const float* ol, DTensor w, DTensor out, DecodeDims d, int tt) {
     extern __shared__ float os[];                      // [tt][Dc]
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warp = warp_id(), lane = lane_id();
     const int64_t h = blockIdx.x, t0 = (int64_t)blockIdx.z * tt;
     const int nt = (int)min((int64_t)tt, d.T - t0);
     for (int i = threadIdx.x; i < nt * d.Dc; i += blockDim.x) {
@@ -584,7 +585,7 @@ __global__ __launch_bounds__(256) void k_mla_uv(const float* ol, DTensor w, DTen
 #pragma unroll
         for (int t = 0; t < MLA_TT; ++t) acc[t] = 0.f;
 #pragma unroll 4
-        for (int c = lane; c < d.Dc; c += 32) {
+        for (int c = lane; c < d.Dc; c += LANES) {
             const float wv = load_f(w.dt, w.base, ro + c);
 #pragma unroll
             for (int t = 0; t < MLA_TT; ++t)
@@ -637,9 +638,9 @@ DI_Status op_mla_decode(DI_Context* ctx, const DI_MLADecodeArgs* a, OpMode* mode
     DI_TRY(need_shape(ctx, op, "kv_len", kvl.q, 0, d.T, "q.shape[0]"));
     DI_TRY(need_shape(ctx, op, "out", out.q, 0, d.T, "q.shape[0]"));
     DI_TRY(need_shape(ctx, op, "out", out.q, 1, d.H, "q.shape[1]"));
-    if (d.Dc + d.Dr > 32 * ATT_DEC_MAXQ)
+    if (d.Dc + d.Dr > LANES * ATT_DEC_MAXQ)
         return set_error(ctx, DI_UNIMPLEMENTED, "%s: Dc + Dr = %d exceeds this kernel's %d", op, d.Dc + d.Dr,
-                         32 * ATT_DEC_MAXQ);
+                         LANES * ATT_DEC_MAXQ);
     // q_nope and o_lat tiles of at least one token must fit a block's shared memory
     if ((int64_t)d.Dn * 4 > 32 * 1024 || (int64_t)d.Dc * 4 > 48 * 1024)
         return set_error(ctx, DI_UNIMPLEMENTED, "%s: Dn=%d / Dc=%d too large for this kernel", op, d.Dn, d.Dc);

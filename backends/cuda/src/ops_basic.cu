@@ -43,7 +43,7 @@ DI_Status op_embedding(DI_Context* ctx, const DI_EmbeddingArgs* a, OpMode* mode)
 __global__ void k_rmsnorm(DTensor x, DTensor w, DTensor res, DTensor out, DTensor res_out, int64_t T, int64_t H,
                           float eps) {
     extern __shared__ float s[];
-    __shared__ float red[32];
+    __shared__ float red[MAX_WARPS];
     for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
         float ss = 0.f;
         for (int64_t h = threadIdx.x; h < H; h += blockDim.x) {
@@ -92,7 +92,7 @@ DI_Status op_rmsnorm(DI_Context* ctx, const DI_RMSNormArgs* a, OpMode* mode) {
                          (long long)H);
     if (!mode->launch || T == 0 || H == 0) return DI_OK;
     if (smem > 48 * 1024)
-        cudaFuncSetAttribute(k_rmsnorm, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        (void)cudaFuncSetAttribute(k_rmsnorm, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     k_rmsnorm<<<grid_for(T, 1, 65535), 512, smem, (cudaStream_t)a->header.stream>>>(x.q, w.q, res.q, out.q, ro.q, T, H,
                                                                                  a->eps);
     return launch_status(ctx, op);

@@ -159,8 +159,9 @@ constexpr uint64_t DQ_CHUNK_BYTES = 64u << 20;  // bf16 rows dequantized per GEM
 
 static bool aligned16p(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-// x as the streaming kernels read it: plain bf16, unit stride along K, 16-byte aligned rows.
-static bool bf16_rows(const QTensor& x, bool check_ptr) {
+// x as the streaming kernels read it: plain bf16, unit stride along K, 16-byte aligned rows (the
+// tensor-core path only: unused where DI_HAVE_MOE_MMA is 0).
+[[maybe_unused]] static bool bf16_rows(const QTensor& x, bool check_ptr) {
     if (x.mode || x.q.dt != DT_BF16 || x.q.strides[1] != 1 || (x.q.strides[0] * 2) % 16) return false;
     return !check_ptr || aligned16p(x.q.base);
 }

@@ -163,8 +163,8 @@ __global__ __launch_bounds__(ALIGN_THREADS) void k_moe_align(DTensor ids, int64_
                                                             int BN, int max_items, int* sorted, int4* items,
                                                             int* n_items, uint8_t* pair_ok) {
     __shared__ int cnt[MOE_MAX_E], fill[MOE_MAX_E], off[MOE_MAX_E], ioff[MOE_MAX_E];
-    __shared__ int wsum[ALIGN_THREADS / 32][2];
-    const int tid = threadIdx.x, lane = tid % 32, wid = tid / 32;
+    __shared__ int wsum[ALIGN_THREADS / LANES][2];
+    const int tid = threadIdx.x, lane = tid % LANES, wid = tid / LANES;
     const int64_t P = T * Ktop;
     for (int e = tid; e < E; e += blockDim.x) cnt[e] = fill[e] = 0;
     __syncthreads();
@@ -179,18 +179,18 @@ __global__ __launch_bounds__(ALIGN_THREADS) void k_moe_align(DTensor ids, int64_
     int v = tid < E ? cnt[tid] : 0, it = (v + BN - 1) / BN;
     int sv = v, si = it;
 #pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-        int a = __shfl_up_sync(0xffffffffu, sv, d), b = __shfl_up_sync(0xffffffffu, si, d);
+    for (int d = 1; d < LANES; d *= 2) {
+        int a = shfl_up(sv, d), b = shfl_up(si, d);
         if (lane >= d) { sv += a; si += b; }
     }
-    if (lane == 31) { wsum[wid][0] = sv; wsum[wid][1] = si; }
+    if (lane == LANES - 1) { wsum[wid][0] = sv; wsum[wid][1] = si; }
     __syncthreads();
     if (wid == 0) {
-        const int nw = blockDim.x / 32;
+        const int nw = blockDim.x / LANES;
         int a = lane < nw ? wsum[lane][0] : 0, b = lane < nw ? wsum[lane][1] : 0;
 #pragma unroll
-        for (int d = 1; d < 32; d *= 2) {
-            int x = __shfl_up_sync(0xffffffffu, a, d), y = __shfl_up_sync(0xffffffffu, b, d);
+        for (int d = 1; d < LANES; d *= 2) {
+            int x = shfl_up(a, d), y = shfl_up(b, d);
             if (lane >= d) { a += x; b += y; }
         }
         if (lane < nw) { wsum[lane][0] = a; wsum[lane][1] = b; }
@@ -205,7 +205,7 @@ __global__ __launch_bounds__(ALIGN_THREADS) void k_moe_align(DTensor ids, int64_
             if (j < max_items) items[j] = make_int4(tid, off[tid] + i * BN, min(BN, v - i * BN), 0);
         }
     }
-    if (tid == blockDim.x - 1) *n_items = min(wsum[blockDim.x / 32 - 1][1], max_items);
+    if (tid == (int)blockDim.x - 1) *n_items = min(wsum[blockDim.x / LANES - 1][1], max_items);
     __syncthreads();
     for (int64_t p = tid; p < P; p += blockDim.x) {
         if (!pair_ok[p]) continue;
@@ -322,7 +322,8 @@ DI_Status take_expert(DI_Context* ctx, const OpMode* em, const char* which, int6
     return check_weight(ctx, "moe_experts", name, *v);
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+// aligned16 and fill_ptrs serve the tensor-core path only (unused where DI_HAVE_MOE_MMA is 0)
+[[maybe_unused]] bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 typedef void (*GateUpFn)(MoeShape, int, const MoeMat&, const MoePtrs&, const MoeMat&, const MoePtrs&, MoePlan,
                          const char*, int64_t, int, uint16_t*, cudaStream_t);
@@ -399,7 +400,7 @@ uint64_t simt_workspace(const Call& c) {
     return align256(P * (uint64_t)c.I * 4) + align256(P * (uint64_t)c.H * 4) + align256((uint64_t)c.E);
 }
 
-void fill_ptrs(const std::vector<ExpertBases>& b, const Call& c, MoePtrs* p) {
+[[maybe_unused]] void fill_ptrs(const std::vector<ExpertBases>& b, const Call& c, MoePtrs* p) {
     memset(p, 0, sizeof(*p));
     for (int64_t e = 0; e < c.E; ++e) {
         if (!c.resident[(size_t)e]) continue;
@@ -473,8 +474,8 @@ DI_Status run_simt(DI_Context* ctx, const DI_MoEExpertsArgs* a, const Call& c, c
     }
     const size_t list_bytes = MOE_WINDOW * sizeof(int);
     if (st == DI_OK && P > 0 && I > 0 && H > 0) {
-        cudaFuncSetAttribute(k_moe_up, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)list_bytes);
-        cudaFuncSetAttribute(k_moe_down, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)list_bytes);
+        (void)cudaFuncSetAttribute(k_moe_up, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)list_bytes);
+        (void)cudaFuncSetAttribute(k_moe_down, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)list_bytes);
         // Groups of up to MOE_CHUNK consecutive experts that share one layout go in one launch.
         for (int phase = 0; phase < 2 && st == DI_OK; ++phase) {
             int64_t e = 0;

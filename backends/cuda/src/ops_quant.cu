@@ -75,16 +75,16 @@ __device__ void store_code(int dt, char* base, int64_t e, uint32_t code) {
 // Pass 1: one warp per quant block: amax, scale, stored scale.
 __global__ void k_quant_scales(DTensor x, const __grid_constant__ QTensor o, int64_t L, int64_t R, int64_t C, float qmax, int pow2) {
     int64_t nrb = ceil_div(R, o.br), ncb = ceil_div(C, o.bc), nblk = L * nrb * ncb;
-    int lane = threadIdx.x & 31;
-    int64_t warp = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5;
-    int64_t nwarps = ((int64_t)gridDim.x * blockDim.x) >> 5;
+    int lane = lane_id();
+    int64_t warp = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / LANES;
+    int64_t nwarps = ((int64_t)gridDim.x * blockDim.x) / LANES;
     for (int64_t b = warp; b < nblk; b += nwarps) {
         int64_t cb = b % ncb, rb = (b / ncb) % nrb, l = b / (ncb * nrb);
         int64_t r0 = rb * o.br, c0 = cb * o.bc;
         int64_t nr = min(o.br, R - r0), nc = min(o.bc, C - c0);
         int64_t lo = x.ndim > 2 ? lead_offset(x, l) : 0;
         float amax = 0.f;
-        for (int64_t k = lane; k < nr * nc; k += 32) {
+        for (int64_t k = lane; k < nr * nc; k += LANES) {
             int64_t r = r0 + k / nc, c = c0 + k % nc;
             amax = fmaxf(amax, fabsf(load_f(x.dt, x.base, lo + rc_offset(x, r, c))));
         }
@@ -169,7 +169,7 @@ DI_Status op_quantize(DI_Context* ctx, const DI_QuantizeArgs* a, OpMode* mode) {
     if (L * R * C == 0) return DI_OK;
     cudaStream_t s = (cudaStream_t)a->header.stream;
     int64_t nblk = L * ceil_div(R, o.br) * ceil_div(C, o.bc);
-    k_quant_scales<<<grid_for(nblk * 32, 256), 256, 0, s>>>(x.q, o, L, R, C, qmax, a->scale_pow2 ? 1 : 0);
+    k_quant_scales<<<grid_for(nblk * LANES, 256), 256, 0, s>>>(x.q, o, L, R, C, qmax, a->scale_pow2 ? 1 : 0);
     DI_TRY(launch_status(ctx, op));
     int64_t n = L * R * ((o.q.dt == DT_I4 || o.q.dt == DT_E2M1) ? (C + 1) / 2 : C);
     k_quant_values<<<grid_for(n, 256), 256, 0, s>>>(x.q, o, L, R, C, qmax);

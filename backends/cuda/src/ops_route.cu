@@ -1,5 +1,16 @@
 // moe_router and sample.
-#define DI_GPU_NEED_CUB  // BlockScan and DeviceSegmentedRadixSort
+//
+// sample sorts each row's probabilities and scans their running sum. On CUDA that is CUB's segmented
+// radix sort and BlockScan. The HIP build has no CUB (Debian's HIP 5.2 ships no hipCUB/rocPRIM), so
+// it uses the portable block radix sort and block scan below, which give the same order (stable,
+// descending) and the same prefix sums up to double rounding. -DDI_NO_CUB selects them on CUDA too,
+// so the NVIDIA device can certify the portable path (backends/hip/README.md).
+#if !defined(__HIP__) && !defined(__HIP_PLATFORM_AMD__) && !defined(DI_NO_CUB)
+#define DI_SAMPLE_CUB 1
+#define DI_GPU_NEED_CUB
+#else
+#define DI_SAMPLE_CUB 0
+#endif
 #include "gpu_runtime.cuh"
 
 #include "device.cuh"
@@ -11,13 +22,13 @@ __device__ __forceinline__ bool better(float v1, int i1, float v2, int i2) {
     return v1 > v2 || (v1 == v2 && i1 < i2);
 }
 
-// Block-wide best (value, index); red needs 64 words of shared memory.
+// Block-wide best (value, index); redv and redi need MAX_WARPS elements of shared memory each.
 __device__ void block_best(float& v, int& i, float* redv, int* redi) {
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int lane = lane_id(), w = warp_id(), nw = blockDim.x / LANES;
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        float v2 = __shfl_xor_sync(0xffffffffu, v, o);
-        int i2 = __shfl_xor_sync(0xffffffffu, i, o);
+    for (int o = LANES / 2; o > 0; o >>= 1) {
+        float v2 = shfl_xor(v, o);
+        int i2 = shfl_xor(i, o);
         if (better(v2, i2, v, i)) { v = v2; i = i2; }
     }
     __syncthreads();
@@ -46,10 +57,10 @@ __global__ __launch_bounds__(256) void k_router(DTensor logits, DTensor bias, DT
     float* sel = sm + p.E;
     float* gsc = sm + 2 * p.E;                   // G group scores
     int* taken = reinterpret_cast<int*>(sm + 2 * p.E + p.G);
-    __shared__ float redv[32];
-    __shared__ int redi[32];
+    __shared__ float redv[MAX_WARPS];
+    __shared__ int redi[MAX_WARPS];
     __shared__ int chosen[64];
-    __shared__ float red[32];
+    __shared__ float red[MAX_WARPS];
     for (int64_t t = blockIdx.x; t < p.T; t += gridDim.x) {
         float mx = -INFINITY;
         for (int e = threadIdx.x; e < p.E; e += blockDim.x) {
@@ -178,7 +189,7 @@ DI_Status op_moe_router(DI_Context* ctx, const DI_MoERouterArgs* a, OpMode* mode
     p.rsf = a->routed_scaling_factor;
     if (!mode->launch || p.T == 0) return DI_OK;
     size_t smem = (size_t)(3 * E + G) * 4;
-    if (smem > 48 * 1024) cudaFuncSetAttribute(k_router, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (smem > 48 * 1024) (void)cudaFuncSetAttribute(k_router, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     k_router<<<grid_for(p.T, 1, 65535), 256, smem, (cudaStream_t)a->header.stream>>>(lg.q, bias.q, ids.q, wts.q, p);
     return launch_status(ctx, op);
 }
@@ -191,7 +202,7 @@ struct SampleP {
 // p = softmax(logits / temperature) per row, with the index as the sort payload.
 __global__ __launch_bounds__(1024) void k_sample_probs(DTensor lg, DTensor temp, float* keys, int* vals, int* offs,
                                                        SampleP p) {
-    __shared__ float red[32];
+    __shared__ float red[MAX_WARPS];
     for (int64_t b = blockIdx.x; b < p.B; b += gridDim.x) {
         if (threadIdx.x == 0) {
             offs[b] = (int)(b * p.V);
@@ -232,8 +243,12 @@ __device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
 // total receives the sum over [0, limit) when nothing matched earlier.
 template <class Cmp>
 __device__ int64_t scan_find(const float* ps, int64_t limit, Cmp cmp, double* sum_before_out) {
+#if DI_SAMPLE_CUB
     typedef cub::BlockScan<double, 1024> Scan;
     __shared__ typename Scan::TempStorage tmp;
+#else
+    __shared__ double scan_red[MAX_WARPS];
+#endif
     __shared__ int found;
     __shared__ double carry;
     if (threadIdx.x == 0) { found = 0x7fffffff; carry = 0.0; }
@@ -241,7 +256,11 @@ __device__ int64_t scan_find(const float* ps, int64_t limit, Cmp cmp, double* su
     for (int64_t c0 = 0; c0 < limit; c0 += blockDim.x) {
         int64_t i = c0 + threadIdx.x;
         double v = i < limit ? (double)ps[i] : 0.0, inc, total;
+#if DI_SAMPLE_CUB
         Scan(tmp).InclusiveSum(v, inc, total);
+#else
+        inc = block_scan_incl(v, &total, scan_red);
+#endif
         double cum = carry + inc;
         if (i < limit && cmp(cum)) atomicMin(&found, (int)threadIdx.x);
         __syncthreads();
@@ -260,8 +279,8 @@ __device__ int64_t scan_find(const float* ps, int64_t limit, Cmp cmp, double* su
 __global__ __launch_bounds__(1024) void k_sample_pick(DTensor lg, DTensor temp, DTensor topk, DTensor topp,
                                                       DTensor seeds, const float* ks, const int* vs, DTensor out,
                                                       SampleP p) {
-    __shared__ float redv[32];
-    __shared__ int redi[32];
+    __shared__ float redv[MAX_WARPS];
+    __shared__ int redi[MAX_WARPS];
     __shared__ double kept_sum;
     for (int64_t b = blockIdx.x; b < p.B; b += gridDim.x) {
         const float T = load_f(temp.dt, temp.base, b * temp.strides[0]);
@@ -303,6 +322,7 @@ __global__ __launch_bounds__(1024) void k_sample_pick(DTensor lg, DTensor temp, 
     }
 }
 
+#if DI_SAMPLE_CUB
 static uint64_t sample_temp_bytes(int64_t B, int64_t V) {
     size_t bytes = 0;
     cub::DeviceSegmentedRadixSort::SortPairsDescending(nullptr, bytes, (const float*)nullptr, (float*)nullptr,
@@ -310,6 +330,116 @@ static uint64_t sample_temp_bytes(int64_t B, int64_t V) {
                                                        (const int*)nullptr, (const int*)nullptr, 0, 32, nullptr);
     return bytes;
 }
+#else
+static uint64_t sample_temp_bytes(int64_t, int64_t) { return 0; }
+
+// Stable LSD radix sort of every sampled row's (probability, index) pairs, probability descending:
+// the order cub::DeviceSegmentedRadixSort::SortPairsDescending gives (equal keys keep their order,
+// -0.0 sorts as +0.0). One block per row, SORT_PASSES passes of SORT_BITS bits, ping-ponging between
+// (k0, v0) and (k1, v1); an even number of passes leaves the result in (k0, v0). A pass counts the
+// row's digits, then places tiles of blockDim pairs in order: a pair's place among the tile's pairs
+// of its digit comes from one block-wide prefix sum over 16 counters packed as 16-bit fields into
+// four 64-bit words (a tile has at most 1024 pairs, so no field overflows into the next).
+constexpr int SORT_BITS = 4, SORT_DIGITS = 1 << SORT_BITS, SORT_PASSES = 32 / SORT_BITS, SORT_THREADS = 1024;
+static_assert(SORT_PASSES % 2 == 0, "the result must end in the input buffers");
+
+struct Cnt16 {
+    unsigned long long w[4];  // digit d: bits [16 * (d % 4), +16) of w[d / 4]
+};
+
+__device__ __forceinline__ uint32_t sort_key(float f) {
+    uint32_t u = __float_as_uint(f);
+    if (u == 0x80000000u) u = 0;                      // -0.0 as +0.0
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);   // float order as unsigned order
+    return ~u;                                        // descending
+}
+
+__device__ __forceinline__ Cnt16 cnt_add(Cnt16 a, const Cnt16& b) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a.w[i] += b.w[i];
+    return a;
+}
+
+__device__ __forceinline__ Cnt16 warp_scan_cnt(Cnt16 v) {
+    const int lane = lane_id();
+#pragma unroll
+    for (int d = 1; d < LANES; d *= 2) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const unsigned long long a = shfl_up(v.w[i], d);
+            if (lane >= d) v.w[i] += a;
+        }
+    }
+    return v;
+}
+
+__global__ __launch_bounds__(SORT_THREADS) void k_sort_rows(DTensor temp, float* k0, int* v0, float* k1, int* v1,
+                                                            SampleP p) {
+    __shared__ int hist[SORT_DIGITS], base[SORT_DIGITS];
+    __shared__ Cnt16 wsum[MAX_WARPS];
+    const int lane = lane_id(), w = warp_id(), nw = blockDim.x / LANES;
+    for (int64_t b = blockIdx.x; b < p.B; b += gridDim.x) {
+        if (!(load_f(temp.dt, temp.base, b * temp.strides[0]) > 0.f)) continue;  // greedy: no order needed
+        for (int pass = 0; pass < SORT_PASSES; ++pass) {
+            const int shift = pass * SORT_BITS;
+            const float* ks = (pass & 1 ? k1 : k0) + b * p.V;
+            const int* vs = (pass & 1 ? v1 : v0) + b * p.V;
+            float* kd = (pass & 1 ? k0 : k1) + b * p.V;
+            int* vd = (pass & 1 ? v0 : v1) + b * p.V;
+            if (threadIdx.x < SORT_DIGITS) hist[threadIdx.x] = 0;
+            __syncthreads();
+            for (int64_t i = threadIdx.x; i < p.V; i += blockDim.x)
+                atomicAdd(&hist[(sort_key(ks[i]) >> shift) & (SORT_DIGITS - 1)], 1);
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                int run = 0;
+                for (int d = 0; d < SORT_DIGITS; ++d) {
+                    base[d] = run;
+                    run += hist[d];
+                }
+            }
+            __syncthreads();
+            for (int64_t t0 = 0; t0 < p.V; t0 += blockDim.x) {
+                const int64_t i = t0 + threadIdx.x;
+                const bool ok = i < p.V;
+                const float kv = ok ? ks[i] : 0.f;
+                const int vv = ok ? vs[i] : 0;
+                const int d = ok ? (int)((sort_key(kv) >> shift) & (SORT_DIGITS - 1)) : 0;
+                Cnt16 one;
+#pragma unroll
+                for (int q = 0; q < 4; ++q) one.w[q] = (ok && d / 4 == q) ? 1ull << (16 * (d % 4)) : 0ull;
+                Cnt16 inc = warp_scan_cnt(one);
+                if (lane == LANES - 1) wsum[w] = inc;
+                __syncthreads();
+                if (w == 0) {
+                    Cnt16 s;
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) s.w[q] = lane < nw ? wsum[lane].w[q] : 0ull;
+                    s = warp_scan_cnt(s);
+                    if (lane < nw) wsum[lane] = s;
+                }
+                __syncthreads();
+                if (w > 0) inc = cnt_add(inc, wsum[w - 1]);
+                if (ok) {
+                    unsigned long long word = inc.w[0];
+#pragma unroll
+                    for (int q = 1; q < 4; ++q) word = d / 4 == q ? inc.w[q] : word;
+                    const int before = (int)((word >> (16 * (d % 4))) & 0xffffu) - 1;  // inclusive -> rank
+                    const int64_t dst = base[d] + before;
+                    kd[dst] = kv;
+                    vd[dst] = vv;
+                }
+                __syncthreads();  // every thread has read base[] and wsum[]
+                if (threadIdx.x < SORT_DIGITS) {
+                    const int dd = threadIdx.x;
+                    base[dd] += (int)((wsum[nw - 1].w[dd / 4] >> (16 * (dd % 4))) & 0xffffu);
+                }
+                __syncthreads();
+            }
+        }
+    }
+}
+#endif
 
 DI_Status op_sample(DI_Context* ctx, const DI_SampleArgs* a, OpMode* mode) {
     const char* op = "sample";
@@ -355,15 +485,26 @@ DI_Status op_sample(DI_Context* ctx, const DI_SampleArgs* a, OpMode* mode) {
     DI_Status st = DI_OK;
     k_sample_probs<<<grid_for(p.B, 1, 65535), 1024, 0, s>>>(lg.q, temp.q, keys, vals, offs, p);
     st = launch_status(ctx, op);
+#if DI_SAMPLE_CUB
     if (st == DI_OK) {
         size_t tb = sort_bytes;
         cudaError_t e = cub::DeviceSegmentedRadixSort::SortPairsDescending(
             w + o_tmp, tb, keys, keys2, vals, vals2, (int)n, (int)p.B, offs, offs + 1, 0, 32, s);
         st = cuda_status(ctx, e, "sample: segmented sort");
     }
+    const float* sorted_k = keys2;
+    const int* sorted_v = vals2;
+#else
     if (st == DI_OK) {
-        k_sample_pick<<<grid_for(p.B, 1, 65535), 1024, 0, s>>>(lg.q, temp.q, topk.q, topp.q, seeds.q, keys2, vals2,
-                                                              out.q, p);
+        k_sort_rows<<<grid_for(p.B, 1, 65535), SORT_THREADS, 0, s>>>(temp.q, keys, vals, keys2, vals2, p);
+        st = launch_status(ctx, op);
+    }
+    const float* sorted_k = keys;  // an even number of passes ends where it started
+    const int* sorted_v = vals;
+#endif
+    if (st == DI_OK) {
+        k_sample_pick<<<grid_for(p.B, 1, 65535), 1024, 0, s>>>(lg.q, temp.q, topk.q, topp.q, seeds.q, sorted_k,
+                                                              sorted_v, out.q, p);
         st = launch_status(ctx, op);
     }
     ws.release();
