@@ -35,10 +35,12 @@ def build(cc, tmp_path_factory):
     """build(dirname, name, score=None, abi_major=None) -> a tiny plugin libdeepinfer_<name>.so in its own dir."""
     root = tmp_path_factory.mktemp("loader")
 
-    def make(dirname: str, name: str, score=None, abi_major=None) -> Path:
+    def make(dirname: str, name: str, score=None, abi_major=None, score_reason=None) -> Path:
         defines = {"TEST_NAME": f'"{name}"'}
         if score is not None:
             defines["TEST_SCORE"] = score
+        if score_reason is not None:
+            defines["TEST_SCORE_REASON"] = f'"{score_reason}"'
         if abi_major is not None:
             defines["TEST_ABI_MAJOR"] = abi_major
         out = root / dirname / f"libdeepinfer_{name}.so"
@@ -112,6 +114,30 @@ def test_env_var_takes_files_and_folders_and_missing_paths(build, isolated, monk
 
 
 # ---------------------------------------------------------------------------- ranking
+
+
+def test_a_negative_score_shows_the_librarys_reason(build, isolated, monkeypatch):
+    # score() < 0 with a reason in last_error(NULL): the GPU libraries say why (no driver, wrong arch)
+    why = build("why", "nodev", score=-1, score_reason="no usable ROCm device: hipErrorNoDevice")
+    mute = build("mute", "mute", score=-1)
+    monkeypatch.setenv(loader.ENV_PATH, os.pathsep.join([str(why), str(mute)]))
+    by = {Path(c.path).name: c for c in loader.candidates() if c.path}
+    assert not by[why.name].ok and not by[mute.name].ok
+    assert by[why.name].reason.endswith("(score < 0): no usable ROCm device: hipErrorNoDevice")
+    assert by[mute.name].reason.endswith("(score < 0)")
+
+
+def test_a_missing_vendor_runtime_is_named(cc, isolated, tmp_path, monkeypatch):
+    # a library linked against a runtime the machine lacks fails in dlopen; the reason says which and what to do
+    # (a soname no machine has, so an installed ROCm cannot satisfy it)
+    rt = tmp_path / "rt"
+    compile_shared(cc, PLUGINS / "tiny_plugin.c", rt / "libamdhip64.so.99", {},
+                   extra=["-Wl,-soname,libamdhip64.so.99"])
+    lib = compile_shared(cc, PLUGINS / "tiny_plugin.c", tmp_path / "libdeepinfer_hip.so", {"TEST_NAME": '"hip"'},
+                         extra=[f"-L{rt}", "-Wl,--no-as-needed", "-l:libamdhip64.so.99"])  # DT_NEEDED libamdhip64.so.99, not on the path
+    monkeypatch.setenv(loader.ENV_PATH, str(lib))
+    c = next(c for c in loader.candidates() if c.path == str(lib))
+    assert not c.ok and "libamdhip64.so.99" in c.reason and "ROCm runtime is missing" in c.reason, c.reason
 
 
 def test_ranking_by_score_and_rejections_last(build, isolated, monkeypatch):

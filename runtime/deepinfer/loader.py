@@ -184,8 +184,7 @@ def open_library(path: Path, stage: Callable[[str], None] = _no_stage) -> tuple[
         try:
             lib = ffi.dlopen(key)
         except OSError as e:
-            raise BackendLoadError(f"{path}: cannot be loaded: {e}. Is it built for this machine, "
-                                   f"with its dependencies on the library path?") from None
+            raise BackendLoadError(f"{path}: cannot be loaded: {e}. {_missing_runtime_hint(str(e))}") from None
         _OPEN_LIBS[key] = lib
     try:
         bootstrap = lib.deepinfer_plugin_info
@@ -223,6 +222,30 @@ def open_library(path: Path, stage: Callable[[str], None] = _no_stage) -> tuple[
         if getattr(api, entry) == ffi.NULL:
             raise BackendLoadError(f"{path}: required entry {entry} is NULL")
     return lib, info, api
+
+
+# vendor runtimes a backend library links against, and what to do when the dynamic linker lacks one
+_RUNTIME_HINTS = {
+    "libamdhip64": "The ROCm runtime is missing: install ROCm (or on Debian/Ubuntu `apt-get install "
+                   "libamdhip64-5`), or put its lib folder on LD_LIBRARY_PATH.",
+    "libcuda.so": "The NVIDIA driver library libcuda.so.1 is missing: install the NVIDIA driver.",
+}
+
+
+def _missing_runtime_hint(dlerror: str) -> str:
+    for lib, hint in _RUNTIME_HINTS.items():
+        if lib in dlerror:
+            return hint
+    return "Is it built for this machine, with its dependencies on the library path?"
+
+
+def _library_error(api) -> str:
+    """The library's thread-global message (last_error(NULL)), '' when it has none."""
+    try:
+        msg = api.last_error(ffi.NULL)
+        return ffi.string(msg).decode("utf-8", "replace").strip() if msg != ffi.NULL else ""
+    except Exception:
+        return ""
 
 
 def _device_of(name: str) -> str:
@@ -276,7 +299,8 @@ def probe(path: Path, source: str = "explicit", stage: Callable[[str], None] = _
         c.score = score
         c.sha256 = file_sha256(path)
         if score < 0:  # checked before the self-test: such a library may not even create a context
-            c.reason = "library says it cannot run on this machine (score < 0)"
+            why = _library_error(api)  # score() may leave its reason there (abi/README.md section 1)
+            c.reason = "library says it cannot run on this machine (score < 0)" + (f": {why}" if why else "")
             return c
         stage("self-test")
         c.attributes = _self_test(path, api)

@@ -11,6 +11,7 @@
  *   -DTEST_NO_BOOTSTRAP     the bootstrap symbol is missing
  *   -DTEST_NAME='"x"'       the backend's name (default "tiny")
  *   -DTEST_SCORE=N          export a score() returning N
+ *   -DTEST_SCORE_REASON='"x"'  with TEST_SCORE: score() leaves x in last_error(NULL)
  *   -DTEST_NO_VALIDATION    skip argument checks (a plugin the suite must fail, not crash on)
  *   -DTEST_GRAPHS           streams and graph capture: ops issued on a capturing stream are recorded
  *                           (args copied) and run by graph_launch, so the L3 checks have something to see
@@ -621,7 +622,12 @@ static const DI_Api* tiny_get_api(uint32_t major) { return major == TEST_ABI_MAJ
 #endif
 
 #ifdef TEST_SCORE
-static int32_t tiny_score(void) { return TEST_SCORE; }
+static int32_t tiny_score(void) {
+#ifdef TEST_SCORE_REASON
+    snprintf(g_error, sizeof(g_error), "%s", TEST_SCORE_REASON);
+#endif
+    return TEST_SCORE;
+}
 #endif
 
 static const DI_PluginInfo g_info = {
