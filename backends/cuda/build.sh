@@ -3,6 +3,8 @@
 #   backends/cuda/build.sh [OUT_DIR]            (default: backends/cuda/build)
 # Env: NVCC (default nvcc), DI_CUDA_ARCHS (default "90a 80"; "80" also embeds compute_80 PTX),
 #      JOBS (parallel compiles, default nproc), DI_CUDA_SANITIZE=1 (exact reads for compute-sanitizer),
+#      DI_CUDA_NO_CUB=1 (sample's portable sort and scan instead of CUB: what the HIP build runs,
+#      certified here on NVIDIA; backends/hip/README.md),
 #      CUTLASS_INCLUDE (CUTLASS headers; default: those of the installed nvidia-cutlass wheel).
 # The sm_90a GEMM (src/gemm_sm90_*.cu) needs CUTLASS and 90a in DI_CUDA_ARCHS; without either it
 # compiles to stubs and linear uses its other paths.
@@ -25,6 +27,7 @@ done
 EXTRA=()
 # DI_CUDA_SANITIZE=1: exact-size element reads so compute-sanitizer memcheck runs clean (src/device.cuh)
 [[ "${DI_CUDA_SANITIZE:-0}" == 1 ]] && EXTRA+=(-DDI_EXACT_LOADS -lineinfo)
+[[ "${DI_CUDA_NO_CUB:-0}" == 1 ]] && EXTRA+=(-DDI_NO_CUB)
 # CUTLASS: the nvidia-cutlass wheel ships the headers under cutlass_library/source/include
 CUTLASS_INCLUDE="${CUTLASS_INCLUDE:-$(python3 -c 'import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include"))' 2>/dev/null || true)}"
 HAVE_CUTLASS=0
