@@ -12,9 +12,15 @@
 // Deliberately no #pragma once: the base part and each opt-in part have their own guard, so a file
 // that asks for fp8 still gets it when an earlier header already pulled in the base part.
 
+#if defined(DI_GPU_HOST_EMU)
+
+// tests/gpu_emu: device code compiled for the CPU, one emulated block of threads at a time, so the
+// lane helpers and the portable sort run in CI; the test passes the emulation header's name.
+#include DI_GPU_HOST_EMU
+
 // hipcc/clang predefines __HIP__ in HIP mode; __HIP_PLATFORM_AMD__ only appears once a HIP header
 // has been included (hip_common.h), i.e. not yet at this point unless the build passes it with -D.
-#if defined(__HIP_PLATFORM_AMD__) || defined(__HIP__)
+#elif defined(__HIP_PLATFORM_AMD__) || defined(__HIP__)
 
 #include "../../hip/hip_compat.h"
 
@@ -51,4 +57,4 @@ __device__ __forceinline__ T di_shfl_up(T v, unsigned delta, int width) {
 #include <cub/cub.cuh>
 #endif
 
-#endif  // __HIP_PLATFORM_AMD__
+#endif  // vendor

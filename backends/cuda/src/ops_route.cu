@@ -14,6 +14,9 @@
 #include "gpu_runtime.cuh"
 
 #include "device.cuh"
+#if !DI_SAMPLE_CUB
+#include "sort_rows.cuh"
+#endif
 
 using namespace di;
 
@@ -333,110 +336,11 @@ static uint64_t sample_temp_bytes(int64_t B, int64_t V) {
 #else
 static uint64_t sample_temp_bytes(int64_t, int64_t) { return 0; }
 
-// Stable LSD radix sort of every sampled row's (probability, index) pairs, probability descending:
-// the order cub::DeviceSegmentedRadixSort::SortPairsDescending gives (equal keys keep their order,
-// -0.0 sorts as +0.0). One block per row, SORT_PASSES passes of SORT_BITS bits, ping-ponging between
-// (k0, v0) and (k1, v1); an even number of passes leaves the result in (k0, v0). A pass counts the
-// row's digits, then places tiles of blockDim pairs in order: a pair's place among the tile's pairs
-// of its digit comes from one block-wide prefix sum over 16 counters packed as 16-bit fields into
-// four 64-bit words (a tile has at most 1024 pairs, so no field overflows into the next).
-constexpr int SORT_BITS = 4, SORT_DIGITS = 1 << SORT_BITS, SORT_PASSES = 32 / SORT_BITS, SORT_THREADS = 1024;
-static_assert(SORT_PASSES % 2 == 0, "the result must end in the input buffers");
-
-struct Cnt16 {
-    unsigned long long w[4];  // digit d: bits [16 * (d % 4), +16) of w[d / 4]
-};
-
-__device__ __forceinline__ uint32_t sort_key(float f) {
-    uint32_t u = __float_as_uint(f);
-    if (u == 0x80000000u) u = 0;                      // -0.0 as +0.0
-    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);   // float order as unsigned order
-    return ~u;                                        // descending
-}
-
-__device__ __forceinline__ Cnt16 cnt_add(Cnt16 a, const Cnt16& b) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) a.w[i] += b.w[i];
-    return a;
-}
-
-__device__ __forceinline__ Cnt16 warp_scan_cnt(Cnt16 v) {
-    const int lane = lane_id();
-#pragma unroll
-    for (int d = 1; d < LANES; d *= 2) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const unsigned long long a = shfl_up(v.w[i], d);
-            if (lane >= d) v.w[i] += a;
-        }
-    }
-    return v;
-}
-
 __global__ __launch_bounds__(SORT_THREADS) void k_sort_rows(DTensor temp, float* k0, int* v0, float* k1, int* v1,
                                                             SampleP p) {
-    __shared__ int hist[SORT_DIGITS], base[SORT_DIGITS];
-    __shared__ Cnt16 wsum[MAX_WARPS];
-    const int lane = lane_id(), w = warp_id(), nw = blockDim.x / LANES;
     for (int64_t b = blockIdx.x; b < p.B; b += gridDim.x) {
         if (!(load_f(temp.dt, temp.base, b * temp.strides[0]) > 0.f)) continue;  // greedy: no order needed
-        for (int pass = 0; pass < SORT_PASSES; ++pass) {
-            const int shift = pass * SORT_BITS;
-            const float* ks = (pass & 1 ? k1 : k0) + b * p.V;
-            const int* vs = (pass & 1 ? v1 : v0) + b * p.V;
-            float* kd = (pass & 1 ? k0 : k1) + b * p.V;
-            int* vd = (pass & 1 ? v0 : v1) + b * p.V;
-            if (threadIdx.x < SORT_DIGITS) hist[threadIdx.x] = 0;
-            __syncthreads();
-            for (int64_t i = threadIdx.x; i < p.V; i += blockDim.x)
-                atomicAdd(&hist[(sort_key(ks[i]) >> shift) & (SORT_DIGITS - 1)], 1);
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                int run = 0;
-                for (int d = 0; d < SORT_DIGITS; ++d) {
-                    base[d] = run;
-                    run += hist[d];
-                }
-            }
-            __syncthreads();
-            for (int64_t t0 = 0; t0 < p.V; t0 += blockDim.x) {
-                const int64_t i = t0 + threadIdx.x;
-                const bool ok = i < p.V;
-                const float kv = ok ? ks[i] : 0.f;
-                const int vv = ok ? vs[i] : 0;
-                const int d = ok ? (int)((sort_key(kv) >> shift) & (SORT_DIGITS - 1)) : 0;
-                Cnt16 one;
-#pragma unroll
-                for (int q = 0; q < 4; ++q) one.w[q] = (ok && d / 4 == q) ? 1ull << (16 * (d % 4)) : 0ull;
-                Cnt16 inc = warp_scan_cnt(one);
-                if (lane == LANES - 1) wsum[w] = inc;
-                __syncthreads();
-                if (w == 0) {
-                    Cnt16 s;
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) s.w[q] = lane < nw ? wsum[lane].w[q] : 0ull;
-                    s = warp_scan_cnt(s);
-                    if (lane < nw) wsum[lane] = s;
-                }
-                __syncthreads();
-                if (w > 0) inc = cnt_add(inc, wsum[w - 1]);
-                if (ok) {
-                    unsigned long long word = inc.w[0];
-#pragma unroll
-                    for (int q = 1; q < 4; ++q) word = d / 4 == q ? inc.w[q] : word;
-                    const int before = (int)((word >> (16 * (d % 4))) & 0xffffu) - 1;  // inclusive -> rank
-                    const int64_t dst = base[d] + before;
-                    kd[dst] = kv;
-                    vd[dst] = vv;
-                }
-                __syncthreads();  // every thread has read base[] and wsum[]
-                if (threadIdx.x < SORT_DIGITS) {
-                    const int dd = threadIdx.x;
-                    base[dd] += (int)((wsum[nw - 1].w[dd / 4] >> (16 * (dd % 4))) & 0xffffu);
-                }
-                __syncthreads();
-            }
-        }
+        sort_row_desc(k0 + b * p.V, v0 + b * p.V, k1 + b * p.V, v1 + b * p.V, p.V);
     }
 }
 #endif
