@@ -146,6 +146,10 @@ struct Workspace {
     void      release();
 };
 
+// Dynamic shared memory a kernel may ask for: AMD's LDS is 64 KB per workgroup (1 KB is left for the
+// kernels' static part); NVIDIA sm_80+ allows up to 227 KB, and the kernels here stay under 200 KB.
+constexpr size_t DYN_SMEM_MAX = DI_GPU_AMD ? 63 * 1024 : 200 * 1024;
+
 inline uint64_t align256(uint64_t n) { return (n + 255) & ~uint64_t(255); }
 __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline unsigned grid_for(int64_t n, int threads, int64_t cap = 1 << 20) {

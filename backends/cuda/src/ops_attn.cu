@@ -674,7 +674,7 @@ DI_Status op_mla_decode(DI_Context* ctx, const DI_MLADecodeArgs* a, OpMode* mode
     st = launch_status(ctx, op);
     if (st == DI_OK) {
         dim3 grid((unsigned)TG, (unsigned)splits);
-        const int nq = (int)ceil_div(d.Dc + d.Dr, 32);
+        const int nq = (int)ceil_div(d.Dc + d.Dr, LANES);
         if (nq <= 4) k_mla_attn<4><<<grid, 256, 0, s>>>(qf, cache.q, btab.q, seq.q, kvl.q, part, d, a->scale);
         else if (nq <= 8) k_mla_attn<8><<<grid, 256, 0, s>>>(qf, cache.q, btab.q, seq.q, kvl.q, part, d, a->scale);
         else if (nq <= 12) k_mla_attn<12><<<grid, 256, 0, s>>>(qf, cache.q, btab.q, seq.q, kvl.q, part, d, a->scale);

@@ -87,9 +87,9 @@ DI_Status op_rmsnorm(DI_Context* ctx, const DI_RMSNormArgs* a, OpMode* mode) {
     DI_TRY(need_shape(ctx, op, "weight", w.q, 0, x.q.shape[1], "x.shape[1]"));
     int64_t T = x.q.shape[0], H = x.q.shape[1];
     size_t smem = (size_t)H * sizeof(float);
-    if (smem > 200 * 1024)
-        return set_error(ctx, DI_UNIMPLEMENTED, "%s: hidden size %lld exceeds this kernel's limit (51200)", op,
-                         (long long)H);
+    if (smem > DYN_SMEM_MAX)
+        return set_error(ctx, DI_UNIMPLEMENTED, "%s: hidden size %lld exceeds this kernel's limit (%zu)", op,
+                         (long long)H, DYN_SMEM_MAX / sizeof(float));
     if (!mode->launch || T == 0 || H == 0) return DI_OK;
     if (smem > 48 * 1024)
         (void)cudaFuncSetAttribute(k_rmsnorm, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);

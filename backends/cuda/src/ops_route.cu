@@ -190,8 +190,11 @@ DI_Status op_moe_router(DI_Context* ctx, const DI_MoERouterArgs* a, OpMode* mode
     p.group_score = a->group_score;
     p.norm = a->norm_topk_prob ? 1 : 0;
     p.rsf = a->routed_scaling_factor;
+    const size_t smem = (size_t)(3 * E + G) * 4;
+    if (smem > DYN_SMEM_MAX)
+        return set_error(ctx, DI_UNIMPLEMENTED, "%s: %lld experts need %zu bytes of shared memory, over this GPU "
+                         "kernel's %zu", op, (long long)E, smem, DYN_SMEM_MAX);
     if (!mode->launch || p.T == 0) return DI_OK;
-    size_t smem = (size_t)(3 * E + G) * 4;
     if (smem > 48 * 1024) (void)cudaFuncSetAttribute(k_router, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     k_router<<<grid_for(p.T, 1, 65535), 256, smem, (cudaStream_t)a->header.stream>>>(lg.q, bias.q, ids.q, wts.q, p);
     return launch_status(ctx, op);
