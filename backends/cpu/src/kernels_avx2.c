@@ -6,16 +6,12 @@
 #include <immintrin.h>
 #include <string.h>
 
+#include "x86_hsum.h"
+
 #define TGT "avx2,fma,f16c"
 #define K2 __attribute__((target(TGT)))
 #define K2I static inline __attribute__((always_inline, target(TGT)))
 
-K2I float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 K2I int32_t hsum_i(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
@@ -112,10 +108,10 @@ K2I __m256 dec_e4m3(const void* w, int64_t k) {
             if (MR > 2) { t2 = _mm256_fmadd_ps(c2, sv, t2); r2 += s2 * s; }                           \
             if (MR > 3) { t3 = _mm256_fmadd_ps(c3, sv, t3); r3 += s3 * s; }                           \
         }                                                                                             \
-        y[0] = hsum(t0) + r0;                                                                         \
-        if (MR > 1) y[1] = hsum(t1) + r1;                                                             \
-        if (MR > 2) y[2] = hsum(t2) + r2;                                                             \
-        if (MR > 3) y[3] = hsum(t3) + r3;                                                             \
+        y[0] = hsum256(t0) + r0;                                                                      \
+        if (MR > 1) y[1] = hsum256(t1) + r1;                                                          \
+        if (MR > 2) y[2] = hsum256(t2) + r2;                                                          \
+        if (MR > 3) y[3] = hsum256(t3) + r3;                                                          \
     }                                                                                                 \
     static K2 void NAME(const RowDot* a, float* y) {                                                  \
         switch (a->mr) {                                                                              \
@@ -160,7 +156,7 @@ K2I void dot_block(const float* A, int64_t lda, const float* B, int64_t ldb, int
         }
     }
     for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NR; j++) C[i * ldc + j] = hsum(acc[i][j]);
+        for (int j = 0; j < NR; j++) C[i * ldc + j] = hsum256(acc[i][j]);
 }
 
 static K2 void gemm_dot_avx2(const float* A, int64_t lda, int M, const float* B, int64_t ldb, int N, int64_t K,
@@ -226,7 +222,7 @@ static K2 float dot_i8_seg_avx2(const int8_t* a, const int8_t* b, const int64_t*
         tot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(scale[s]), tot);
         tail += (float)t * scale[s];
     }
-    return hsum(tot) + tail;
+    return hsum256(tot) + tail;
 }
 
 static K2 void unpack_i4_avx2(const uint8_t* src, int64_t n, int8_t* dst, int sign) {

@@ -8,6 +8,8 @@
 #include <math.h>
 #include <string.h>
 
+#include "x86_hsum.h"
+
 #define TGT "avx512f,avx512bw,avx512vl,avx2,fma,f16c"
 #define K512 __attribute__((target(TGT)))
 #define K512I static inline __attribute__((always_inline, target(TGT)))
@@ -544,13 +546,6 @@ static K512 void unpack_i4_512(const uint8_t* src, int64_t n, int8_t* dst, int s
 /* ------------------------------------------------------------------ VNNI integer rows (IDot) */
 #define TGTV TGT ",avx512vnni"
 #define KV static inline __attribute__((always_inline, target(TGTV)))
-
-KV float hsum256(__m256 t) {
-    __m128 v = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-    v = _mm_add_ss(v, _mm_movehdup_ps(v));
-    return _mm_cvtss_f32(v);
-}
 
 /* int4: a chunk is 32 bytes = 64 weights; (b ^ 0x88) turns both nibbles' two's complement q into
  * the unsigned q + 8; low nibbles are the even elements, high nibbles the odd ones. Two accumulators
