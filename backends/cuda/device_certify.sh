@@ -17,13 +17,5 @@ cmake -S "$ROOT" -B /tmp/di_cpu -DCMAKE_BUILD_TYPE=Release > /dev/null && cmake 
   || { echo "CPU backend build failed"; status=1; }
 CPU_LIB=/tmp/di_cpu/backends/cpu/libdeepinfer_cpu.so
 DI_CUDA_LIB=$CUDA_LIB OUT="$OUT" "$HERE/certify.sh" --no-bench || status=1
-echo "== model-versus-oracle tests on cuda"
-DEEPINFER_TEST_BACKENDS=cuda DEEPINFER_CUDA_LIB=$CUDA_LIB python3 -m pytest -q -p no:cacheprovider \
-  tests/test_model_oracle.py tests/test_model_precision.py 2>&1 | tee "$OUT/model_oracle_cuda.log" | tail -25 || status=1
-echo "== embedded model, greedy tokens: cuda vs cpu"
-for act in f32 bf16; do
-  python3 "$HERE/compare_greedy.py" "$CUDA_LIB" "$CPU_LIB" --tokens 64 --activation-dtype $act \
-    > "$OUT/greedy_cuda_vs_cpu_$act.log" 2>&1 || status=1
-  tail -30 "$OUT/greedy_cuda_vs_cpu_$act.log"
-done
+"$HERE/model_checks.sh" cuda "$CUDA_LIB" "$CPU_LIB" "$OUT" || status=1
 exit $status

@@ -42,16 +42,6 @@ python3 -m deepinfer.conformance "$LIB" --out "$OUT/conformance-hip.json" --forc
   || status=1
 tail -40 "$OUT/conformance.log"
 
-echo "== model-versus-oracle tests on hip"
-DEEPINFER_TEST_BACKENDS=hip DEEPINFER_HIP_LIB="$LIB" python3 -m pytest -q -p no:cacheprovider \
-  tests/test_model_oracle.py tests/test_model_precision.py 2>&1 | tee "$OUT/model_oracle_hip.log" | tail -25
-[[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
-
-echo "== embedded model, greedy tokens: hip vs cpu"
-for act in f32 bf16; do
-  python3 "$ROOT/backends/cuda/compare_greedy.py" "$LIB" "$CPU_LIB" --tokens 64 --activation-dtype $act \
-    > "$OUT/greedy_hip_vs_cpu_$act.log" 2>&1 || status=1
-  tail -30 "$OUT/greedy_hip_vs_cpu_$act.log"
-done
+"$ROOT/backends/cuda/model_checks.sh" hip "$LIB" "$CPU_LIB" "$OUT" || status=1
 echo "certify.sh: $([[ $status -eq 0 ]] && echo PASSED || echo FAILED) (logs and certificate in $OUT)"
 exit $status
