@@ -35,7 +35,7 @@ static void check_block_scans(unsigned threads) {
     std::vector<int> xi(threads), inc_i(threads, -7);
     std::vector<double> xd(threads), inc_d(threads, NAN);
     std::vector<float> xf(threads), wsum(threads, NAN), bsum(threads, NAN), bmax(threads, NAN);
-    std::vector<int> tot_i(threads, -7);
+    std::vector<int> tot_i(threads, -7), inc_i2(threads, -7), tot_i2(threads, -7);
     std::vector<double> tot_d(threads, NAN);
     std::uniform_int_distribution<int> di_(-1000, 1000);
     std::uniform_real_distribution<double> dd(0.0, 1.0);
@@ -53,6 +53,10 @@ static void check_block_scans(unsigned threads) {
         double td;
         inc_i[t] = block_scan_incl(xi[t], &ti, red_i);
         tot_i[t] = ti;
+        // a second scan straight after, on the same scratch (moe_experts' routing plan does this)
+        int ti2;
+        inc_i2[t] = block_scan_incl(2 * xi[t] + 1, &ti2, red_i);
+        tot_i2[t] = ti2;
         inc_d[t] = block_scan_incl(xd[t], &td, red_d);
         tot_d[t] = td;
         wsum[t] = warp_sum(xf[t]);
@@ -65,6 +69,8 @@ static void check_block_scans(unsigned threads) {
         si += xi[t];
         sd += xd[t];
         CHECK(inc_i[t] == si, "block_scan_incl<int>, %u threads: thread %u got %d, want %d", threads, t, inc_i[t], si);
+        CHECK(inc_i2[t] == 2 * si + (int)t + 1, "second block_scan_incl<int> on the same scratch, %u threads: thread %u got %d, want %d",
+              threads, t, inc_i2[t], 2 * si + (int)t + 1);
         CHECK(std::fabs(inc_d[t] - sd) <= 1e-12 * std::max(1.0, sd), "block_scan_incl<double>, %u threads: thread %u got %.17g, want %.17g",
               threads, t, inc_d[t], sd);
     }
@@ -72,6 +78,7 @@ static void check_block_scans(unsigned threads) {
     const float fmax = *std::max_element(xf.begin(), xf.end());
     for (unsigned t = 0; t < threads; ++t) {
         CHECK(tot_i[t] == si && std::fabs(tot_d[t] - sd) <= 1e-12 * std::max(1.0, sd), "block totals, thread %u", t);
+        CHECK(tot_i2[t] == 2 * si + (int)threads, "second scan's total, thread %u", t);
         CHECK(std::fabs(bsum[t] - fsum) <= 1e-4f, "block_sum, %u threads: thread %u got %g, want %g", threads, t, bsum[t], fsum);
         CHECK(bmax[t] == fmax, "block_max, %u threads: thread %u got %g, want %g", threads, t, bmax[t], fmax);
         const unsigned w0 = t / LANES * LANES;

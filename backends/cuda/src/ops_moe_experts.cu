@@ -163,8 +163,8 @@ __global__ __launch_bounds__(ALIGN_THREADS) void k_moe_align(DTensor ids, int64_
                                                             int BN, int max_items, int* sorted, int4* items,
                                                             int* n_items, uint8_t* pair_ok) {
     __shared__ int cnt[MOE_MAX_E], fill[MOE_MAX_E], off[MOE_MAX_E], ioff[MOE_MAX_E];
-    __shared__ int wsum[ALIGN_THREADS / LANES][2];
-    const int tid = threadIdx.x, lane = tid % LANES, wid = tid / LANES;
+    __shared__ int scan_red[MAX_WARPS];
+    const int tid = threadIdx.x;
     const int64_t P = T * Ktop;
     for (int e = tid; e < E; e += blockDim.x) cnt[e] = fill[e] = 0;
     __syncthreads();
@@ -176,36 +176,19 @@ __global__ __launch_bounds__(ALIGN_THREADS) void k_moe_align(DTensor ids, int64_
     }
     __syncthreads();
     // exclusive scans of the pair counts and of the items per expert (thread e holds expert e)
-    int v = tid < E ? cnt[tid] : 0, it = (v + BN - 1) / BN;
-    int sv = v, si = it;
-#pragma unroll
-    for (int d = 1; d < LANES; d *= 2) {
-        int a = shfl_up(sv, d), b = shfl_up(si, d);
-        if (lane >= d) { sv += a; si += b; }
-    }
-    if (lane == LANES - 1) { wsum[wid][0] = sv; wsum[wid][1] = si; }
-    __syncthreads();
-    if (wid == 0) {
-        const int nw = blockDim.x / LANES;
-        int a = lane < nw ? wsum[lane][0] : 0, b = lane < nw ? wsum[lane][1] : 0;
-#pragma unroll
-        for (int d = 1; d < LANES; d *= 2) {
-            int x = shfl_up(a, d), y = shfl_up(b, d);
-            if (lane >= d) { a += x; b += y; }
-        }
-        if (lane < nw) { wsum[lane][0] = a; wsum[lane][1] = b; }
-    }
-    __syncthreads();
-    const int base_v = wid ? wsum[wid - 1][0] : 0, base_i = wid ? wsum[wid - 1][1] : 0;
+    const int v = tid < E ? cnt[tid] : 0, it = (v + BN - 1) / BN;
+    int total_v, total_i;
+    const int sv = block_scan_incl(v, &total_v, scan_red);
+    const int si = block_scan_incl(it, &total_i, scan_red);
     if (tid < E) {
-        off[tid] = base_v + sv - v;
-        ioff[tid] = base_i + si - it;
+        off[tid] = sv - v;
+        ioff[tid] = si - it;
         for (int i = 0; i < it; ++i) {
             const int j = ioff[tid] + i;
             if (j < max_items) items[j] = make_int4(tid, off[tid] + i * BN, min(BN, v - i * BN), 0);
         }
     }
-    if (tid == (int)blockDim.x - 1) *n_items = min(wsum[blockDim.x / LANES - 1][1], max_items);
+    if (tid == 0) *n_items = min(total_i, max_items);
     __syncthreads();
     for (int64_t p = tid; p < P; p += blockDim.x) {
         if (!pair_ok[p]) continue;

@@ -33,15 +33,8 @@ __device__ __forceinline__ uint32_t sort_key(float f) {
 }
 
 __device__ __forceinline__ Cnt16 warp_scan_cnt(Cnt16 v) {
-    const int lane = lane_id();
 #pragma unroll
-    for (int d = 1; d < LANES; d *= 2) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const unsigned long long a = shfl_up(v.w[i], d);
-            if (lane >= d) v.w[i] += a;
-        }
-    }
+    for (int i = 0; i < 4; ++i) v.w[i] = warp_scan_incl(v.w[i]);
     return v;
 }
 
