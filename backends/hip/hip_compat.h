@@ -10,8 +10,8 @@
 // Coverage: every cuda* identifier used in backends/cuda/src must be #defined below;
 // backends/hip/check_compat.sh checks that and fails when a new call is added without a mapping.
 //
-// Like gpu_runtime.cuh this file has no #pragma once: the base part is guarded on its own and the
-// opt-in parts (DI_GPU_NEED_FP8, DI_GPU_NEED_CUB) are evaluated on every include.
+// gpu_runtime.cuh includes it on every include of its own (that file has no #pragma once, for its
+// CUDA opt-in parts); the guard below makes the repeats free.
 
 #ifndef DI_HIP_COMPAT_BASE_
 #define DI_HIP_COMPAT_BASE_
@@ -183,7 +183,7 @@ static inline hipError_t di_hip_pointer_get_attributes(di_hip_pointer_attributes
 
 #endif  // DI_HIP_COMPAT_BASE_
 
-// ---- opt-in parts ----------------------------------------------------------------------------------
-// DI_GPU_NEED_FP8 and DI_GPU_NEED_CUB add nothing on AMD: gemv.cuh decodes e4m3 in software there
-// (CDNA3's fp8 is the FNUZ variant, not the OCP e4m3fn the ABI stores), and ops_route.cu uses its
-// portable sort and scan instead of CUB (Debian's HIP 5.2 ships no hipCUB/rocPRIM).
+// DI_GPU_NEED_FP8 and DI_GPU_NEED_CUB (gpu_runtime.cuh's opt-in parts) add nothing on AMD: gemv.cuh
+// decodes e4m3 in software there (CDNA3's fp8 is the FNUZ variant, not the OCP e4m3fn the ABI
+// stores), and ops_route.cu uses its portable sort and scan instead of CUB (Debian's HIP 5.2 ships no
+// hipCUB/rocPRIM).
