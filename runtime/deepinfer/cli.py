@@ -10,7 +10,7 @@ import sys
 from typing import Optional
 
 from . import validate as V
-from .errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, DeepinferError, InputError
+from .errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, ConfigError, DeepinferError, InputError
 
 
 def _cmd_backends(args) -> int:
@@ -56,6 +56,8 @@ def _engine(args):
         overrides["precision"] = args.precision
     if getattr(args, "revision", None):
         overrides["revision"] = args.revision
+    if getattr(args, "expert_cache", None):
+        overrides["expert_cache"] = V.parse_json(args.expert_cache.encode(), "--expert-cache", err=ConfigError)
     return Engine.from_pretrained(args.model, config=args.config, **overrides)
 
 
@@ -81,7 +83,13 @@ def _cmd_run(args) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    if args.verbose:
+        print("deepinfer: stats " + json.dumps(_round(eng.stats()), sort_keys=True), file=sys.stderr)
     return 0
+
+
+def _round(d: dict) -> dict:
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in d.items()}
 
 
 def _run_model_and_prompt(first, second) -> tuple:
@@ -213,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--stop", action="append", help="stop string (repeatable)")
     r.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    r.add_argument("--expert-cache", metavar="JSON", help='routed experts on demand, e.g. \'{"capacity": 0.5, '
+                   '"source": "disk"}\' (overrides the config file\'s expert_cache)')
     r.set_defaults(fn=_cmd_run)
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server: deepinfer serve [MODEL]")

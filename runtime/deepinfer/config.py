@@ -51,6 +51,10 @@ class EngineConfig:
     # {"mtp": false} skips loading the MTP draft head (saves its memory). Speculative decoding with it
     # is not in the engine yet, so no other key is accepted: a knob that did nothing would be a lie.
     speculative: dict = field(default_factory=dict)
+    # routed MoE experts on demand (model.expert_cache): {"capacity": fraction of all routed expert
+    # bytes or bytes, "source": "host" | "disk", "prefetch": bool, "policy": "lfru" | "lru"}. None: every
+    # expert is loaded at start. {"capacity": 1.0} is lazy loading (experts load when first routed)
+    expert_cache: Optional[dict] = None
     verbose: bool = False               # log backend, precision choice and plan sizes to stderr
     revision: Optional[str] = None      # branch, tag or commit when the model is a hub id (org/name)
 
@@ -104,6 +108,10 @@ class EngineConfig:
             raise ConfigError(f"activation_dtype must be auto, f32 or bf16, not {self.activation_dtype!r}")
         if self.revision is not None:
             V.text("revision", self.revision)
+        if self.expert_cache is not None:
+            from .model.expert_cache import ExpertCacheConfig
+
+            ExpertCacheConfig.parse(self.expert_cache)
         if not isinstance(self.speculative, dict):
             raise ConfigError(f"speculative must be an object such as {{\"mtp\": false}}, not {self.speculative!r}")
         unknown_spec = set(self.speculative) - {"mtp"}

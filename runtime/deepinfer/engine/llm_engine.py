@@ -87,14 +87,16 @@ class Engine:
         self.tokenizer = Tokenizer(self.model_dir)
         self.backend = get_backend(config.backend, fallback=config.fallback, device_id=config.device_id,
                                    num_threads=config.num_threads)
+        t0 = time.perf_counter()
         self.runner = load_runner(self.model_dir, self.backend, config)
+        self.load_seconds = time.perf_counter() - t0
         self.block_manager = self.runner.block_manager
         self.scheduler = Scheduler(self.block_manager, config.max_batch, self.runner.max_num_batched_tokens)
         self.eos_ids = {i for i in (self.tokenizer.eos_id, self.runner.eos_token_id) if i is not None}
         self._requests: dict = {}        # request id -> its Sequences (one per choice)
         self._done_outputs: list = []    # outputs of requests that finished without a step (max_tokens 0)
         self._ids = itertools.count()
-        self.stats = {"steps": 0, "prompt_tokens": 0, "computed_prompt_tokens": 0, "generated_tokens": 0,
+        self.counters = {"steps": 0, "prompt_tokens": 0, "computed_prompt_tokens": 0, "generated_tokens": 0,
                       "requests_finished": 0, "requests_aborted": 0}
         log.info("engine: %s on %s (%s); KV cache %d blocks x %d tokens", self.model_dir.name, self.backend.name,
                  self.runner.precision_note, self.block_manager.num_blocks, self.block_manager.block_size)
@@ -177,7 +179,7 @@ class Engine:
             seq.detok = Detokenizer(self.tokenizer, params.stop)
             seqs.append(seq)
         self._requests[rid] = seqs
-        self.stats["prompt_tokens"] += len(ids) * n
+        self.counters["prompt_tokens"] += len(ids) * n
         for seq in seqs:
             if params.max_new_tokens == 0:
                 self._finish(seq, "length")
@@ -195,7 +197,7 @@ class Engine:
             if not seq.is_finished:
                 self.scheduler.remove(seq)
                 seq.status, seq.finish_reason = Status.FINISHED, "abort"
-        self.stats["requests_aborted"] += 1
+        self.counters["requests_aborted"] += 1
         return True
 
     def has_unfinished(self) -> bool:
@@ -211,13 +213,13 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return outs
-        self.stats["steps"] += 1
+        self.counters["steps"] += 1
         logits = self.runner.run([(s.seq, s.start, s.num_tokens) for s in batch])
         for s in batch:
             s.seq.num_computed = s.start + s.num_tokens
             self.block_manager.commit(s.seq)
             if s.start < s.seq.num_prompt_tokens:
-                self.stats["computed_prompt_tokens"] += min(s.num_tokens, s.seq.num_prompt_tokens - s.start)
+                self.counters["computed_prompt_tokens"] += min(s.num_tokens, s.seq.num_prompt_tokens - s.start)
         sampled = [(i, s.seq) for i, s in enumerate(batch) if s.samples]
         if not sampled:
             return outs
@@ -254,7 +256,7 @@ class Engine:
             self._finish(seq, "stop")
             return self._output(seq, [], seq.detok.flush(), [])
         seq.append(tok)
-        self.stats["generated_tokens"] += 1
+        self.counters["generated_tokens"] += 1
         text = seq.detok.push(tok)
         if seq.detok.stopped:
             self._finish(seq, "stop")
@@ -270,7 +272,7 @@ class Engine:
         seqs = self._requests.get(seq.request_id)
         if seqs is not None and all(s.is_finished for s in seqs):
             del self._requests[seq.request_id]
-            self.stats["requests_finished"] += 1
+            self.counters["requests_finished"] += 1
 
     def _output(self, seq: Sequence, toks: list, text: str, lp: list) -> RequestOutput:
         return RequestOutput(seq.request_id, seq.index, toks, text, seq.is_finished, seq.finish_reason, lp,
@@ -357,7 +359,13 @@ class Engine:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "kv_blocks_used": bm.num_used_blocks, "kv_blocks_total": bm.num_blocks,
                 "prefix_cache_hit_tokens": bm.prefix_hits, "prefix_cache_query_tokens": bm.prefix_queries,
-                "preemptions": self.scheduler.num_preemptions, "plans": len(self.runner.plans), **self.stats}
+                "preemptions": self.scheduler.num_preemptions, "plans": len(self.runner.plans), **self.counters}
+
+    def stats(self) -> dict:
+        """metrics() plus load_seconds (weights onto the backend) and, with an expert cache, its
+        counters: expert_hits, expert_misses, expert_prefetch_issued / _used / _late,
+        expert_bytes_streamed, expert_wait_seconds, hit rate, prefetch recall and precision."""
+        return {**self.metrics(), "load_seconds": self.load_seconds, **self.runner.expert_stats()}
 
 
 def _prompt_list(prompts, fn: str, single: str) -> list:

@@ -33,6 +33,7 @@ from .. import quant_formats as QF
 from ..errors import ConfigError
 from ..model.checkpoint import Checkpoint
 from ..model.deepseek import DeepseekGraph, StepInputs
+from ..model.expert_cache import ExpertCache, ExpertCacheConfig
 from ..model.kv_cache import PagedKVCache, block_bytes
 from ..model.plan import Arena, Plan, Tracer
 from ..model.weights import WeightLoader
@@ -68,7 +69,8 @@ class ModelRunner:
                  num_cache_blocks: Optional[int] = None, block_size: int = 16, dtype: str = "f32",
                  load_mtp: bool = True, precision: Optional[str] = None, group_size: int = 64,
                  max_num_batched_tokens: Optional[int] = None, kv_cache_memory_fraction: Optional[float] = None,
-                 enable_prefix_cache: bool = True, enforce_eager: bool = False, quantize_lm_head: bool = False):
+                 enable_prefix_cache: bool = True, enforce_eager: bool = False, quantize_lm_head: bool = False,
+                 expert_cache=None):
         ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
         if dtype not in ("f32", "bf16"):
             raise ValueError(f"activation dtype must be 'f32' or 'bf16', not {dtype!r}")
@@ -97,8 +99,21 @@ class ModelRunner:
         if quantize_lm_head and QF.weight_format_of(precision) not in ("int8", "int4"):
             raise ConfigError(f"quantize_lm_head needs an int8, int4, w8a8 or w4a8 precision; this model runs "
                               f"{precision or 'as stored'}: set such a precision, or drop quantize_lm_head")
-        self.weights = WeightLoader(ckpt, backend, dtype, precision, group_size,
-                                    quantize_lm_head=quantize_lm_head).load(self.has_mtp)
+        ec = ExpertCacheConfig.parse(expert_cache)
+        if ec is not None and not c.n_routed_experts:
+            raise ConfigError("expert_cache: this model has no routed experts (n_routed_experts is 0); drop the option")
+        loader = WeightLoader(ckpt, backend, dtype, precision, group_size, quantize_lm_head=quantize_lm_head,
+                              stream_experts=ec is not None)
+        self.weights = loader.load(self.has_mtp)
+        # routed experts on demand (model.expert_cache): the plans pause at every MoE layer for it
+        self.experts: Optional[ExpertCache] = None
+        if ec is not None:
+            moe = [l.moe for l in self.weights.layers if l.moe is not None]
+            if self.weights.mtp is not None and self.weights.mtp.layer.moe is not None:
+                moe.append(self.weights.mtp.layer.moe)
+            self.experts = ExpertCache(backend, loader, moe, ec, top_k=c.num_experts_per_tok,
+                                       max_tokens=max(self.max_num_batched_tokens, self.max_batch, 256),
+                                       main_layers=c.num_hidden_layers)
         self.graph = DeepseekGraph(c, self.weights, [], dtype, self.act_quant)
         self.arena = Arena(backend)
         self.plans: "OrderedDict[tuple, Plan]" = OrderedDict()
@@ -156,7 +171,7 @@ class ModelRunner:
             p.host_input("slots")[:] = -1
             p.host_input("cu_seqlens")[:] = [0, p.key[2]]
             p.host_input("last_idx")[:] = 0
-            p.run(self.backend)
+            self._run_plan(p, p.key[2])
             self.backend.synchronize()
         self.plans.clear()                       # they point at the warm-up cache
         del warm
@@ -220,11 +235,26 @@ class ModelRunner:
         self._fill(p, batch, mode, T, Tb, Sb)
         if self.use_graphs and mode == "decode" and p.graph is None and p.runs >= 1:
             p.capture(self.backend)
-        p.run(self.backend)
+        self._run_plan(p, T)
         if keep_hidden:
             self.last_hidden = self._hidden.narrow(0, 0, T)
         logits = p.bound_outputs["logits"]
         return logits.narrow(0, 0, T if all_logits else S)
+
+    def _run_plan(self, p: Plan, n_tokens: int) -> None:
+        if not p.has_pauses:
+            return p.run(self.backend)
+        ex = self.experts
+        ex.begin_step(n_tokens)
+
+        def on_pause(pz):
+            kind, pos = pz.tag
+            if kind == "routed":
+                ex.on_routed(pos, pz.tensors["ids"], pz.tensors.get("pred"))
+            else:
+                ex.on_experts(pos, p, f"expert_slots_{pos}")
+
+        p.run(self.backend, on_pause)
 
     def _fill(self, p: Plan, batch: list, mode: str, T: int, Tb: int, Sb: int) -> None:
         if mode == "decode" and T == len(batch):
@@ -417,8 +447,13 @@ class ModelRunner:
         return np.concatenate(rows) if rows else np.zeros((0, self.cfg.vocab_size), np.float32)
 
     # ================================================================== reporting
+    def expert_stats(self) -> dict:
+        """The expert cache's counters (engine.stats()), {} without one."""
+        return self.experts.report() if self.experts is not None else {}
+
     def memory_report(self) -> dict:
         return {
+            "expert_cache_bytes": self.experts.slot_bytes if self.experts is not None else 0,
             "kv_cache_bytes": self.kv.nbytes,
             "kv_blocks": self.kv.num_blocks,
             "arena_bytes": self.arena.nbytes,
@@ -448,7 +483,8 @@ def load_runner(model_dir, backend, engine_config=None) -> ModelRunner:
               max_num_batched_tokens=getattr(ec, "max_num_batched_tokens", None),
               enable_prefix_cache=bool(getattr(ec, "enable_prefix_cache", True)),
               enforce_eager=bool(getattr(ec, "enforce_eager", False)),
-              quantize_lm_head=bool(getattr(ec, "quantize_lm_head", False)))
+              quantize_lm_head=bool(getattr(ec, "quantize_lm_head", False)),
+              expert_cache=getattr(ec, "expert_cache", None))
     tokens = getattr(ec, "kv_cache_tokens", None)
     if tokens:
         kw["num_cache_blocks"] = -(-int(tokens) // bs)

@@ -349,6 +349,22 @@ class TensorStore:
                                   f"{list(a.shape)}, the config needs {list(shape)}")
         return a
 
+    def file_range(self, a: np.ndarray):
+        """(path, byte offset in the file) of a C-contiguous array that lies inside one of this
+        checkpoint's memory maps (an `array()` view), else None (a copy, a cast, a repack): what lets
+        the expert cache read a tensor's bytes straight from the file."""
+        if not isinstance(a, np.ndarray) or not a.flags.c_contiguous:
+            return None
+        ptr, n = a.__array_interface__["data"][0], a.nbytes
+        for f in self.files.values():
+            m = f._map
+            if m is None or not m.size:
+                continue
+            base = m.__array_interface__["data"][0]
+            if base <= ptr and ptr + n <= base + m.nbytes:
+                return f.path, f.data_start + (ptr - base)
+        return None
+
     def _origin(self, name: str) -> str:
         v = self.views.get(name)
         return "" if v is None else f" (expert {v.expert} of the fused {v.stored!r} {list(self._stored_shape(v.stored))})"

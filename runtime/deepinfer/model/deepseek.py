@@ -18,7 +18,11 @@ any other batch (decode, chunked prefill, speculative verification) runs mla_dec
 kv_b into the query and reads the latent cache directly.
 
 MoE: router logits in f32, moe_router (softmax greedy / group_limited_greedy / noaux_tc sigmoid
-with e_score_correction_bias), shared experts first, then routed experts accumulated on top.
+with e_score_correction_bias), shared experts first, then routed experts accumulated on top. With
+an expert cache (model.expert_cache) the routed experts run over cache slots: the step pauses after
+the router (the host reads the routing and starts loads) and before moe_experts (the host waits for
+them and writes each pair's slot), and the next layer's router may run early, on this layer's
+residual, to predict what to pre-load.
 
 MTP (V3's extra layer L = num_hidden_layers): h' = eh_proj([enorm(embed(next_tokens)) ; hnorm(h)]),
 one decoder block with its own cache layer, then shared_head.norm and shared_head.head. `h` is the
@@ -162,13 +166,14 @@ class DeepseekGraph:
         self.linear(g, gate, m.down, out)
         return out
 
-    def moe(self, g, w: MoEWeights, x, T) -> Tensor:
+    def route(self, g, w: MoEWeights, x, T, name: str = "topk"):
+        """Router logits in f32, then moe_router: (topk_ids, topk_weights) [T, K]."""
         c = self.cfg
         E, K = c.n_routed_experts, c.num_experts_per_tok
         logits = g.empty((T, E), "f32", "router_logits")
         g.linear(x=x, w=w.gate, out=logits)
-        ids = g.empty((T, K), "int32", "topk_ids")
-        wts = g.empty((T, K), "f32", "topk_weights")
+        ids = g.empty((T, K), "int32", f"{name}_ids")
+        wts = g.empty((T, K), "f32", f"{name}_weights")
         grouped = c.topk_method in ("group_limited_greedy", "noaux_tc") and c.n_group > 1
         g.moe_router(logits=logits, bias=w.gate_bias, topk_ids=ids, topk_weights=wts,
                      scoring=SCORING[c.scoring_func], n_group=c.n_group if grouped else 1,
@@ -176,15 +181,41 @@ class DeepseekGraph:
                      group_score=GROUP_SUM_TOP2 if c.topk_method == "noaux_tc" else GROUP_MAX,
                      norm_topk_prob=int(bool(c.norm_topk_prob) and K > 1),
                      routed_scaling_factor=c.routed_scaling_factor)
+        return ids, wts
+
+    def moe(self, g, w: MoEWeights, x, T, resid=None, next_layer: Optional[LayerWeights] = None) -> Tensor:
+        c = self.cfg
+        E, K = c.n_routed_experts, c.num_experts_per_tok
+        ids, wts = self.route(g, w, x, T)
         out = g.empty((T, c.hidden_size), self.dtype, "moe_out")
+        s = w.streamed
+        if s is None:
+            if w.shared is not None:
+                self.mlp(g, w.shared, x, T, out=out)
+            g.moe_experts(x=x, topk_ids=ids, topk_weights=wts, num_experts=E, accumulate=int(w.shared is not None),
+                          w_gate=w.experts_gate, w_up=w.experts_up, w_down=w.experts_down, out=out)
+            return out
+        # streamed experts (model.expert_cache): the host reads the routing, loads what is missing,
+        # and writes the slot each (token, k) pair uses; the shared experts run while loads are in flight
+        pred = None
+        if s.predict and resid is not None and next_layer is not None and next_layer.moe is not None:
+            # prefetch: the next layer's router on this layer's residual, normed as that layer norms it
+            pn = g.empty((T, c.hidden_size), self.dtype, "predict_norm")
+            g.rmsnorm(x=resid, weight=next_layer.ln2, out=pn, eps=c.rms_norm_eps)
+            pred, _ = self.route(g, next_layer.moe, pn, T, "predicted")
+        g.pause(("routed", s.pos), ids=ids, pred=pred)
         if w.shared is not None:
             self.mlp(g, w.shared, x, T, out=out)
-        g.moe_experts(x=x, topk_ids=ids, topk_weights=wts, num_experts=E, accumulate=int(w.shared is not None),
-                      w_gate=w.experts_gate, w_up=w.experts_up, w_down=w.experts_down, out=out)
+        slot_ids = g.input(f"expert_slots_{s.pos}", (T, K))
+        g.pause(("experts", s.pos), slot_ids=slot_ids)
+        g.moe_experts(x=x, topk_ids=slot_ids, topk_weights=wts, num_experts=len(s.w_gate),
+                      accumulate=int(w.shared is not None), w_gate=s.w_gate, w_up=s.w_up, w_down=s.w_down, out=out)
         return out
 
-    def block(self, g, w: LayerWeights, resid, delta, meta: StepInputs) -> Tensor:
-        """One decoder layer; `resid` is updated in place, the layer's MLP output is returned."""
+    def block(self, g, w: LayerWeights, resid, delta, meta: StepInputs,
+              next_layer: Optional[LayerWeights] = None) -> Tensor:
+        """One decoder layer; `resid` is updated in place, the layer's MLP output is returned.
+        `next_layer`: the following layer, whose router may predict its experts (streamed experts)."""
         c, T = self.cfg, meta.T
         n = g.empty((T, c.hidden_size), self.dtype, "norm")
         if delta is None:
@@ -194,7 +225,7 @@ class DeepseekGraph:
         a = self.attention(g, w.attn, self.caches[w.index], n, meta)
         n2 = g.empty((T, c.hidden_size), self.dtype, "norm")
         g.rmsnorm(x=a, residual=resid, residual_out=resid, weight=w.ln2, out=n2, eps=c.rms_norm_eps)
-        return self.moe(g, w.moe, n2, T) if w.moe is not None else self.mlp(g, w.mlp, n2, T)
+        return self.moe(g, w.moe, n2, T, resid, next_layer) if w.moe is not None else self.mlp(g, w.mlp, n2, T)
 
     def head(self, g, norm_w, resid, delta, head_w, meta: StepInputs, hidden_out=None):
         """Final norm of (resid + delta), then f32 logits of the wanted rows."""
@@ -216,8 +247,9 @@ class DeepseekGraph:
         x = g.empty((meta.T, self.cfg.hidden_size), self.dtype, "residual")
         g.embedding(ids=meta.ids, table=w.embed, out=x)
         delta = None
-        for layer in w.layers:
-            delta = self.block(g, layer, x, delta, meta)
+        for i, layer in enumerate(w.layers):
+            nxt = w.layers[i + 1] if i + 1 < len(w.layers) else None
+            delta = self.block(g, layer, x, delta, meta, nxt)
         self.head(g, w.norm, x, delta, w.lm_head, meta, hidden_out)
 
     def mtp(self, g, meta: StepInputs, hidden: Tensor):

@@ -18,6 +18,11 @@ A plan can also be captured as a graph (`capture`): the bound calls are recorded
 backend's working stream and every later `run` is the input copy plus one graph launch. The
 buffers never move while the plan stays bound, which is what makes a replay valid; rebinding (the
 arena grew) drops the graph.
+
+Pauses: the graph code may put `tracer.pause(tag, **tensors)` between ops where the host must act in
+the middle of a step (the expert cache reads a layer's routing, loads the experts it misses and
+writes their slots). A pause splits the plan into segments; `run` executes a segment (one graph
+each when captured), then calls `on_pause(Pause)` with the pause's tensors bound, then the next.
 """
 from __future__ import annotations
 
@@ -35,6 +40,17 @@ ALIGN = 256
 # fields that ops write (role OUT or INOUT in the op table); a symbol first seen in any other field
 # is read before it was written
 OUTPUT_FIELDS = {op: frozenset(abi.output_fields(op)) for op in abi.OP_NAMES}
+
+
+PAUSE = "__pause__"     # the op name of a pause entry in a plan's call list
+
+
+@dataclass
+class Pause:
+    """A bound pause: its tag and its tensors (views of real memory)."""
+
+    tag: object
+    tensors: dict
 
 
 class SymBuf:
@@ -80,6 +96,17 @@ class Tracer:
 
     def output(self, name: str, t: Tensor) -> None:
         self.outputs[name] = t
+
+    def pause(self, tag, **tensors) -> None:
+        """A point where the step stops for the host (`Plan.run`'s on_pause); `tensors` (read there,
+        or written by the host there when they are inputs) stay live up to it."""
+        i = len(self.calls)
+        for t in tensors.values():
+            if isinstance(t, Tensor) and isinstance(t.buffer, SymBuf):
+                if t.buffer.kind == "act" and t.buffer.first < 0:
+                    raise RuntimeError(f"plan: pause {tag!r} reads {t.buffer.name} before any op wrote it")
+                t.buffer.last = i
+        self.calls.append((PAUSE, {"tag": tag, **tensors}))
 
     # -- ops
     def call(self, op: str, **kwargs) -> None:
@@ -156,7 +183,7 @@ class Plan:
     _staging: Optional[Tensor] = None      # pinned host copy of the input store (device backends)
     _staged: object = None                 # event after the last input copy (None: nothing in flight)
     _pending: bool = False
-    graph: object = None                   # the captured calls (backend.Graph), None: run op by op
+    graph: object = None                   # one backend.Graph per segment (None: run op by op)
     runs: int = 0
 
     @classmethod
@@ -231,28 +258,71 @@ class Plan:
         return self._host_inputs[name]
 
     def prepared(self, backend) -> list:
+        """The segments of the plan: [(prepared calls, Pause that ends the segment or None)]."""
         if self._prepared is None:
             # the buffers never move between runs of a plan, so each call is bound once
-            self._prepared = [backend.prepare(op, **kw) for op, kw in self.bound]
+            segs, cur = [], []
+            for op, kw in self.bound:
+                if op == PAUSE:
+                    kw = dict(kw)
+                    segs.append((cur, Pause(kw.pop("tag"), kw)))
+                    cur = []
+                else:
+                    cur.append(backend.prepare(op, **kw))
+            segs.append((cur, None))
+            self._prepared = segs
         return self._prepared
 
-    def run(self, backend) -> None:
+    @property
+    def has_pauses(self) -> bool:
+        return any(op == PAUSE for op, _ in self.calls)
+
+    def input_region(self, name: str) -> tuple:
+        """(device view, host view) of one input's bytes, for an input the host writes in a pause
+        (the store was sent at the start of the step): copy the host view over after writing it."""
+        v = self.inputs[name]
+        off, n = v.buffer.offset, v.nbytes
+        dev = Tensor(self._input_store.buffer, (n,), "uint8", None, self._input_store.offset + off)
+        if self._staging is None:
+            return dev, dev
+        return dev, Tensor(self._staging.buffer, (n,), "uint8", None, self._staging.offset + off)
+
+    def pause_input(self, name: str) -> np.ndarray:
+        """The host view of an input written in a pause (then `send_pause_input`). The step-start
+        copy already read the staging buffer: the pause's host synchronized before it got here."""
+        return self._host_inputs[name]
+
+    def send_pause_input(self, name: str, backend) -> None:
+        """Make a pause-written input the device's (a copy on the working stream, ordered before
+        the rest of the step); nothing to do on a host backend."""
+        if self._staging is not None:
+            dev, host = self.input_region(name)
+            backend.copy_async(dev, host)
+
+    def run(self, backend, on_pause=None) -> None:
         if self._staging is not None:
             backend.copy_async(self._input_store, self._staging)
             if self._staged is not None:
                 self._staged.record(backend.stream)
                 self._pending = True
-        if self.graph is not None:
-            self.graph.launch()
-        else:
-            for call in self.prepared(backend):
-                call()
+        segs = self.prepared(backend)
+        if len(segs) > 1 and on_pause is None:
+            raise RuntimeError(f"plan {self.key} pauses for the host (expert streaming) but run() got no on_pause")
+        graphs = self.graph if self.graph is not None else [None] * len(segs)
+        for (calls, pause), graph in zip(segs, graphs):
+            if graph is not None:
+                graph.launch()
+            else:
+                for call in calls:
+                    call()
+            if pause is not None:
+                on_pause(pause)
         self.runs += 1
 
     def capture(self, backend) -> None:
-        """Record the bound calls as one graph; later runs replay it (the plan must have run once,
-        so that libraries have done their first-call set-up outside the capture)."""
-        self.graph = backend.capture(self.prepared(backend))
+        """Record each segment's calls as one graph; later runs replay them (the plan must have run
+        once, so that libraries have done their first-call set-up outside the capture)."""
+        self.graph = [backend.capture(calls) if calls else None for calls, _ in self.prepared(backend)]
 
 
 class Arena:

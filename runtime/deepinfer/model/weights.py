@@ -52,10 +52,12 @@ class MLPWeights:
 class MoEWeights:
     gate: Tensor                    # router [E, H], f32
     gate_bias: Optional[Tensor]     # e_score_correction_bias [E] (noaux_tc) or None
-    experts_gate: list              # E x [I, H]
-    experts_up: list                # E x [I, H]
-    experts_down: list              # E x [H, I]
+    experts_gate: Optional[list]    # E x [I, H]  (None: the routed experts stream through an ExpertCache)
+    experts_up: Optional[list]      # E x [I, H]
+    experts_down: Optional[list]    # E x [H, I]
     shared: Optional[MLPWeights]    # the shared experts as one MLP, or None
+    prefix: str = ""                # checkpoint name prefix of the layer's MLP ("model.layers.3.mlp.")
+    streamed: object = None         # model.expert_cache.StreamedLayer when the experts stream
 
 
 @dataclass
@@ -116,8 +118,10 @@ class WeightLoader:
     """Reads a Checkpoint onto a backend in one precision (None: as stored)."""
 
     def __init__(self, ckpt: Checkpoint, backend, dtype: str, precision: Optional[str], group_size: int,
-                 quantize_lm_head: bool = False):
+                 quantize_lm_head: bool = False, stream_experts: bool = False):
         self.ckpt, self.cfg, self.backend, self.dtype = ckpt, ckpt.config, backend, dtype
+        # routed experts are left on disk for an ExpertCache (model.expert_cache) to load on demand
+        self.stream_experts = bool(stream_experts)
         self.quantize_lm_head = quantize_lm_head
         self.precision = precision
         self.weight_format = QF.weight_format_of(precision)
@@ -135,6 +139,9 @@ class WeightLoader:
             lm_head = embed
         else:
             raise CheckpointError(f"{self.ckpt.dir}: tensor 'lm_head.weight' is missing from the checkpoint")
+        if self.stream_experts:
+            # the routed experts are read later, by the expert cache; they count as used
+            self.ckpt.used.update(n for n in self.ckpt.names() if ".mlp.experts." in n)
         layers = [self._layer(i) for i in range(c.num_hidden_layers)]
         mtp = self._mtp(embed, lm_head) if load_mtp else None   # the MTP head shares the stored lm_head
         if self.quantize_lm_head and lm_head.quant is None:
@@ -301,19 +308,57 @@ class WeightLoader:
             m.gate_up, m.gate, m.up = fused
         return m
 
+    # ------------------------------------------------------------------ routed experts, one at a time
+    def expert_names(self, prefix: str, e: int) -> tuple:
+        """((name, shape) of gate, up, down) of routed expert e of the MoE layer at `prefix`."""
+        I, H = self.cfg.moe_intermediate_size, self.cfg.hidden_size
+        return tuple((f"{prefix}experts.{e}.{p}_proj.weight", shape)
+                     for p, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))))
+
+    def expert_weight(self, name: str, shape) -> Tensor:
+        """One expert weight in the model's precision on the backend (converted as the eager load does)."""
+        return self._w(name, shape)
+
+    def stored_weight(self, name: str, shape) -> Optional[Tensor]:
+        """The host tensor (a view of the checkpoint's memory map) that the eager load would upload
+        unchanged, or None when the load converts it (a cast, a dequantization, a quantization)."""
+        fmt = self.weight_format
+        if fmt is None:
+            t = self.ckpt.weight(name, shape, self.dtype)
+        elif fmt in ("f32", "bf16"):
+            t = self.ckpt.weight(name, shape, fmt)
+            if t.quant is not None:
+                return None
+        else:
+            t = self.ckpt.weight(name, shape)
+            qdt, block = {"int8": ("int8", (1, 0)), "int4": ("int4", (1, self.group_size)),
+                          "fp8": ("e4m3", (128, 128))}[fmt]
+            if t.quant is None or t.dtype.name != qdt or tuple(t.quant.block) != block:
+                return None
+        return t
+
     def _moe(self, m: str) -> MoEWeights:
         c, H = self.cfg, self.cfg.hidden_size
         E, I = c.n_routed_experts, c.moe_intermediate_size
+        if self.stream_experts:
+            for e in range(E):    # every expert the config routes to is in the checkpoint (shapes: at first load)
+                for name, _ in self.expert_names(m, e):
+                    if name not in self.ckpt:
+                        raise CheckpointError(f"{self.ckpt.dir}: tensor {name!r} is missing from the checkpoint")
         return MoEWeights(
+            prefix=m,
             # the router's logits are f32 like transformers'. A bf16 router weight stays bf16 when the
             # activations are bf16: transformers upcasts both to f32, which changes no value, and the
             # linear multiplies bf16 exactly into f32 sums (only the summation order differs), at half
             # the bytes and on the tensor-core path. Anything else is kept (or made) f32.
             gate=self._router_weight(m + "gate.weight", (E, H)),
             gate_bias=self._t(m + "gate.e_score_correction_bias", (E,), "f32") if c.topk_method == "noaux_tc" else None,
-            experts_gate=[self._w(f"{m}experts.{e}.gate_proj.weight", (I, H)) for e in range(E)],
-            experts_up=[self._w(f"{m}experts.{e}.up_proj.weight", (I, H)) for e in range(E)],
-            experts_down=[self._w(f"{m}experts.{e}.down_proj.weight", (H, I)) for e in range(E)],
+            experts_gate=None if self.stream_experts else
+            [self._w(f"{m}experts.{e}.gate_proj.weight", (I, H)) for e in range(E)],
+            experts_up=None if self.stream_experts else
+            [self._w(f"{m}experts.{e}.up_proj.weight", (I, H)) for e in range(E)],
+            experts_down=None if self.stream_experts else
+            [self._w(f"{m}experts.{e}.down_proj.weight", (H, I)) for e in range(E)],
             shared=self._mlp(m + "shared_experts.", I * c.n_shared_experts) if c.n_shared_experts else None)
 
     def _router_weight(self, name, shape) -> Tensor:

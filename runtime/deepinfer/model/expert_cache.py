@@ -1,0 +1,603 @@
+"""The expert cache: routed MoE experts held in a bounded number of slots per layer and loaded when a
+step routes to them, from pinned host memory or straight from the checkpoint files, with the next
+layer's experts pre-loaded while the current layer runs.
+
+Why: every other weight of a DeepSeek model is small next to its routed experts (V3: 656 of 671B
+parameters), and a token uses 8 of 256 per layer. Keeping all of them in device memory is what makes
+a model fit or not; keeping the ones that recent tokens used (LRU hit rates of 75-98% are reported
+for DeepSeek routers) and streaming the rest lets a model larger than the device run, and starting
+with none resident (capacity 1.0: lazy loading) lets the first token come before they are all read.
+
+Memory. All experts of a model share formats and shapes, so one expert's weights (gate, up, down,
+each with its scales and zeros) have one byte layout, its *image* (ImageLayout). A slot holds one
+image. Each MoE layer owns `slots` of them in one backend allocation; one shared overflow pool holds,
+for one layer at a time, the misses of a step that routes to more experts than the layer's slots
+minus those it needs (a prefill touching most experts).
+
+The kernel never sees expert ids. A streamed layer's moe_experts is traced over the layer's slot
+descriptors, E of them (its slots, the shared overflow, then aliases of slot 0 that no id names, so
+a library sees as many resident experts as the eager model has and chooses the same kernels), and
+its topk_ids is an input holding slot ids, which the host writes in the step's pause. moe_experts
+computes each (token, k) pair independently of how experts are numbered and sums the k
+contributions of a token in k order (abi/README.md section 8), so the output is bit-identical to
+the eager model's.
+
+A step at a MoE layer (the plan pauses twice there, model.plan):
+  routed   the layer's topk_ids (and, with prefetch, the next layer's router applied to this
+           layer's residual) are read; the policy (model.expert_policy) names hits and places
+           misses; their loads start, then the prefetch loads of the next layer.
+  experts  after the shared experts ran (the loads overlap them): this layer's loads are waited
+           for, the slot ids written; moe_experts follows.
+
+Loads. A reader thread copies an image's bytes from its source: the pinned host image (source
+"host": every expert read, converted and kept in host memory at start) or the checkpoint file
+(source "disk": pread of each tensor's byte range when the experts are used as stored; otherwise
+the expert is converted on the main thread as the eager load does). On a backend whose memory is
+host memory (CPU, reference) the reader writes into the slot itself. On a device it reads into a
+pinned bounce buffer (disk) and the main thread sends it with an asynchronous copy on a copy
+stream; the working stream waits for that copy's event before the layer's moe_experts, so the
+host never waits for a transfer.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from .. import validate as V
+from ..errors import ConfigError
+from ..tensor import Quant, Tensor
+from .expert_policy import POLICIES, LayerSlots
+
+SOURCES = ("host", "disk")
+ALIGN = 256
+READ_THREADS = 1          # host-memory backends: the compute threads use the cores; one reader overlaps them
+BOUNCE_BYTES = 1 << 30    # device backends: at most this much pinned memory for disk reads in flight
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+# ====================================================================== configuration
+@dataclass
+class ExpertCacheConfig:
+    """engine config `expert_cache`: {"capacity": fraction of all routed expert bytes in (0, 1] or
+    bytes (an integer > 1), "source": "host" | "disk", "prefetch": bool, "policy": "lfru" | "lru"}."""
+
+    capacity: float = 1.0
+    source: Optional[str] = None      # None: "disk" on host-memory backends, "host" on devices
+    prefetch: bool = True
+    policy: str = "lfru"
+
+    @classmethod
+    def parse(cls, d) -> Optional["ExpertCacheConfig"]:
+        if d is None:
+            return None
+        if isinstance(d, ExpertCacheConfig):
+            return d
+        if not isinstance(d, dict):
+            raise ConfigError(f"expert_cache must be an object such as {{\"capacity\": 0.5, \"source\": \"disk\"}}, "
+                              f"not {d!r}")
+        unknown = set(d) - {"capacity", "source", "prefetch", "policy"}
+        if unknown:
+            raise ConfigError(f"unknown expert_cache option(s) {sorted(map(str, unknown))}; valid: capacity, source, "
+                              f"prefetch, policy")
+        c = cls()
+        if "capacity" in d:
+            cap = d["capacity"]
+            if isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap != cap:
+                raise ConfigError(f"expert_cache.capacity must be a number (a fraction in (0, 1] of the routed "
+                                  f"experts' bytes, or a byte count > 1), not {cap!r}")
+            if cap <= 0:
+                raise ConfigError(f"expert_cache.capacity must be > 0, not {cap!r}")
+            if cap > 1 and (isinstance(cap, float) and not cap.is_integer()):
+                raise ConfigError(f"expert_cache.capacity {cap!r}: above 1 it is a byte count and must be an integer")
+            c.capacity = float(cap) if cap <= 1 else int(cap)
+        if "source" in d:
+            if d["source"] not in SOURCES:
+                raise ConfigError(f"expert_cache.source must be one of {', '.join(SOURCES)}, not {d['source']!r}")
+            c.source = d["source"]
+        if "prefetch" in d:
+            c.prefetch = V.boolean("expert_cache.prefetch", d["prefetch"])
+        if "policy" in d:
+            if d["policy"] not in POLICIES:
+                raise ConfigError(f"expert_cache.policy must be one of {', '.join(POLICIES)}, not {d['policy']!r}")
+            c.policy = d["policy"]
+        return c
+
+
+# ====================================================================== one expert's bytes
+@dataclass
+class _Part:
+    weight: int          # 0 gate, 1 up, 2 down
+    kind: str            # "q", "scales" or "zeros"
+    offset: int          # in the image
+    nbytes: int
+
+
+class ImageLayout:
+    """The byte layout of one expert (gate, up, down with their scales / zeros), from a template."""
+
+    def __init__(self, template: tuple):
+        self.template = template
+        self.parts: list[_Part] = []
+        off = 0
+        for i, w in enumerate(template):
+            for kind, t in self.components(w):
+                self.parts.append(_Part(i, kind, off, t.nbytes))
+                off = _align(off + t.nbytes)
+        self.nbytes = max(off, ALIGN)
+
+    @staticmethod
+    def components(w: Tensor) -> list:
+        out = [("q", w)]
+        if w.quant is not None:
+            out.append(("scales", w.quant.scales))
+            if w.quant.zeros is not None:
+                out.append(("zeros", w.quant.zeros))
+        return out
+
+    def check(self, ws: tuple, what: str) -> None:
+        """ws must have the template's formats and shapes (every expert of a model does)."""
+        for w, t in zip(ws, self.template):
+            a = [(k, x.shape, x.dtype.name) for k, x in self.components(w)]
+            b = [(k, x.shape, x.dtype.name) for k, x in self.components(t)]
+            if a != b or (w.quant is not None and tuple(w.quant.block) != tuple(t.quant.block)):
+                raise ConfigError(f"{what} is stored as {w!r}, unlike the layer's first expert {t!r}: the expert "
+                                  f"cache needs one format for all routed experts (load this model without it)")
+
+    def views(self, buffer, base: int) -> tuple:
+        """(gate, up, down) Tensors over an image that starts at byte `base` of `buffer`."""
+        out = []
+        for i, t in enumerate(self.template):
+            comps = {p.kind: p for p in self.parts if p.weight == i}
+
+            def at(kind, x):
+                return Tensor(buffer, x.shape, x.dtype, None, base + comps[kind].offset)
+
+            q = None
+            if t.quant is not None:
+                q = Quant(at("scales", t.quant.scales), t.quant.block,
+                          at("zeros", t.quant.zeros) if t.quant.zeros is not None else None)
+            w = at("q", t)
+            w.quant = q
+            out.append(w)
+        return tuple(out)
+
+    def raw(self, t: Tensor, nbytes: int) -> np.ndarray:
+        return t.buffer.view(np.uint8).reshape(-1)[t.offset:t.offset + nbytes]
+
+
+# ====================================================================== the cache
+@dataclass
+class StreamedLayer:
+    """What the graph needs to trace one streamed MoE layer (MoEWeights.streamed)."""
+
+    pos: int                 # index among the streamed layers
+    w_gate: list             # E slot descriptors each (own slots, overflow, aliases of slot 0)
+    w_up: list
+    w_down: list
+    predict: bool            # trace the next layer's router on this layer's residual (prefetch)
+
+
+@dataclass
+class _Load:
+    pos: int
+    expert: int
+    dst: Tensor              # the slot's bytes
+    kind: str                # "miss", "prefetch" or "overflow"
+    read: Optional[Future] = None
+    event: object = None     # device: the copy's event (None until issued)
+    bounce: Optional[Tensor] = None
+    t0: float = 0.0
+
+
+@dataclass
+class _Layer:
+    pos: int
+    index: int               # model layer index
+    prefix: str
+    slots: LayerSlots
+    pool: Tensor
+    views: list              # per slot: (gate, up, down)
+    pending: dict = field(default_factory=dict)   # slot -> _Load in flight
+    slot_ids: Optional[np.ndarray] = None         # expert -> slot id the kernel uses (-1: skip)
+    needed: list = field(default_factory=list)    # this step's distinct experts
+    ids: Optional[np.ndarray] = None              # this step's topk_ids of the real tokens
+
+
+class ExpertCache:
+    """Routed experts of every MoE layer in bounded per-layer slots (see the module docstring)."""
+
+    def __init__(self, backend, loader, moe_layers: list, cfg: ExpertCacheConfig, *, top_k: int,
+                 max_tokens: int, main_layers: int, host_memory: Optional[bool] = None):
+        self.backend, self.loader, self.cfg = backend, loader, cfg
+        self.ckpt = loader.ckpt
+        # host_memory: slots are host memory the reader may write (CPU / reference backends). False
+        # on a host backend drives the device path (bounce buffers, async copies, events): tests do
+        self.host_memory = backend.device == "cpu" if host_memory is None else bool(host_memory)
+        self.source = cfg.source or ("disk" if backend.device == "cpu" else "host")
+        self.E = E = loader.cfg.n_routed_experts
+        self.K = top_k
+        self.stats = dict(expert_hits=0, expert_misses=0, expert_overflow_loads=0, expert_prefetch_issued=0,
+                          expert_prefetch_used=0, expert_prefetch_late=0, expert_bytes_streamed=0,
+                          expert_wait_seconds=0.0, expert_predicted=0, expert_predicted_used=0,
+                          expert_needed=0)
+        t0 = time.perf_counter()
+        first = moe_layers[0].prefix
+        tmpl, self.raw = self._template(first)
+        self.layout = ImageLayout(tmpl)
+        n_moe = len(moe_layers)
+        per_expert = self.layout.nbytes
+        if isinstance(cfg.capacity, float):
+            n = int(round(cfg.capacity * E))
+        else:
+            n = int(cfg.capacity) // (per_expert * n_moe)
+        if n < 1:
+            need = per_expert * n_moe
+            raise ConfigError(f"expert_cache.capacity {cfg.capacity!r} holds no expert per layer: one slot in each of "
+                              f"the {n_moe} MoE layers takes {need} bytes ({per_expert} per expert); raise it")
+        self.slots_per_layer = n = min(n, E)
+        # a step routes T tokens x top_k experts: the overflow covers what exceeds a layer's slots
+        self.n_overflow = max(0, min(E, max_tokens * top_k) - n)
+        be = backend
+        self.layers: list[_Layer] = []
+        for pos, m in enumerate(moe_layers):
+            pool = be.empty((n * per_expert,), "uint8")
+            views = [self.layout.views(pool.buffer, pool.offset + s * per_expert) for s in range(n)]
+            idx = int(m.prefix.split(".")[2])
+            self.layers.append(_Layer(pos, idx, m.prefix, LayerSlots(E, n, cfg.policy), pool, views))
+        self.overflow = be.empty((max(self.n_overflow, 1) * per_expert,), "uint8") if self.n_overflow else None
+        self.overflow_views = [self.layout.views(self.overflow.buffer, self.overflow.offset + s * per_expert)
+                               for s in range(self.n_overflow)]
+        for L, m in zip(self.layers, moe_layers):
+            descs = list(L.views) + list(self.overflow_views)
+            descs += [L.views[0]] * (E - len(descs))     # never named by an id; keeps E resident descriptors
+            m.streamed = StreamedLayer(L.pos, [d[0] for d in descs], [d[1] for d in descs], [d[2] for d in descs],
+                                       predict=False)
+        for i, m in enumerate(moe_layers[:-1]):
+            # the next layer's router runs on this layer's residual; the MTP layer is another plan
+            m.streamed.predict = bool(cfg.prefetch) and self.layers[i + 1].index == self.layers[i].index + 1 \
+                and self.layers[i + 1].index < main_layers
+        self._ranges: dict = {}          # (layer pos, expert) -> [(fd, file offset, nbytes, image offset)]
+        self._fds: dict = {}
+        self._reader = ThreadPoolExecutor(max_workers=READ_THREADS if self.host_memory else 4,
+                                          thread_name_prefix="deepinfer-experts")
+        self._images: Optional[list] = None
+        self._bounce_free: list = []
+        self._lock = threading.Lock()
+        self._copying: list = []        # device: loads whose copies are in flight (bounce buffers held)
+        if not self.host_memory:
+            self.copy_stream = be.create_stream()
+            if self.source == "disk":
+                nb = max(2, min(64, BOUNCE_BYTES // per_expert))
+                self._bounce_free = [be.host_empty((per_expert,), "uint8") for _ in range(nb)]
+                self._bounce_cv = threading.Condition(self._lock)
+        if self.source == "host":
+            self._build_images()
+        self.setup_seconds = time.perf_counter() - t0
+        self.route_seconds = 0.0         # host time of the routed pauses (reading ids, policy, issuing loads)
+        self._T = 0
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def expert_bytes(self) -> int:
+        return self.layout.nbytes
+
+    @property
+    def total_expert_bytes(self) -> int:
+        return self.layout.nbytes * self.E * len(self.layers)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Device memory of the cache: every layer's slots plus the shared overflow."""
+        return self.layout.nbytes * (self.slots_per_layer * len(self.layers) + self.n_overflow)
+
+    # ------------------------------------------------------------------ sources
+    def _template(self, prefix: str):
+        """(gate, up, down) of expert 0 as the slots hold them, and whether images are raw file bytes."""
+        names = self.loader.expert_names(prefix, 0)
+        stored = [self.loader.stored_weight(n, s) for n, s in names]
+        raw = all(w is not None and all(self._file_range(x) is not None for _, x in ImageLayout.components(w))
+                  for w in stored)
+        if raw:
+            return tuple(stored), True
+        conv = tuple(self.loader.expert_weight(n, s) for n, s in names)
+        return conv, False
+
+    def _file_range(self, t: Tensor):
+        if not t.on_host or not t.is_contiguous():
+            return None
+        return self.ckpt.file_range(t.buffer.view(np.uint8).reshape(-1)[t.offset:t.offset + t.nbytes])
+
+    def _fd(self, path) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        return fd
+
+    def _expert_ranges(self, L: _Layer, e: int) -> list:
+        key = (L.pos, e)
+        r = self._ranges.get(key)
+        if r is None:
+            ws = tuple(self.loader.stored_weight(n, s) for n, s in self.loader.expert_names(L.prefix, e))
+            if any(w is None for w in ws):
+                raise ConfigError(f"{L.prefix}experts.{e} is stored in another format than expert 0 of the first "
+                                  f"MoE layer; the expert cache needs one format for all routed experts")
+            self.layout.check(ws, f"{L.prefix}experts.{e}")
+            r = []
+            parts = iter(self.layout.parts)
+            # file ranges of the stored tensors, in image order
+            for w in ws:
+                for _, x in ImageLayout.components(w):
+                    p = next(parts)
+                    fr = self._file_range(x)
+                    if fr is None:
+                        raise ConfigError(f"{L.prefix}experts.{e} is not a plain byte range of the checkpoint")
+                    r.append((self._fd(fr[0]), fr[1], p.nbytes, p.offset))
+            self._ranges[key] = r
+        return r
+
+    def _converted(self, L: _Layer, e: int) -> tuple:
+        """The expert converted on the backend as the eager load converts it (main thread only)."""
+        ws = tuple(self.loader.expert_weight(n, s) for n, s in self.loader.expert_names(L.prefix, e))
+        self.layout.check(ws, f"{L.prefix}experts.{e}")
+        return ws
+
+    @staticmethod
+    def _pread(ranges: list, dst: np.ndarray) -> None:
+        for fd, off, n, at in ranges:
+            view = memoryview(dst[at:at + n])
+            done = 0
+            while done < n:
+                got = os.preadv(fd, [view[done:]], off + done)
+                if got <= 0:
+                    raise OSError(f"short read of an expert: {done} of {n} bytes at offset {off}")
+                done += got
+
+    def _build_images(self) -> None:
+        """source "host": every expert's image in (pinned) host memory, read once at start."""
+        be, nb = self.backend, self.layout.nbytes
+        self._images = []
+        for L in self.layers:
+            img = be.host_empty((self.E * nb,), "uint8") if not self.host_memory else Tensor.empty((self.E * nb,),
+                                                                                                   "uint8")
+            raw = img.buffer.view(np.uint8).reshape(-1)[img.offset:img.offset + self.E * nb]
+            for e in range(self.E):
+                dst = raw[e * nb:(e + 1) * nb]
+                if self.raw:
+                    self._pread(self._expert_ranges(L, e), dst)
+                else:
+                    self._store_converted(self._converted(L, e), dst)
+            self._images.append(raw)
+
+    def _store_converted(self, ws: tuple, dst: np.ndarray) -> None:
+        be = self.backend
+        parts = iter(self.layout.parts)
+        for w in ws:
+            for _, x in ImageLayout.components(w):
+                p = next(parts)
+                if x.on_host:
+                    dst[p.offset:p.offset + p.nbytes] = self.layout.raw(x, p.nbytes)
+                else:
+                    host = Tensor(dst, (p.nbytes,), "uint8", None, p.offset)
+                    be.copy_async(host, Tensor(x.buffer, (p.nbytes,), "uint8", None, x.offset))
+        be.synchronize()
+
+    # ------------------------------------------------------------------ loads
+    def _start(self, L: _Layer, e: int, slot_t: Tensor, kind: str) -> _Load:
+        """Begin loading expert e of layer L into the bytes of slot_t."""
+        ld = _Load(L.pos, e, slot_t, kind, t0=time.perf_counter())
+        nb = self.layout.nbytes
+        self.stats["expert_bytes_streamed"] += nb
+        if self.host_memory:
+            dst = slot_t.buffer.view(np.uint8).reshape(-1)[slot_t.offset:slot_t.offset + nb]
+            if self._images is not None:
+                src = self._images[L.pos][e * nb:(e + 1) * nb]
+                ld.read = self._reader.submit(np.copyto, dst, src)
+            elif self.raw:
+                ld.read = self._reader.submit(self._pread, self._expert_ranges(L, e), dst)
+            else:
+                self._store_converted(self._converted(L, e), dst)
+                ld.read = _done()
+            return ld
+        # device: the bytes go through host memory, then one asynchronous copy on the copy stream
+        if self._images is not None:
+            src = self._images[L.pos][e * nb:(e + 1) * nb]
+            self._issue_copy(ld, Tensor(src, (nb,), "uint8"))
+            ld.read = _done()
+        elif self.raw:
+            ranges = self._expert_ranges(L, e)
+            ld.read = self._reader.submit(self._read_bounce, ld, ranges)
+        else:
+            ws = self._converted(L, e)
+            parts = iter(self.layout.parts)
+            for w in ws:
+                for _, x in ImageLayout.components(w):
+                    p = next(parts)
+                    self.backend.copy_async(Tensor(slot_t.buffer, (p.nbytes,), "uint8", None, slot_t.offset + p.offset),
+                                            Tensor(x.buffer, (p.nbytes,), "uint8", None, x.offset))
+            ev = self.backend.create_event()
+            ev.record(self.backend.stream)
+            ld.event = ev
+            ld.read = _done()
+        return ld
+
+    def _read_bounce(self, ld: _Load, ranges: list) -> None:
+        with self._bounce_cv:
+            while not self._bounce_free:
+                self._bounce_cv.wait()
+            ld.bounce = self._bounce_free.pop()
+        b = ld.bounce
+        self._pread(ranges, b.buffer.view(np.uint8).reshape(-1)[b.offset:b.offset + self.layout.nbytes])
+
+    def _issue_copy(self, ld: _Load, src: Tensor) -> None:
+        nb = self.layout.nbytes
+        self.backend.copy_async(Tensor(ld.dst.buffer, (nb,), "uint8", None, ld.dst.offset), src, self.copy_stream)
+        ev = self.backend.create_event()
+        ev.record(self.copy_stream)
+        ld.event = ev
+        if ld.bounce is not None:
+            self._copying.append(ld)
+
+    def _pump(self) -> None:
+        """Device: send reads that finished; give back bounce buffers whose copies finished."""
+        if self.host_memory:
+            return
+        for L in self.layers:
+            for ld in L.pending.values():
+                if ld.event is None and ld.read is not None and ld.read.done():
+                    ld.read.result()
+                    self._issue_copy(ld, ld.bounce)
+        still = []
+        for ld in self._copying:
+            if ld.event.query():
+                with self._bounce_cv:
+                    self._bounce_free.append(ld.bounce)
+                    self._bounce_cv.notify()
+                ld.bounce = None
+            else:
+                still.append(ld)
+        self._copying = still
+
+    def _wait_read(self, ld: _Load) -> None:
+        while True:
+            self._pump()
+            try:
+                ld.read.result(timeout=0.0005)
+                return
+            except TimeoutError:
+                continue
+
+    def _finish(self, L: _Layer, slot: int, compute_waits: bool) -> None:
+        """The load into `slot` (if any) done, or ordered before the working stream's next work."""
+        ld = L.pending.pop(slot, None)
+        if ld is None:
+            return
+        self._wait_read(ld)
+        if not self.host_memory:
+            if ld.event is None:
+                self._issue_copy(ld, ld.bounce)
+            if compute_waits:
+                stream = self.backend.stream
+                if stream is not None:
+                    stream.wait(ld.event)
+                else:
+                    ld.event.synchronize()
+            else:
+                ld.event.synchronize()
+
+    def _slot_tensor(self, L: _Layer, slot: int) -> Tensor:
+        g = L.views[slot][0] if slot < L.slots.n else self.overflow_views[slot - L.slots.n][0]
+        return Tensor(g.buffer, (self.layout.nbytes,), "uint8", None, g.offset - self.layout.parts[0].offset)
+
+    # ------------------------------------------------------------------ a step
+    def begin_step(self, n_tokens: int) -> None:
+        """The next plan run has n_tokens real tokens (rows beyond are padding: routed nowhere)."""
+        self._T = int(n_tokens)
+
+    def _read_ids(self, t: Tensor) -> np.ndarray:
+        """The routing of the real tokens, copied (the arena reuses its bytes after the pause)."""
+        if t.on_host:
+            return np.array(t.numpy()[:self._T])
+        return self.backend.to_numpy(t)[:self._T]
+
+    def on_routed(self, pos: int, ids: Tensor, pred: Optional[Tensor]) -> None:
+        L = self.layers[pos]
+        t0 = time.perf_counter()
+        rid = self._read_ids(ids)
+        flat = rid.reshape(-1)
+        needed = [int(e) for e in dict.fromkeys(flat.tolist()) if 0 <= e < self.E]
+        S = self.stats
+        if L.slots.predicted:
+            S["expert_predicted"] += len(L.slots.predicted)
+            S["expert_predicted_used"] += len(L.slots.predicted & set(needed))
+            S["expert_needed_predicted_layers"] = S.get("expert_needed_predicted_layers", 0) + len(needed)
+        hits, used_pf, loads, overflow = L.slots.route(needed)
+        S["expert_needed"] += len(needed)
+        S["expert_hits"] += len(hits)
+        S["expert_prefetch_used"] += len(used_pf)
+        S["expert_misses"] += len(loads) + len(overflow)
+        S["expert_overflow_loads"] += len(overflow)
+        slot_of = np.array(L.slots.slot_of, np.int32)
+        for e, s, _ in loads:
+            self._finish(L, s, compute_waits=False)     # a load still in flight into the victim slot
+            L.pending[s] = self._start(L, e, self._slot_tensor(L, s), "miss")
+        if len(overflow) > self.n_overflow:
+            raise RuntimeError(f"layer {L.index}: {len(needed)} experts routed in one step exceed the "
+                               f"{L.slots.n} slots and {self.n_overflow} overflow slots (max_tokens too small)")
+        for j, e in enumerate(overflow):
+            s = L.slots.n + j
+            slot_of[e] = s
+            L.pending[s] = self._start(L, e, self._slot_tensor(L, s), "overflow")
+        L.needed, L.slot_ids, L.ids = needed, slot_of, rid
+        if pred is not None and pos + 1 < len(self.layers):
+            N = self.layers[pos + 1]
+            p = self._read_ids(pred).reshape(-1)
+            predicted = [int(e) for e in dict.fromkeys(p.tolist()) if 0 <= e < self.E]
+            for e, s, _ in N.slots.prefetch(predicted):
+                self._finish(N, s, compute_waits=False)
+                N.pending[s] = self._start(N, e, self._slot_tensor(N, s), "prefetch")
+                S["expert_prefetch_issued"] += 1
+        self.route_seconds += time.perf_counter() - t0
+
+    def on_experts(self, pos: int, plan, name: str) -> None:
+        """Before layer pos's moe_experts: its experts in place, its slot ids in the plan input."""
+        L = self.layers[pos]
+        t0 = time.perf_counter()
+        late = 0
+        for e in L.needed:
+            s = int(L.slot_ids[e])
+            ld = L.pending.get(s)
+            if ld is not None:
+                if ld.kind == "prefetch":
+                    late += 1
+                self._finish(L, s, compute_waits=True)
+        for s in [s for s in L.pending if s >= L.slots.n]:   # overflow loads of this layer (all needed)
+            self._finish(L, s, compute_waits=True)
+        self.stats["expert_prefetch_late"] += late
+        self.stats["expert_wait_seconds"] += time.perf_counter() - t0
+        host = plan.pause_input(name)
+        ids = L.ids
+        n = ids.shape[0]
+        ok = (ids >= 0) & (ids < self.E)
+        host[:n] = np.where(ok, L.slot_ids[np.where(ok, ids, 0)], -1)
+        host[n:] = -1        # padding rows route nowhere
+        plan.send_pause_input(name, self.backend)
+        self._pump()
+
+    def close(self) -> None:
+        self._reader.shutdown(wait=True)
+        for fd in self._fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds.clear()
+
+    # ------------------------------------------------------------------ reporting
+    def report(self) -> dict:
+        S = dict(self.stats)
+        need = S["expert_needed"]
+        S["expert_hit_rate"] = S["expert_hits"] / need if need else None
+        pn = S.pop("expert_needed_predicted_layers", 0)
+        S["expert_prefetch_recall"] = S["expert_predicted_used"] / pn if pn else None
+        S["expert_prefetch_precision"] = S["expert_predicted_used"] / S["expert_predicted"] if S["expert_predicted"] \
+            else None
+        S.update(expert_cache_slots_per_layer=self.slots_per_layer, expert_cache_overflow_slots=self.n_overflow,
+                 expert_cache_bytes=self.slot_bytes, expert_total_bytes=self.total_expert_bytes,
+                 expert_bytes=self.layout.nbytes, expert_source=self.source, expert_policy=self.cfg.policy,
+                 expert_prefetch=bool(self.cfg.prefetch), expert_setup_seconds=self.setup_seconds)
+        return S
+
+
+def _done() -> Future:
+    f: Future = Future()
+    f.set_result(None)
+    return f
