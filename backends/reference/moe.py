@@ -126,13 +126,16 @@ def moe_experts(x=None, topk_ids=None, topk_weights=None, num_experts=None, accu
         check_shape(op, f"w_down[{e}]", w_down[e], (H, I))
 
     xv, wts = read(x), read(topk_weights)
-    y = np.zeros((T, H))
+    pair = np.zeros((T, K, H))                     # each (token, k) pair's weighted expert output
     for e in routed:
         gate = weight_values(op, f"w_gate[{e}]", w_gate[e])
         up = weight_values(op, f"w_up[{e}]", w_up[e])
         down = weight_values(op, f"w_down[{e}]", w_down[e])
         tok, slot = np.nonzero(ids == e)           # every (token, k) routed to expert e
         h = silu(xv[tok] @ gate.T) * (xv[tok] @ up.T)
-        # add.at: a token listing the same expert twice gets both contributions
-        np.add.at(y, tok, wts[tok, slot][:, None] * (h @ down.T))
+        pair[tok, slot] = wts[tok, slot][:, None] * (h @ down.T)
+    # summed in k order: the result never depends on how the experts are numbered (section 8)
+    y = np.zeros((T, H))
+    for k in range(K):
+        y += pair[:, k]
     write(out, read(out) + y if accumulate else y)

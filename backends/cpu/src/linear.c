@@ -731,9 +731,10 @@ DI_Status op_linear(DI_Context* ctx, const DI_LinearArgs* a, int query) {
 
 /* ------------------------------------------------------------------ moe_experts */
 /* Expert e's (token, k) pairs become rows [off[e], off[e] + count[e]) of the gathered buffers, in
- * token order: the token (rows), its routing weight (rw) and its x row (xg). cur: E scratch. */
+ * token order: its routing weight (rw) and its x row (xg); prow[t * K + k] is the
+ * row of pair (t, k), -1 when it is skipped. cur: E scratch. */
 static void moe_gather(const DI_MoEExpertsArgs* a, int64_t T, int64_t K, int64_t H, const int64_t* off,
-                       int64_t* cur, int64_t* rows, float* rw, float* xg) {
+                       int64_t* cur, float* rw, float* xg, int64_t* prow) {
     int E = a->num_experts, xd = dt_id(a->x.dtype);
     const int32_t* ids = (const int32_t*)t_base(&a->topk_ids);
     const float* tw = (const float*)t_base(&a->topk_weights);
@@ -742,21 +743,26 @@ static void moe_gather(const DI_MoEExpertsArgs* a, int64_t T, int64_t K, int64_t
     for (int64_t t = 0; t < T; t++)
         for (int64_t k = 0; k < K; k++) {
             int32_t e = ids[t * ids_rs + k];
+            prow[t * K + k] = -1;
             if (e < 0 || e >= E) continue;
             int64_t r = cur[e]++;
-            rows[r] = t;
+            prow[t * K + k] = r;
             rw[r] = tw[t * w_rs + k];
             load_row(xd, t_row(&a->x, xd, t), 0, H, xg + r * H);
         }
 }
 
-/* out[t] = sum over the gathered rows r of token t of rw[r] * yb[r] (+ out[t] when accumulating),
- * summed in row order (experts by id, then (token, k): the sums of one expert at a time); acc is
- * [T, H] zeroed scratch */
-static DI_Status moe_combine(DI_Context* ctx, const DI_MoEExpertsArgs* a, int64_t T, int64_t H, int64_t total,
-                             const int64_t* rows, const float* rw, const float* yb, float* acc) {
+/* out[t] = sum over k of rw * yb of pair (t, k) (+ out[t] when accumulating), summed in k order: the
+ * result depends on the routing, never on how experts are numbered, so an expert cache that renames
+ * experts to its slots computes the same bits (abi/README.md section 8). acc is [T, H] zeroed scratch */
+static DI_Status moe_combine(DI_Context* ctx, const DI_MoEExpertsArgs* a, int64_t T, int64_t K, int64_t H,
+                             const int64_t* prow, const float* rw, const float* yb, float* acc) {
     int od = dt_id(a->out.dtype);
-    for (int64_t r = 0; r < total; r++) kernels()->axpy(rw[r], yb + r * H, acc + rows[r] * H, H);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t k = 0; k < K; k++) {
+            int64_t r = prow[t * K + k];
+            if (r >= 0) kernels()->axpy(rw[r], yb + r * H, acc + t * H, H);
+        }
     float* tmp = di_malloc((size_t)(H ? H : 1) * sizeof(float));
     if (!tmp) return DI_OOM(ctx, "moe_experts");
     for (int64_t t = 0; t < T; t++) {
@@ -810,14 +816,14 @@ static DI_Status moe_by_expert(DI_Context* ctx, const DI_MoEExpertsArgs* a, cons
     int64_t* off = di_malloc((size_t)(E + 1) * sizeof(int64_t));
     int64_t* cur = di_malloc((size_t)(E + 1) * sizeof(int64_t));
     int32_t* act = di_malloc((size_t)(nact + 1) * sizeof(int32_t));
-    int64_t* rows = di_malloc((size_t)(total + 1) * sizeof(int64_t));
     float* rw = di_malloc((size_t)(total + 1) * sizeof(float));
     float* xg = di_malloc((size_t)(total * H + 1) * sizeof(float));
     float* yb = di_malloc((size_t)(total * H + 1) * sizeof(float));
     float* hb = di_malloc((size_t)nw * 2 * FUSED_MAX_M * (size_t)(I > 0 ? I : 1) * sizeof(float));
     float* acc = calloc((size_t)(T * H > 0 ? T * H : 1), sizeof(float));
+    int64_t* prow = di_malloc((size_t)(T * K + 1) * sizeof(int64_t));
     DI_Status st = DI_OK;
-    if (!off || !cur || !act || !rows || !rw || !xg || !yb || !hb || !acc) st = DI_OOM(ctx, "moe_experts");
+    if (!off || !cur || !act || !rw || !xg || !yb || !hb || !acc || !prow) st = DI_OOM(ctx, "moe_experts");
     if (!st) {
         int64_t o = 0, na = 0;
         for (int e = 0; e < E; e++) {
@@ -825,13 +831,13 @@ static DI_Status moe_by_expert(DI_Context* ctx, const DI_MoEExpertsArgs* a, cons
             o += count[e];
             if (count[e]) act[na++] = e;
         }
-        moe_gather(a, T, K, H, off, cur, rows, rw, xg);
+        moe_gather(a, T, K, H, off, cur, rw, xg, prow);
         ExpertJob j = {ctx, a, act, off, count, xg, yb, hb, H, I, 0};
         pool_run(ctx->pool, nact, expert_task, &j, total * 3 * H * I);
         st = (DI_Status)atomic_load(&j.st);
     }
-    if (!st) st = moe_combine(ctx, a, T, H, total, rows, rw, yb, acc);
-    free(off); free(cur); free(act); free(rows); free(rw); free(xg); free(yb); free(hb); free(acc);
+    if (!st) st = moe_combine(ctx, a, T, K, H, prow, rw, yb, acc);
+    free(off); free(cur); free(act); free(rw); free(xg); free(yb); free(hb); free(acc); free(prow);
     return st;
 }
 
@@ -918,14 +924,14 @@ DI_Status op_moe_experts(DI_Context* ctx, const DI_MoEExpertsArgs* a, int query)
     float* gb = di_malloc((size_t)(total * Ie) * sizeof(float));
     float* ub = di_malloc((size_t)(total * Ie) * sizeof(float));
     float* yb = di_malloc((size_t)(total * H) * sizeof(float));
-    int64_t* rows = di_malloc((size_t)(total ? total : 1) * sizeof(int64_t));
     float* rw = di_malloc((size_t)(total ? total : 1) * sizeof(float));
     int64_t* cur = di_malloc((size_t)(E ? E : 1) * sizeof(int64_t));
     LinSpec* spec = di_malloc((size_t)(2 * nact + 1) * sizeof(LinSpec));
+    int64_t* prow = di_malloc((size_t)(T * K + 1) * sizeof(int64_t));
     st = DI_OK;
-    if (!acc || !xg || !gb || !ub || !yb || !rows || !rw || !cur || !spec) st = DI_OOM(ctx, "moe_experts");
+    if (!acc || !xg || !gb || !ub || !yb || !rw || !cur || !spec || !prow) st = DI_OOM(ctx, "moe_experts");
     if (!st && total) {
-        moe_gather(a, T, K, H, off, cur, rows, rw, xg);
+        moe_gather(a, T, K, H, off, cur, rw, xg, prow);
         int ns = 0;
         for (int e = 0; e < E; e++) {
             if (!count[e]) continue;
@@ -944,8 +950,10 @@ DI_Status op_moe_experts(DI_Context* ctx, const DI_MoEExpertsArgs* a, int query)
             st = lin_f32_multi(ctx, "moe_experts", spec, ns);
         }
     }
-    if (!st) st = moe_combine(ctx, a, T, H, total, rows, rw, yb, acc);
-    free(count); free(off); free(acc); free(xg); free(gb); free(ub); free(yb); free(rows); free(rw); free(cur);
-    free(spec);
+    if (!st && !total)
+        for (int64_t i = 0; i < T * K; i++) prow[i] = -1;   /* nothing routed: moe_gather did not run */
+    if (!st) st = moe_combine(ctx, a, T, K, H, prow, rw, yb, acc);
+    free(count); free(off); free(acc); free(xg); free(gb); free(ub); free(yb); free(rw); free(cur);
+    free(spec); free(prow);
     return st;
 }

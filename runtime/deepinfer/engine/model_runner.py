@@ -171,7 +171,7 @@ class ModelRunner:
             p.host_input("slots")[:] = -1
             p.host_input("cu_seqlens")[:] = [0, p.key[2]]
             p.host_input("last_idx")[:] = 0
-            self._run_plan(p, p.key[2])
+            self._run_plan(p)
             self.backend.synchronize()
         self.plans.clear()                       # they point at the warm-up cache
         del warm
@@ -235,17 +235,16 @@ class ModelRunner:
         self._fill(p, batch, mode, T, Tb, Sb)
         if self.use_graphs and mode == "decode" and p.graph is None and p.runs >= 1:
             p.capture(self.backend)
-        self._run_plan(p, T)
+        self._run_plan(p)
         if keep_hidden:
             self.last_hidden = self._hidden.narrow(0, 0, T)
         logits = p.bound_outputs["logits"]
         return logits.narrow(0, 0, T if all_logits else S)
 
-    def _run_plan(self, p: Plan, n_tokens: int) -> None:
+    def _run_plan(self, p: Plan) -> None:
         if not p.has_pauses:
             return p.run(self.backend)
         ex = self.experts
-        ex.begin_step(n_tokens)
 
         def on_pause(pz):
             kind, pos = pz.tag

@@ -74,6 +74,9 @@ class ExpertCacheConfig:
     source: Optional[str] = None      # None: "disk" on host-memory backends, "host" on devices
     prefetch: bool = True
     policy: str = "lfru"
+    # not a JSON key: False drives the device path (pinned bounce buffers, async copies on a copy
+    # stream, events) on a host-memory backend, which is how tests cover it without a GPU
+    host_memory: Optional[bool] = None
 
     @classmethod
     def parse(cls, d) -> Optional["ExpertCacheConfig"]:
@@ -216,12 +219,11 @@ class ExpertCache:
     """Routed experts of every MoE layer in bounded per-layer slots (see the module docstring)."""
 
     def __init__(self, backend, loader, moe_layers: list, cfg: ExpertCacheConfig, *, top_k: int,
-                 max_tokens: int, main_layers: int, host_memory: Optional[bool] = None):
+                 max_tokens: int, main_layers: int):
         self.backend, self.loader, self.cfg = backend, loader, cfg
         self.ckpt = loader.ckpt
-        # host_memory: slots are host memory the reader may write (CPU / reference backends). False
-        # on a host backend drives the device path (bounce buffers, async copies, events): tests do
-        self.host_memory = backend.device == "cpu" if host_memory is None else bool(host_memory)
+        # slots in host memory the reader writes itself (CPU / reference backends), else the device path
+        self.host_memory = backend.device == "cpu" if cfg.host_memory is None else bool(cfg.host_memory)
         self.source = cfg.source or ("disk" if backend.device == "cpu" else "host")
         self.E = E = loader.cfg.n_routed_experts
         self.K = top_k
@@ -283,7 +285,6 @@ class ExpertCache:
             self._build_images()
         self.setup_seconds = time.perf_counter() - t0
         self.route_seconds = 0.0         # host time of the routed pauses (reading ids, policy, issuing loads)
-        self._T = 0
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -475,6 +476,11 @@ class ExpertCache:
             except TimeoutError:
                 continue
 
+    def _complete(self, ld: _Load) -> bool:
+        if not ld.read.done():
+            return False
+        return self.host_memory or (ld.event is not None and ld.event.query())
+
     def _finish(self, L: _Layer, slot: int, compute_waits: bool) -> None:
         """The load into `slot` (if any) done, or ordered before the working stream's next work."""
         ld = L.pending.pop(slot, None)
@@ -498,15 +504,13 @@ class ExpertCache:
         return Tensor(g.buffer, (self.layout.nbytes,), "uint8", None, g.offset - self.layout.parts[0].offset)
 
     # ------------------------------------------------------------------ a step
-    def begin_step(self, n_tokens: int) -> None:
-        """The next plan run has n_tokens real tokens (rows beyond are padding: routed nowhere)."""
-        self._T = int(n_tokens)
-
     def _read_ids(self, t: Tensor) -> np.ndarray:
-        """The routing of the real tokens, copied (the arena reuses its bytes after the pause)."""
+        """A layer's routing, copied (the arena reuses its bytes after the pause). The padding rows
+        of a bucketed batch are routed and loaded too: which rows share an expert can change a
+        library's blocking, and so the last bits of the real rows (the CPU library's does)."""
         if t.on_host:
-            return np.array(t.numpy()[:self._T])
-        return self.backend.to_numpy(t)[:self._T]
+            return np.array(t.numpy())
+        return self.backend.to_numpy(t)
 
     def on_routed(self, pos: int, ids: Tensor, pred: Optional[Tensor]) -> None:
         L = self.layers[pos]
@@ -556,8 +560,8 @@ class ExpertCache:
             s = int(L.slot_ids[e])
             ld = L.pending.get(s)
             if ld is not None:
-                if ld.kind == "prefetch":
-                    late += 1
+                if ld.kind == "prefetch" and not self._complete(ld):
+                    late += 1      # predicted in time, but its bytes are still on the way
                 self._finish(L, s, compute_waits=True)
         for s in [s for s in L.pending if s >= L.slots.n]:   # overflow loads of this layer (all needed)
             self._finish(L, s, compute_waits=True)
@@ -568,7 +572,6 @@ class ExpertCache:
         n = ids.shape[0]
         ok = (ids >= 0) & (ids < self.E)
         host[:n] = np.where(ok, L.slot_ids[np.where(ok, ids, 0)], -1)
-        host[n:] = -1        # padding rows route nowhere
         plan.send_pause_input(name, self.backend)
         self._pump()
 
