@@ -13,7 +13,9 @@
  *  - while the pool is hot (a graph replay: many small ops back to back), idle workers spin up to
  *    DEEPINFER_CPU_HOT_SPIN_US (default 50) between jobs before sleeping, and so does the caller
  *    waiting for joined workers; the bound keeps a spinning thread from starving the others when
- *    the machine is oversubscribed;
+ *    the machine is oversubscribed. The pool stays hot for that long after a replay ends too, so a
+ *    step replayed as several graphs with the host acting in between (the expert cache's pauses)
+ *    pays no wake-up when the host is quick;
  *  - DEEPINFER_CPU_SPIN=N adds N spin iterations before any sleep (default 0). */
 #include <stdlib.h>
 #include <pthread.h>
@@ -29,6 +31,7 @@ static inline void cpu_relax(void) { __asm__ __volatile__("" ::: "memory"); }
 struct DI_Pool {
     int             n, spin;
     _Atomic int     hot;      /* spin up to hot_ns between jobs while set (pool_hot) */
+    _Atomic uint64_t cool_at; /* after pool_hot(0): still hot until this di_now_ns() */
     uint64_t        hot_ns;
     int64_t         par_min;  /* jobs smaller than this run on the caller alone */
     pthread_t*      threads;
@@ -47,7 +50,10 @@ struct DI_Pool {
 
 typedef struct { DI_Pool* p; int id; } WorkerArg;
 
-static int hot(const DI_Pool* p) { return atomic_load_explicit(&p->hot, memory_order_relaxed); }
+static int hot(DI_Pool* p) {
+    return atomic_load_explicit(&p->hot, memory_order_relaxed) ||
+           di_now_ns() < atomic_load_explicit(&p->cool_at, memory_order_relaxed);
+}
 
 /* spin while gen == seen: p->spin iterations, then (hot pool) up to hot_ns of wall time */
 static void spin_wait(DI_Pool* p, uint64_t seen) {
@@ -153,7 +159,9 @@ void pool_destroy(DI_Pool* p) {
 int pool_size(const DI_Pool* p) { return p ? p->n : 1; }
 
 void pool_hot(DI_Pool* p, int on) {
-    if (p) atomic_store(&p->hot, on);
+    if (!p) return;
+    if (!on) atomic_store(&p->cool_at, di_now_ns() + p->hot_ns);
+    atomic_store(&p->hot, on);
 }
 
 void pool_run(DI_Pool* p, int64_t ntasks, di_task_fn fn, void* arg, int64_t amount) {

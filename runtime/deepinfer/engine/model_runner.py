@@ -247,11 +247,9 @@ class ModelRunner:
         ex = self.experts
 
         def on_pause(pz):
-            kind, pos = pz.tag
-            if kind == "routed":
-                ex.on_routed(pos, pz.tensors["ids"], pz.tensors.get("pred"))
-            else:
-                ex.on_experts(pos, p, f"expert_slots_{pos}")
+            pos = pz.tag[1]
+            ex.on_routed(pos, pz.tensors["ids"], pz.tensors.get("pred"))
+            ex.on_experts(pos, p, f"expert_slots_{pos}")
 
         p.run(self.backend, on_pause)
 

@@ -19,10 +19,10 @@ kv_b into the query and reads the latent cache directly.
 
 MoE: router logits in f32, moe_router (softmax greedy / group_limited_greedy / noaux_tc sigmoid
 with e_score_correction_bias), shared experts first, then routed experts accumulated on top. With
-an expert cache (model.expert_cache) the routed experts run over cache slots: the step pauses after
-the router (the host reads the routing and starts loads) and before moe_experts (the host waits for
-them and writes each pair's slot), and the next layer's router may run early, on this layer's
-residual, to predict what to pre-load.
+an expert cache (model.expert_cache) the routed experts run over cache slots: the step pauses
+before moe_experts (the host reads the routing, gets what is missing loaded and writes each pair's
+slot), and the next layer's router may run early, on this layer's residual, to predict what to
+pre-load while this layer computes.
 
 MTP (V3's extra layer L = num_hidden_layers): h' = eh_proj([enorm(embed(next_tokens)) ; hnorm(h)]),
 one decoder block with its own cache layer, then shared_head.norm and shared_head.head. `h` is the
@@ -195,19 +195,18 @@ class DeepseekGraph:
             g.moe_experts(x=x, topk_ids=ids, topk_weights=wts, num_experts=E, accumulate=int(w.shared is not None),
                           w_gate=w.experts_gate, w_up=w.experts_up, w_down=w.experts_down, out=out)
             return out
-        # streamed experts (model.expert_cache): the host reads the routing, loads what is missing,
-        # and writes the slot each (token, k) pair uses; the shared experts run while loads are in flight
+        # streamed experts (model.expert_cache): one pause, after the shared experts, where the host
+        # reads the routing, gets missing experts loaded and writes the slot each (token, k) pair uses
         pred = None
         if s.predict and resid is not None and next_layer is not None and next_layer.moe is not None:
             # prefetch: the next layer's router on this layer's residual, normed as that layer norms it
             pn = g.empty((T, c.hidden_size), self.dtype, "predict_norm")
             g.rmsnorm(x=resid, weight=next_layer.ln2, out=pn, eps=c.rms_norm_eps)
             pred, _ = self.route(g, next_layer.moe, pn, T, "predicted")
-        g.pause(("routed", s.pos), ids=ids, pred=pred)
         if w.shared is not None:
             self.mlp(g, w.shared, x, T, out=out)
         slot_ids = g.input(f"expert_slots_{s.pos}", (T, K))
-        g.pause(("experts", s.pos), slot_ids=slot_ids)
+        g.pause(("experts", s.pos), ids=ids, pred=pred, slot_ids=slot_ids)
         g.moe_experts(x=x, topk_ids=slot_ids, topk_weights=wts, num_experts=len(s.w_gate),
                       accumulate=int(w.shared is not None), w_gate=s.w_gate, w_up=s.w_up, w_down=s.w_down, out=out)
         return out

@@ -22,12 +22,14 @@ computes each (token, k) pair independently of how experts are numbered and sums
 contributions of a token in k order (abi/README.md section 8), so the output is bit-identical to
 the eager model's.
 
-A step at a MoE layer (the plan pauses twice there, model.plan):
-  routed   the layer's topk_ids (and, with prefetch, the next layer's router applied to this
-           layer's residual) are read; the policy (model.expert_policy) names hits and places
-           misses; their loads start, then the prefetch loads of the next layer.
-  experts  after the shared experts ran (the loads overlap them): this layer's loads are waited
-           for, the slot ids written; moe_experts follows.
+A step at a MoE layer pauses once, after the router and the shared experts (model.plan): the
+layer's topk_ids (and, with prefetch, the next layer's router applied to this layer's residual) are
+read; the policy (model.expert_policy) names hits and places misses; their loads start, then the
+prefetch loads of the next layer; this layer's loads are waited for (on a device: the working stream
+waits for their copies' events) and the slot ids written; moe_experts follows. Misses wait; what
+hides transfers is prefetch, issued a whole layer ahead. (Computing the resident experts while the
+misses arrive would split the op's sum over k into two calls and change its rounding: the output
+would no longer be the resident model's.)
 
 Loads. A reader thread copies an image's bytes from its source: the pinned host image (source
 "host": every expert read, converted and kept in host memory at start) or the checkpoint file
@@ -212,7 +214,8 @@ class _Layer:
     pending: dict = field(default_factory=dict)   # slot -> _Load in flight
     slot_ids: Optional[np.ndarray] = None         # expert -> slot id the kernel uses (-1: skip)
     needed: list = field(default_factory=list)    # this step's distinct experts
-    ids: Optional[np.ndarray] = None              # this step's topk_ids of the real tokens
+    ids: Optional[np.ndarray] = None              # this step's topk_ids
+    odd_ids: bool = False                         # some id of this step is outside [0, E)
 
 
 class ExpertCache:
@@ -230,7 +233,7 @@ class ExpertCache:
         self.stats = dict(expert_hits=0, expert_misses=0, expert_overflow_loads=0, expert_prefetch_issued=0,
                           expert_prefetch_used=0, expert_prefetch_late=0, expert_bytes_streamed=0,
                           expert_wait_seconds=0.0, expert_predicted=0, expert_predicted_used=0,
-                          expert_needed=0)
+                          expert_needed=0, expert_needed_predicted=0)
         t0 = time.perf_counter()
         first = moe_layers[0].prefix
         tmpl, self.raw = self._template(first)
@@ -285,6 +288,7 @@ class ExpertCache:
             self._build_images()
         self.setup_seconds = time.perf_counter() - t0
         self.route_seconds = 0.0         # host time of the routed pauses (reading ids, policy, issuing loads)
+        self._views: dict = {}           # id(pause tensor) -> (tensor, its NumPy view)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -508,43 +512,52 @@ class ExpertCache:
         """A layer's routing, copied (the arena reuses its bytes after the pause). The padding rows
         of a bucketed batch are routed and loaded too: which rows share an expert can change a
         library's blocking, and so the last bits of the real rows (the CPU library's does)."""
-        if t.on_host:
-            return np.array(t.numpy())
-        return self.backend.to_numpy(t)
+        if not t.on_host:
+            return self.backend.to_numpy(t)
+        v = self._views.get(id(t))
+        if v is None or v[0] is not t:
+            v = self._views[id(t)] = (t, t.numpy())     # the plan binds its tensors once: one view each
+        return v[1].copy()
+
+    def _distinct(self, ids: np.ndarray) -> tuple:
+        """(distinct experts in first-use order, whether some id was outside [0, E))."""
+        seen = dict.fromkeys(ids.reshape(-1).tolist())
+        out = [e for e in seen if 0 <= e < self.E]
+        return out, len(out) != len(seen)
 
     def on_routed(self, pos: int, ids: Tensor, pred: Optional[Tensor]) -> None:
         L = self.layers[pos]
         t0 = time.perf_counter()
         rid = self._read_ids(ids)
-        flat = rid.reshape(-1)
-        needed = [int(e) for e in dict.fromkeys(flat.tolist()) if 0 <= e < self.E]
+        needed, L.odd_ids = self._distinct(rid)
         S = self.stats
         if L.slots.predicted:
             S["expert_predicted"] += len(L.slots.predicted)
-            S["expert_predicted_used"] += len(L.slots.predicted & set(needed))
-            S["expert_needed_predicted_layers"] = S.get("expert_needed_predicted_layers", 0) + len(needed)
+            S["expert_predicted_used"] += len(L.slots.predicted.intersection(needed))
+            S["expert_needed_predicted"] += len(needed)
         hits, used_pf, loads, overflow = L.slots.route(needed)
         S["expert_needed"] += len(needed)
         S["expert_hits"] += len(hits)
         S["expert_prefetch_used"] += len(used_pf)
         S["expert_misses"] += len(loads) + len(overflow)
         S["expert_overflow_loads"] += len(overflow)
-        slot_of = np.array(L.slots.slot_of, np.int32)
         for e, s, _ in loads:
             self._finish(L, s, compute_waits=False)     # a load still in flight into the victim slot
             L.pending[s] = self._start(L, e, self._slot_tensor(L, s), "miss")
-        if len(overflow) > self.n_overflow:
-            raise RuntimeError(f"layer {L.index}: {len(needed)} experts routed in one step exceed the "
-                               f"{L.slots.n} slots and {self.n_overflow} overflow slots (max_tokens too small)")
-        for j, e in enumerate(overflow):
-            s = L.slots.n + j
-            slot_of[e] = s
-            L.pending[s] = self._start(L, e, self._slot_tensor(L, s), "overflow")
-        L.needed, L.slot_ids, L.ids = needed, slot_of, rid
-        if pred is not None and pos + 1 < len(self.layers):
+        slot_ids = L.slots.table                        # expert -> slot (read before the layer's next route)
+        if overflow:
+            if len(overflow) > self.n_overflow:
+                raise RuntimeError(f"layer {L.index}: {len(needed)} experts routed in one step exceed its "
+                                   f"{L.slots.n} slots and the {self.n_overflow} overflow slots")
+            slot_ids = slot_ids.copy()
+            for j, e in enumerate(overflow):
+                s = L.slots.n + j
+                slot_ids[e] = s
+                L.pending[s] = self._start(L, e, self._slot_tensor(L, s), "overflow")
+        L.needed, L.slot_ids, L.ids = needed, slot_ids, rid
+        if pred is not None:
             N = self.layers[pos + 1]
-            p = self._read_ids(pred).reshape(-1)
-            predicted = [int(e) for e in dict.fromkeys(p.tolist()) if 0 <= e < self.E]
+            predicted, _ = self._distinct(self._read_ids(pred))
             for e, s, _ in N.slots.prefetch(predicted):
                 self._finish(N, s, compute_waits=False)
                 N.pending[s] = self._start(N, e, self._slot_tensor(N, s), "prefetch")
@@ -554,26 +567,30 @@ class ExpertCache:
     def on_experts(self, pos: int, plan, name: str) -> None:
         """Before layer pos's moe_experts: its experts in place, its slot ids in the plan input."""
         L = self.layers[pos]
-        t0 = time.perf_counter()
-        late = 0
-        for e in L.needed:
-            s = int(L.slot_ids[e])
-            ld = L.pending.get(s)
-            if ld is not None:
-                if ld.kind == "prefetch" and not self._complete(ld):
-                    late += 1      # predicted in time, but its bytes are still on the way
+        if L.pending:
+            t0 = time.perf_counter()
+            late = 0
+            for e in L.needed:
+                s = int(L.slot_ids[e])
+                ld = L.pending.get(s)
+                if ld is not None:
+                    if ld.kind == "prefetch" and not self._complete(ld):
+                        late += 1      # predicted in time, but its bytes are still on the way
+                    self._finish(L, s, compute_waits=True)
+            for s in [s for s in L.pending if s >= L.slots.n]:   # overflow loads (all needed by this step)
                 self._finish(L, s, compute_waits=True)
-        for s in [s for s in L.pending if s >= L.slots.n]:   # overflow loads of this layer (all needed)
-            self._finish(L, s, compute_waits=True)
-        self.stats["expert_prefetch_late"] += late
-        self.stats["expert_wait_seconds"] += time.perf_counter() - t0
+            self.stats["expert_prefetch_late"] += late
+            self.stats["expert_wait_seconds"] += time.perf_counter() - t0
         host = plan.pause_input(name)
         ids = L.ids
-        n = ids.shape[0]
-        ok = (ids >= 0) & (ids < self.E)
-        host[:n] = np.where(ok, L.slot_ids[np.where(ok, ids, 0)], -1)
+        if L.odd_ids:          # ids outside [0, E) stay outside (moe_experts skips them)
+            ok = (ids >= 0) & (ids < self.E)
+            host[...] = np.where(ok, L.slot_ids[np.where(ok, ids, 0)], -1)
+        else:
+            np.take(L.slot_ids, ids, out=host)
         plan.send_pause_input(name, self.backend)
-        self._pump()
+        if not self.host_memory:
+            self._pump()
 
     def close(self) -> None:
         self._reader.shutdown(wait=True)
@@ -589,7 +606,7 @@ class ExpertCache:
         S = dict(self.stats)
         need = S["expert_needed"]
         S["expert_hit_rate"] = S["expert_hits"] / need if need else None
-        pn = S.pop("expert_needed_predicted_layers", 0)
+        pn = S.pop("expert_needed_predicted")
         S["expert_prefetch_recall"] = S["expert_predicted_used"] / pn if pn else None
         S["expert_prefetch_precision"] = S["expert_predicted_used"] / S["expert_predicted"] if S["expert_predicted"] \
             else None

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
+import numpy as np
+
 POLICIES = ("lfru", "lru")
 DECAY = 0.9          # lfru: a use counts 0.9^age, age in steps of the layer (half-life ~6.6 steps)
 
@@ -76,6 +78,7 @@ class LayerSlots:
             raise ValueError(f"a layer of {E} experts needs 1..{E} slots, not {n_slots}")
         self.E, self.n = E, n_slots
         self.slot_of = [-1] * E
+        self.table = np.full(E, -1, np.int32)     # slot_of as an array (the kernel's id -> slot map)
         self.expert_in = [-1] * n_slots
         self.policy = make_policy(policy, E)
         self.now = 0
@@ -99,9 +102,11 @@ class LayerSlots:
         old = self.expert_in[slot]
         if old >= 0:
             self.slot_of[old] = -1
+            self.table[old] = -1
             self.unused_prefetch.discard(old)
         self.expert_in[slot] = e
         self.slot_of[e] = slot
+        self.table[e] = slot
         return old
 
     def route(self, needed: list) -> tuple:
