@@ -211,6 +211,7 @@ class _Layer:
     slots: LayerSlots
     pool: Tensor
     views: list              # per slot: (gate, up, down)
+    raw: list = field(default_factory=list)       # host-memory backends: per slot, its bytes as NumPy
     pending: dict = field(default_factory=dict)   # slot -> _Load in flight
     slot_ids: Optional[np.ndarray] = None         # expert -> slot id the kernel uses (-1: skip)
     needed: list = field(default_factory=list)    # this step's distinct experts
@@ -261,6 +262,11 @@ class ExpertCache:
         self.overflow = be.empty((max(self.n_overflow, 1) * per_expert,), "uint8") if self.n_overflow else None
         self.overflow_views = [self.layout.views(self.overflow.buffer, self.overflow.offset + s * per_expert)
                                for s in range(self.n_overflow)]
+        self._overflow_raw = []
+        if self.host_memory:
+            for L in self.layers:
+                L.raw = [self._bytes(self._slot_tensor(L, s)) for s in range(n)]
+            self._overflow_raw = [self._bytes(self._slot_tensor(self.layers[0], n + j)) for j in range(self.n_overflow)]
         for L, m in zip(self.layers, moe_layers):
             descs = list(L.views) + list(self.overflow_views)
             descs += [L.views[0]] * (E - len(descs))     # never named by an id; keeps E resident descriptors
@@ -289,6 +295,7 @@ class ExpertCache:
         self.setup_seconds = time.perf_counter() - t0
         self.route_seconds = 0.0         # host time of the routed pauses (reading ids, policy, issuing loads)
         self._views: dict = {}           # id(pause tensor) -> (tensor, its NumPy view)
+        self.trace: Optional[list] = None  # a list: every pause appends (layer pos, needed, predicted next)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -396,22 +403,32 @@ class ExpertCache:
         be.synchronize()
 
     # ------------------------------------------------------------------ loads
-    def _start(self, L: _Layer, e: int, slot_t: Tensor, kind: str) -> _Load:
-        """Begin loading expert e of layer L into the bytes of slot_t."""
-        ld = _Load(L.pos, e, slot_t, kind, t0=time.perf_counter())
+    def _load(self, L: _Layer, e: int, slot: int, kind: str) -> None:
+        """Load expert e of layer L into `slot` (>= the layer's slot count: the shared overflow).
+        Misses are read at once on host-memory backends (they are waited for right away; the
+        reader thread's hand-off would only add to that); everything else is recorded in
+        L.pending until it is known to be complete."""
         nb = self.layout.nbytes
         self.stats["expert_bytes_streamed"] += nb
         if self.host_memory:
-            dst = slot_t.buffer.view(np.uint8).reshape(-1)[slot_t.offset:slot_t.offset + nb]
-            if self._images is not None:
-                src = self._images[L.pos][e * nb:(e + 1) * nb]
-                ld.read = self._reader.submit(np.copyto, dst, src)
-            elif self.raw:
-                ld.read = self._reader.submit(self._pread, self._expert_ranges(L, e), dst)
-            else:
+            dst = L.raw[slot] if slot < L.slots.n else self._overflow_raw[slot - L.slots.n]
+            if not self.raw and self._images is None:
                 self._store_converted(self._converted(L, e), dst)
-                ld.read = _done()
-            return ld
+            elif kind == "prefetch":      # overlaps the layers computed until its use
+                src = (np.copyto, (dst, self._images[L.pos][e * nb:(e + 1) * nb])) if self._images is not None \
+                    else (self._pread, (self._expert_ranges(L, e), dst))
+                L.pending[slot] = _Load(L.pos, e, None, kind, read=self._reader.submit(src[0], *src[1]))
+            elif self._images is not None:
+                np.copyto(dst, self._images[L.pos][e * nb:(e + 1) * nb])
+            else:
+                self._pread(self._expert_ranges(L, e), dst)
+            return
+        L.pending[slot] = self._start(L, e, self._slot_tensor(L, slot), kind)
+
+    def _start(self, L: _Layer, e: int, slot_t: Tensor, kind: str) -> _Load:
+        """Device: begin loading expert e of layer L into the bytes of slot_t."""
+        ld = _Load(L.pos, e, slot_t, kind, t0=time.perf_counter())
+        nb = self.layout.nbytes
         # device: the bytes go through host memory, then one asynchronous copy on the copy stream
         if self._images is not None:
             src = self._images[L.pos][e * nb:(e + 1) * nb]
@@ -503,6 +520,10 @@ class ExpertCache:
             else:
                 ld.event.synchronize()
 
+    @staticmethod
+    def _bytes(t: Tensor) -> np.ndarray:
+        return t.buffer.view(np.uint8).reshape(-1)[t.offset:t.offset + t.nbytes]
+
     def _slot_tensor(self, L: _Layer, slot: int) -> Tensor:
         g = L.views[slot][0] if slot < L.slots.n else self.overflow_views[slot - L.slots.n][0]
         return Tensor(g.buffer, (self.layout.nbytes,), "uint8", None, g.offset - self.layout.parts[0].offset)
@@ -543,7 +564,7 @@ class ExpertCache:
         S["expert_overflow_loads"] += len(overflow)
         for e, s, _ in loads:
             self._finish(L, s, compute_waits=False)     # a load still in flight into the victim slot
-            L.pending[s] = self._start(L, e, self._slot_tensor(L, s), "miss")
+            self._load(L, e, s, "miss")
         slot_ids = L.slots.table                        # expert -> slot (read before the layer's next route)
         if overflow:
             if len(overflow) > self.n_overflow:
@@ -553,15 +574,18 @@ class ExpertCache:
             for j, e in enumerate(overflow):
                 s = L.slots.n + j
                 slot_ids[e] = s
-                L.pending[s] = self._start(L, e, self._slot_tensor(L, s), "overflow")
+                self._load(L, e, s, "overflow")
         L.needed, L.slot_ids, L.ids = needed, slot_ids, rid
+        predicted = None
         if pred is not None:
             N = self.layers[pos + 1]
             predicted, _ = self._distinct(self._read_ids(pred))
             for e, s, _ in N.slots.prefetch(predicted):
                 self._finish(N, s, compute_waits=False)
-                N.pending[s] = self._start(N, e, self._slot_tensor(N, s), "prefetch")
+                self._load(N, e, s, "prefetch")
                 S["expert_prefetch_issued"] += 1
+        if self.trace is not None:
+            self.trace.append((pos, needed, predicted))
         self.route_seconds += time.perf_counter() - t0
 
     def on_experts(self, pos: int, plan, name: str) -> None:

@@ -41,8 +41,8 @@ class _LRU:
 
 
 class _LFRU:
-    def __init__(self, E: int, decay: float = DECAY):
-        self.decay = decay
+    def __init__(self, E: int, decay: Optional[float] = None):
+        self.decay = DECAY if decay is None else decay
         self.freq = [0.0] * E       # decayed use count as of step last[e]
         self.last = [-1] * E
 

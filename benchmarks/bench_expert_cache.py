@@ -1,0 +1,291 @@
+"""The expert cache (runtime/deepinfer/model/expert_cache.py) against the resident model and its bounds.
+
+    python benchmarks/bench_expert_cache.py [--backend cpu] [--model DIR] [--tokens 384] [--commit SHA]
+
+What it measures, on one model and one backend, in one process:
+  1. Real routing: a teacher-forced decode of the model's held-out text (the embedded model's
+     heldout.txt: Python files it never trained on), one token per step, recording every MoE layer's
+     experts and the experts the next layer's router predicts from this layer's residual.
+  2. Policies on that trace (model.expert_policy, the code the engine runs, replayed): hit rate,
+     prefetch recall and precision, expert bytes moved per token, for capacities 25/50/75/100% of
+     the routed experts, LRU vs LFRU, prefetch off vs on.
+  3. Real decode of the same tokens: resident (every expert loaded at start) and streamed at each
+     capacity, plain LRU without prefetch vs LFRU with prefetch: tokens/s, the engine's own counters,
+     output bit-identical to the resident run, and the transfer bound: the resident step time plus
+     the bytes a streamed step moved divided by the source bandwidth measured here (pread of the
+     experts' byte ranges for source "disk"; host-to-device copies on a device).
+  4. Cold start: process start to first generated token, lazy (capacity 1.0: experts load when first
+     routed) against eager, in fresh processes.
+Results: benchmarks/results/expert_cache_<backend>_<date>_<commit>.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "runtime"))
+
+from deepinfer.engine.llm_engine import default_model_dir  # noqa: E402
+from deepinfer.engine.model_runner import ModelRunner  # noqa: E402
+from deepinfer.engine.tokenizer import Tokenizer  # noqa: E402
+from deepinfer.loader import get_backend  # noqa: E402
+from deepinfer.model.expert_policy import LayerSlots  # noqa: E402
+
+CAPACITIES = (0.25, 0.5, 0.75, 1.0)
+
+
+# ---------------------------------------------------------------------------------------- the runs
+def runner_for(args, expert_cache):
+    be = get_backend(args.backend, num_threads=args.threads)
+    return ModelRunner(args.model, be, max_batch=1, precision=args.precision, expert_cache=expert_cache,
+                       max_seq_len=args.tokens + 8)
+
+
+def decode(r: ModelRunner, tokens: list) -> dict:
+    """Teacher-forced decode: token i goes in at position i, one step each; returns step times and
+    the argmax of every step (what bit-identity is checked on)."""
+    sid = r.new_sequence()
+    times, argmax, logits = [], [], []
+    for i, t in enumerate(tokens):
+        t0 = time.perf_counter()
+        lg = r.forward([(sid, [t], i)])
+        row = r.backend.to_numpy(lg)[0]
+        times.append(time.perf_counter() - t0)
+        argmax.append(int(np.argmax(row)))
+        logits.append(row.copy())
+    r.free(sid)
+    return {"times": times, "argmax": argmax, "logits": logits}
+
+
+def trace_routing(args, tokens: list):
+    r = runner_for(args, {"capacity": 1.0, "prefetch": True})
+    r.experts.trace = []
+    decode(r, tokens)
+    ex = r.experts
+    steps, cur = [], {}
+    for pos, needed, pred in ex.trace:
+        if pos == 0 and cur:
+            steps.append(cur)
+            cur = {}
+        cur[pos] = (needed, pred)
+    if cur:
+        steps.append(cur)
+    return steps, len(ex.layers), ex.E, ex.layout.nbytes, r.backend.name
+
+
+def simulate(steps: list, n_layers: int, E: int, capacity: float, policy: str, prefetch: bool) -> dict:
+    """The engine's bookkeeping (LayerSlots.route / prefetch, in pause order) over a routing trace."""
+    n = min(E, max(1, int(round(capacity * E))))
+    layers = [LayerSlots(E, n, policy) for _ in range(n_layers)]
+    need = hits = loads = pf = pf_used_pred = pred_total = need_pred = 0
+    for step in steps:
+        for pos in range(n_layers):
+            if pos not in step:
+                continue
+            needed, pred = step[pos]
+            L = layers[pos]
+            if L.predicted:
+                pred_total += len(L.predicted)
+                pf_used_pred += len(L.predicted.intersection(needed))
+                need_pred += len(needed)
+            h, _, ld, ov = L.route(needed)
+            need += len(needed)
+            hits += len(h)
+            loads += len(ld) + len(ov)
+            if prefetch and pred is not None and pos + 1 < n_layers:
+                got = layers[pos + 1].prefetch(pred)
+                pf += len(got)
+    T = max(len(steps), 1)
+    return {"capacity": capacity, "policy": policy, "prefetch": prefetch, "slots_per_layer": n,
+            "hit_rate": hits / need if need else None, "misses_per_token": loads / T,
+            "prefetch_loads_per_token": pf / T, "loads_per_token": (loads + pf) / T,
+            "prefetch_recall": pf_used_pred / need_pred if need_pred else None,
+            "prefetch_precision": pf_used_pred / pred_total if pred_total else None}
+
+
+def source_bandwidth(r: ModelRunner) -> float:
+    """Bytes/s of the expert source as the cache reads it: pread of every expert's byte ranges of
+    every streamed layer (page cache warm: read twice, the second timed) on host backends; a pinned
+    host to device copy on devices."""
+    ex = r.experts
+    nb = ex.layout.nbytes
+    if ex.host_memory:
+        buf = np.empty(nb, np.uint8)
+        jobs = [ex._expert_ranges(L, e) for L in ex.layers for e in range(ex.E)] if ex.raw else []
+        if not jobs:
+            return float("nan")
+        for rg in jobs:
+            ex._pread(rg, buf)
+        t0 = time.perf_counter()
+        for rg in jobs:
+            ex._pread(rg, buf)
+        return len(jobs) * nb / (time.perf_counter() - t0)
+    be = r.backend
+    host = be.host_empty((nb * 8,), "uint8")
+    dev = be.empty((nb * 8,), "uint8")
+    be.copy_async(dev, host)
+    be.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        be.copy_async(dev, host)
+    be.synchronize()
+    return 5 * nb * 8 / (time.perf_counter() - t0)
+
+
+def cold_start(args, cache: bool, repeats: int) -> list:
+    """Seconds from process start to the first generated token (fresh interpreter each time)."""
+    code = (
+        "import time, sys\n"
+        "t_spawn = float(sys.argv[1])\n"
+        "import deepinfer\n"
+        "from deepinfer.engine import Engine\n"
+        "cfg = {'backend': sys.argv[2], 'max_batch': 1, 'max_seq_len': 256}\n"
+        "if sys.argv[4] == '1': cfg['expert_cache'] = {'capacity': 1.0}\n"
+        "e = Engine.from_pretrained(sys.argv[3], config=cfg)\n"
+        "for o in e.stream('def main(', max_new_tokens=1):\n"
+        "    break\n"
+        "print(time.time() - t_spawn)\n")
+    out = []
+    for _ in range(repeats):
+        p = subprocess.run([sys.executable, "-c", code, repr(time.time()), args.backend, str(args.model),
+                            "1" if cache else "0"], capture_output=True, text=True, cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": str(ROOT / "runtime")})
+        if p.returncode != 0:
+            raise RuntimeError(f"cold start run failed: {p.stderr[-2000:]}")
+        out.append(float(p.stdout.strip().splitlines()[-1]))
+    return out
+
+
+def med(x):
+    return statistics.median(x) if x else float("nan")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--model", default=str(default_model_dir()))
+    ap.add_argument("--text", help="text to decode (default: the model's heldout.txt, else the embedded model's)")
+    ap.add_argument("--tokens", type=int, default=384, help="decode steps (teacher-forced tokens)")
+    ap.add_argument("--warmup", type=int, default=32, help="steps left out of the timing (not of the counters)")
+    ap.add_argument("--precision", default="bf16", help="weights' precision (default bf16: what the engine picks for a bf16 checkpoint)")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--cold-repeats", type=int, default=5)
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args()
+    args.model = Path(args.model)
+    text_path = Path(args.text) if args.text else (args.model / "heldout.txt" if (args.model / "heldout.txt").exists()
+                                                   else default_model_dir() / "heldout.txt")
+    tok = Tokenizer(args.model if (args.model / "tokenizer.json").exists() else default_model_dir())
+    ids = tok.encode(text_path.read_text())[: args.tokens]
+    res = {"date": dt.date.today().isoformat(), "commit": args.commit, "backend": args.backend,
+           "model": args.model.name, "text": text_path.name, "tokens": len(ids), "host": platform.node(),
+           "cpu": platform.processor() or platform.machine(), "precision": args.precision, "warmup": args.warmup}
+
+    # 1-2: routing and policies
+    steps, n_layers, E, nb, res["backend"] = trace_routing(args, ids)
+    res.update(moe_layers=n_layers, experts_per_layer=E, expert_bytes=nb)
+    sims = [simulate(steps, n_layers, E, c, pol, pf) for c in CAPACITIES for pol in ("lru", "lfru")
+            for pf in (False, True)]
+    for s in sims:
+        s["bytes_per_token"] = s["loads_per_token"] * nb
+    res["simulated"] = sims
+
+    # 3: real decode
+    resident = runner_for(args, None)
+    base = decode(resident, ids)
+    t_res = med(base["times"][args.warmup:])
+    res["resident"] = {"step_ms": 1e3 * t_res, "tok_s": 1 / t_res}
+    runs = []
+    bw = None
+    for c in CAPACITIES:
+        for label, ec in (("lru, no prefetch", {"capacity": c, "policy": "lru", "prefetch": False}),
+                          ("lfru + prefetch", {"capacity": c, "policy": "lfru", "prefetch": True})):
+            r = runner_for(args, ec)
+            if bw is None:
+                bw = source_bandwidth(r)
+                res["source"] = r.experts.source
+                res["source_bandwidth_GBps"] = bw / 1e9
+            out = decode(r, ids)
+            st = r.expert_stats()
+            t = med(out["times"][args.warmup:])
+            moved = st["expert_bytes_streamed"] / len(ids)
+            bound = t_res + moved / bw
+            same = all(np.array_equal(a, b) for a, b in zip(base["logits"], out["logits"]))
+            runs.append({"capacity": c, "config": label, "step_ms": 1e3 * t, "tok_s": 1 / t,
+                         "vs_resident": t / t_res, "transfer_bound_ms": 1e3 * bound, "vs_bound": t / bound,
+                         "hit_rate": st["expert_hit_rate"], "prefetch_recall": st["expert_prefetch_recall"],
+                         "prefetch_precision": st["expert_prefetch_precision"],
+                         "prefetch_late": st["expert_prefetch_late"], "bytes_per_token": moved,
+                         "wait_ms_per_token": 1e3 * st["expert_wait_seconds"] / len(ids),
+                         "route_ms_per_token": 1e3 * r.experts.route_seconds / len(ids),
+                         "cache_bytes": st["expert_cache_bytes"], "total_expert_bytes": st["expert_total_bytes"],
+                         "bit_identical": same})
+            r.experts.close()
+            print(json.dumps(runs[-1]), flush=True)
+    res["runs"] = runs
+
+    # 4: cold start
+    if args.cold_repeats:
+        eager = cold_start(args, False, args.cold_repeats)
+        lazy = cold_start(args, True, args.cold_repeats)
+        res["cold_start"] = {"eager_s": eager, "lazy_s": lazy, "eager_median_s": med(eager),
+                             "lazy_median_s": med(lazy), "lazy_vs_eager": med(lazy) / med(eager)}
+    write(res, Path(args.out_dir))
+    return 0
+
+
+def write(res: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"expert_cache_{res['backend']}_{res['date'].replace('-', '')}_{res['commit']}"
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1, default=float))
+    f = lambda v, p=3: "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))  # noqa: E731
+    L = [f"# Expert cache on {res['backend']}: {res['model']}, {res['tokens']} tokens of {res['text']}", "",
+         f"{res['date']}, commit {res['commit']}, {res['cpu']}. Command: `python benchmarks/bench_expert_cache.py "
+         f"--backend {res['backend']} --commit {res['commit']}`. {res['moe_layers']} streamed MoE layers x "
+         f"{res['experts_per_layer']} experts of {res['expert_bytes']} bytes; batch 1, teacher-forced decode "
+         f"(every step feeds the text's next token).", "",
+         "## Policies on the model's real routing (the engine's bookkeeping replayed on the recorded trace)", "",
+         "| capacity | policy | prefetch | hit rate | prefetch recall | prefetch precision | loads/token | "
+         "KiB moved/token |", "|---|---|---|---|---|---|---|---|"]
+    for s in res["simulated"]:
+        L.append(f"| {s['capacity']:.0%} | {s['policy']} | {'on' if s['prefetch'] else 'off'} | {f(s['hit_rate'])} | "
+                 f"{f(s['prefetch_recall'])} | {f(s['prefetch_precision'])} | {f(s['loads_per_token'], 2)} | "
+                 f"{s['bytes_per_token'] / 1024:.0f} |")
+    r0 = res["resident"]
+    L += ["", f"## Decode, measured (median step after {res.get('warmup', 32)} warm-up steps)", "",
+          f"Resident model: {r0['step_ms']:.3f} ms/step ({r0['tok_s']:.0f} tok/s). Source `{res['source']}` reads at "
+          f"{res['source_bandwidth_GBps']:.2f} GB/s (measured here). Transfer bound = resident step + bytes moved per "
+          f"token / that bandwidth.", "",
+          "| capacity | config | tok/s | step ms | vs resident | bound ms | vs bound | hit rate | recall | "
+          "precision | late prefetches | KiB/token | wait ms/token | host ms/token | identical |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["runs"]:
+        L.append(f"| {r['capacity']:.0%} | {r['config']} | {r['tok_s']:.0f} | {r['step_ms']:.3f} | "
+                 f"{r['vs_resident']:.2f}x | {r['transfer_bound_ms']:.3f} | {r['vs_bound']:.2f}x | {f(r['hit_rate'])} | "
+                 f"{f(r['prefetch_recall'])} | {f(r['prefetch_precision'])} | {r['prefetch_late']} | "
+                 f"{r['bytes_per_token'] / 1024:.0f} | {r['wait_ms_per_token']:.3f} | {r['route_ms_per_token']:.3f} | "
+                 f"{'yes' if r['bit_identical'] else 'NO'} |")
+    cs = res.get("cold_start")
+    if cs:
+        L += ["", "## Cold start (process start to first token, fresh processes)", "",
+              f"eager {cs['eager_median_s']:.3f} s (runs {', '.join(f'{x:.3f}' for x in cs['eager_s'])}); lazy "
+              f"{cs['lazy_median_s']:.3f} s (runs {', '.join(f'{x:.3f}' for x in cs['lazy_s'])}): lazy = "
+              f"{cs['lazy_vs_eager']:.2f} x eager."]
+    (out / f"{stem}.md").write_text("\n".join(L) + "\n")
+    print("\n".join(L))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
