@@ -46,6 +46,7 @@
  *   DEEPINFER_CPU_ISA=scalar|avx2|avx512|avx512vnni|amx   cap the kernels at that ISA level (test the fallbacks)
  *   DEEPINFER_CPU_SPIN=N            idle workers spin N iterations before sleeping (default 0)
  *   DEEPINFER_CPU_HOT_SPIN_US=N     during a graph replay, idle workers spin up to N us between ops (default 50)
+ *   DEEPINFER_CPU_LINGER_US=N       after a graph replay, idle workers keep spinning N us (default 200)
  *   DEEPINFER_CPU_PAR_MIN=N         jobs below N multiply-adds run on the calling thread alone (default 65536)
  *   DEEPINFER_CPU_PROFILE=1         time every replayed graph node, per op, printed to stderr at exit
  *

@@ -13,9 +13,10 @@
  *  - while the pool is hot (a graph replay: many small ops back to back), idle workers spin up to
  *    DEEPINFER_CPU_HOT_SPIN_US (default 50) between jobs before sleeping, and so does the caller
  *    waiting for joined workers; the bound keeps a spinning thread from starving the others when
- *    the machine is oversubscribed. The pool stays hot for that long after a replay ends too, so a
- *    step replayed as several graphs with the host acting in between (the expert cache's pauses)
- *    pays no wake-up when the host is quick;
+ *    the machine is oversubscribed;
+ *  - after a replay, idle workers keep spinning for DEEPINFER_CPU_LINGER_US (default 200): the host
+ *    usually launches the next graph within that (the next decode step; the next segment of a step
+ *    that pauses for the expert cache), which then pays no wake-up;
  *  - DEEPINFER_CPU_SPIN=N adds N spin iterations before any sleep (default 0). */
 #include <stdlib.h>
 #include <pthread.h>
@@ -31,7 +32,8 @@ static inline void cpu_relax(void) { __asm__ __volatile__("" ::: "memory"); }
 struct DI_Pool {
     int             n, spin;
     _Atomic int     hot;      /* spin up to hot_ns between jobs while set (pool_hot) */
-    _Atomic uint64_t cool_at; /* after pool_hot(0): still hot until this di_now_ns() */
+    _Atomic uint64_t cool_at; /* after pool_hot(0): workers linger (spin) until this di_now_ns() */
+    uint64_t        linger_ns;
     uint64_t        hot_ns;
     int64_t         par_min;  /* jobs smaller than this run on the caller alone */
     pthread_t*      threads;
@@ -55,14 +57,21 @@ static int hot(DI_Pool* p) {
            di_now_ns() < atomic_load_explicit(&p->cool_at, memory_order_relaxed);
 }
 
-/* spin while gen == seen: p->spin iterations, then (hot pool) up to hot_ns of wall time */
+/* spin while gen == seen: p->spin iterations, then up to hot_ns of wall time while the pool is hot,
+ * or until cool_at while it lingers after a replay */
+static int keep_spinning(DI_Pool* p, uint64_t t0) {
+    uint64_t now = di_now_ns();
+    if (atomic_load_explicit(&p->hot, memory_order_relaxed)) return now - t0 <= p->hot_ns;
+    return now < atomic_load_explicit(&p->cool_at, memory_order_relaxed);
+}
+
 static void spin_wait(DI_Pool* p, uint64_t seen) {
     for (int i = 0; i < p->spin && atomic_load(&p->gen) == seen && !atomic_load(&p->stop); i++) cpu_relax();
-    if (!hot(p) || atomic_load(&p->gen) != seen) return;
     uint64_t t0 = di_now_ns();
+    if (!keep_spinning(p, t0) || atomic_load(&p->gen) != seen) return;
     for (int i = 1; atomic_load(&p->gen) == seen && !atomic_load(&p->stop); i++) {
         cpu_relax();
-        if ((i & 255) == 0 && (di_now_ns() - t0 > p->hot_ns || !hot(p))) return;
+        if ((i & 255) == 0 && !keep_spinning(p, t0)) return;
     }
 }
 
@@ -128,6 +137,9 @@ DI_Pool* pool_create(int nthreads) {
     const char* hs = getenv("DEEPINFER_CPU_HOT_SPIN_US");
     long hot_us = hs ? atol(hs) : 50;
     p->hot_ns = (uint64_t)(hot_us > 0 ? hot_us : 0) * 1000u;
+    const char* ls = getenv("DEEPINFER_CPU_LINGER_US");
+    long linger_us = ls ? atol(ls) : 200;
+    p->linger_ns = (uint64_t)(linger_us > 0 ? linger_us : 0) * 1000u;
     const char* pm = getenv("DEEPINFER_CPU_PAR_MIN");
     p->par_min = pm ? atoll(pm) : 65536;
     for (int i = 1; i < nthreads; i++) {
@@ -160,7 +172,7 @@ int pool_size(const DI_Pool* p) { return p ? p->n : 1; }
 
 void pool_hot(DI_Pool* p, int on) {
     if (!p) return;
-    if (!on) atomic_store(&p->cool_at, di_now_ns() + p->hot_ns);
+    if (!on) atomic_store(&p->cool_at, di_now_ns() + p->linger_ns);
     atomic_store(&p->hot, on);
 }
 

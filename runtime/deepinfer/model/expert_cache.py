@@ -42,6 +42,7 @@ host never waits for a transfer.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -55,6 +56,8 @@ from .. import validate as V
 from ..errors import ConfigError
 from ..tensor import Quant, Tensor
 from .expert_policy import POLICIES, LayerSlots
+
+log = logging.getLogger("deepinfer")
 
 SOURCES = ("host", "disk")
 ALIGN = 256
@@ -73,7 +76,7 @@ class ExpertCacheConfig:
     bytes (an integer > 1), "source": "host" | "disk", "prefetch": bool, "policy": "lfru" | "lru"}."""
 
     capacity: float = 1.0
-    source: Optional[str] = None      # None: "disk" on host-memory backends, "host" on devices
+    source: Optional[str] = None      # None: see ExpertCache._default_source
     prefetch: bool = True
     policy: str = "lfru"
     # not a JSON key: False drives the device path (pinned bounce buffers, async copies on a copy
@@ -228,7 +231,7 @@ class ExpertCache:
         self.ckpt = loader.ckpt
         # slots in host memory the reader writes itself (CPU / reference backends), else the device path
         self.host_memory = backend.device == "cpu" if cfg.host_memory is None else bool(cfg.host_memory)
-        self.source = cfg.source or ("disk" if backend.device == "cpu" else "host")
+        self.source = cfg.source
         self.E = E = loader.cfg.n_routed_experts
         self.K = top_k
         self.stats = dict(expert_hits=0, expert_misses=0, expert_overflow_loads=0, expert_prefetch_issued=0,
@@ -250,6 +253,8 @@ class ExpertCache:
             raise ConfigError(f"expert_cache.capacity {cfg.capacity!r} holds no expert per layer: one slot in each of "
                               f"the {n_moe} MoE layers takes {need} bytes ({per_expert} per expert); raise it")
         self.slots_per_layer = n = min(n, E)
+        if self.source is None:
+            self.source = self._default_source(n == E, per_expert * E * n_moe)
         # a step routes T tokens x top_k experts: the overflow covers what exceeds a layer's slots
         self.n_overflow = max(0, min(E, max_tokens * top_k) - n)
         be = backend
@@ -288,7 +293,7 @@ class ExpertCache:
             self.copy_stream = be.create_stream()
             if self.source == "disk":
                 nb = max(2, min(64, BOUNCE_BYTES // per_expert))
-                self._bounce_free = [be.host_empty((per_expert,), "uint8") for _ in range(nb)]
+                self._bounce_free = [self._host_buffer(per_expert) for _ in range(nb)]
                 self._bounce_cv = threading.Condition(self._lock)
         if self.source == "host":
             self._build_images()
@@ -296,6 +301,27 @@ class ExpertCache:
         self.route_seconds = 0.0         # host time of the routed pauses (reading ids, policy, issuing loads)
         self._views: dict = {}           # id(pause tensor) -> (tensor, its NumPy view)
         self.trace: Optional[list] = None  # a list: every pause appends (layer pos, needed, predicted next)
+
+    def _default_source(self, lazy: bool, total: int) -> str:
+        """disk on host-memory backends (their slots are host memory already) and for lazy loading
+        (each expert is read once: reading all of them up front is what lazy loading avoids); on a
+        device, host when every expert fits in 80% of the host's available memory (a miss is then a
+        pinned copy instead of a file read), else disk."""
+        if self.host_memory or lazy:
+            return "disk"
+        avail = 0
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        avail = int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        if total <= 0.8 * avail:
+            return "host"
+        log.info("expert cache: the %.1f GiB of routed experts exceed 80%% of the host's %.1f GiB available; "
+                 "misses read the checkpoint files", total / 2**30, avail / 2**30)
+        return "disk"
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -375,11 +401,10 @@ class ExpertCache:
 
     def _build_images(self) -> None:
         """source "host": every expert's image in (pinned) host memory, read once at start."""
-        be, nb = self.backend, self.layout.nbytes
+        nb = self.layout.nbytes
         self._images = []
         for L in self.layers:
-            img = be.host_empty((self.E * nb,), "uint8") if not self.host_memory else Tensor.empty((self.E * nb,),
-                                                                                                   "uint8")
+            img = self._host_buffer(self.E * nb) if not self.host_memory else Tensor.empty((self.E * nb,), "uint8")
             raw = img.buffer.view(np.uint8).reshape(-1)[img.offset:img.offset + self.E * nb]
             for e in range(self.E):
                 dst = raw[e * nb:(e + 1) * nb]
@@ -388,6 +413,13 @@ class ExpertCache:
                 else:
                     self._store_converted(self._converted(L, e), dst)
             self._images.append(raw)
+
+    def _host_buffer(self, nbytes: int) -> Tensor:
+        """Pinned host memory where the library has it (asynchronous copies), else pageable."""
+        try:
+            return self.backend.host_empty((nbytes,), "uint8")
+        except Exception:     # a library without host_alloc: its copies are synchronous anyway
+            return Tensor.empty((nbytes,), "uint8")
 
     def _store_converted(self, ws: tuple, dst: np.ndarray) -> None:
         be = self.backend
