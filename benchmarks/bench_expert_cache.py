@@ -69,7 +69,7 @@ def decode(r: ModelRunner, tokens: list) -> dict:
 
 
 def trace_routing(args, tokens: list):
-    r = runner_for(args, {"capacity": 1.0, "prefetch": True})
+    r = runner_for(args, {"capacity": 1.0, "prefetch": True})     # prefetch: the predictions are traced
     r.experts.trace = []
     decode(r, tokens)
     ex = r.experts
@@ -211,6 +211,7 @@ def main() -> int:
     bw = None
     for c in CAPACITIES:
         for label, ec in (("lru, no prefetch", {"capacity": c, "policy": "lru", "prefetch": False}),
+                          ("lfru, no prefetch", {"capacity": c, "policy": "lfru", "prefetch": False}),
                           ("lfru + prefetch", {"capacity": c, "policy": "lfru", "prefetch": True})):
             r = runner_for(args, ec)
             if bw is None:
@@ -228,6 +229,8 @@ def main() -> int:
                          "hit_rate": st["expert_hit_rate"], "prefetch_recall": st["expert_prefetch_recall"],
                          "prefetch_precision": st["expert_prefetch_precision"],
                          "prefetch_late": st["expert_prefetch_late"], "bytes_per_token": moved,
+                         "misses_per_token": st["expert_misses"] / len(ids),
+                         "stalls_per_token": (st["expert_misses"] + st["expert_prefetch_late"]) / len(ids),
                          "wait_ms_per_token": 1e3 * st["expert_wait_seconds"] / len(ids),
                          "route_ms_per_token": 1e3 * r.experts.route_seconds / len(ids),
                          "cache_bytes": st["expert_cache_bytes"], "total_expert_bytes": st["expert_total_bytes"],
@@ -267,14 +270,16 @@ def write(res: dict, out: Path) -> None:
     L += ["", f"## Decode, measured (median step after {res.get('warmup', 32)} warm-up steps)", "",
           f"Resident model: {r0['step_ms']:.3f} ms/step ({r0['tok_s']:.0f} tok/s). Source `{res['source']}` reads at "
           f"{res['source_bandwidth_GBps']:.2f} GB/s (measured here). Transfer bound = resident step + bytes moved per "
-          f"token / that bandwidth.", "",
+          f"token / that bandwidth. Stalls: loads a step waited for (misses, and prefetches not yet complete); "
+          f"wait: time waiting for loads another thread or stream was doing; host: time in the pauses (reading "
+          f"the routing, the policy, and on host backends the misses' reads).", "",
           "| capacity | config | tok/s | step ms | vs resident | bound ms | vs bound | hit rate | recall | "
-          "precision | late prefetches | KiB/token | wait ms/token | host ms/token | identical |",
+          "precision | stalls/token | KiB/token | wait ms/token | host ms/token | identical |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["runs"]:
         L.append(f"| {r['capacity']:.0%} | {r['config']} | {r['tok_s']:.0f} | {r['step_ms']:.3f} | "
                  f"{r['vs_resident']:.2f}x | {r['transfer_bound_ms']:.3f} | {r['vs_bound']:.2f}x | {f(r['hit_rate'])} | "
-                 f"{f(r['prefetch_recall'])} | {f(r['prefetch_precision'])} | {r['prefetch_late']} | "
+                 f"{f(r['prefetch_recall'])} | {f(r['prefetch_precision'])} | {r['stalls_per_token']:.2f} | "
                  f"{r['bytes_per_token'] / 1024:.0f} | {r['wait_ms_per_token']:.3f} | {r['route_ms_per_token']:.3f} | "
                  f"{'yes' if r['bit_identical'] else 'NO'} |")
     cs = res.get("cold_start")

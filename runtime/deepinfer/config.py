@@ -53,7 +53,8 @@ class EngineConfig:
     speculative: dict = field(default_factory=dict)
     # routed MoE experts on demand (model.expert_cache): {"capacity": fraction of all routed expert
     # bytes or bytes, "source": "host" | "disk", "prefetch": bool, "policy": "lfru" | "lru"}. None: every
-    # expert is loaded at start. {"capacity": 1.0} is lazy loading (experts load when first routed)
+    # expert is loaded at start. {"capacity": 1.0} is lazy loading (experts load when first routed).
+    # Unset source / prefetch are chosen per backend (ExpertCacheConfig says how)
     expert_cache: Optional[dict] = None
     verbose: bool = False               # log backend, precision choice and plan sizes to stderr
     revision: Optional[str] = None      # branch, tag or commit when the model is a hub id (org/name)

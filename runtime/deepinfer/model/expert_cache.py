@@ -73,11 +73,16 @@ def _align(n: int) -> int:
 @dataclass
 class ExpertCacheConfig:
     """engine config `expert_cache`: {"capacity": fraction of all routed expert bytes in (0, 1] or
-    bytes (an integer > 1), "source": "host" | "disk", "prefetch": bool, "policy": "lfru" | "lru"}."""
+    bytes (an integer > 1), "source": "host" | "disk", "prefetch": bool, "policy": "lfru" | "lru"}.
+
+    prefetch, when not given: on for device backends, where copies run on their own engine beside the
+    kernels; off on host backends, where the reader takes a core from the compute threads and a
+    wrong prediction (a quarter of them on the embedded model) costs a read that nothing hides
+    (benchmarks/results/expert_cache_cpu_*.md measures both)."""
 
     capacity: float = 1.0
     source: Optional[str] = None      # None: see ExpertCache._default_source
-    prefetch: bool = True
+    prefetch: Optional[bool] = None   # None: on for device backends, off for host backends
     policy: str = "lfru"
     # not a JSON key: False drives the device path (pinned bounce buffers, async copies on a copy
     # stream, events) on a host-memory backend, which is how tests cover it without a GPU
@@ -232,6 +237,7 @@ class ExpertCache:
         # slots in host memory the reader writes itself (CPU / reference backends), else the device path
         self.host_memory = backend.device == "cpu" if cfg.host_memory is None else bool(cfg.host_memory)
         self.source = cfg.source
+        self.prefetch = (not self.host_memory) if cfg.prefetch is None else bool(cfg.prefetch)
         self.E = E = loader.cfg.n_routed_experts
         self.K = top_k
         self.stats = dict(expert_hits=0, expert_misses=0, expert_overflow_loads=0, expert_prefetch_issued=0,
@@ -279,7 +285,7 @@ class ExpertCache:
                                        predict=False)
         for i, m in enumerate(moe_layers[:-1]):
             # the next layer's router runs on this layer's residual; the MTP layer is another plan
-            m.streamed.predict = bool(cfg.prefetch) and self.layers[i + 1].index == self.layers[i].index + 1 \
+            m.streamed.predict = self.prefetch and self.layers[i + 1].index == self.layers[i].index + 1 \
                 and self.layers[i + 1].index < main_layers
         self._ranges: dict = {}          # (layer pos, expert) -> [(fd, file offset, nbytes, image offset)]
         self._fds: dict = {}
@@ -669,7 +675,7 @@ class ExpertCache:
         S.update(expert_cache_slots_per_layer=self.slots_per_layer, expert_cache_overflow_slots=self.n_overflow,
                  expert_cache_bytes=self.slot_bytes, expert_total_bytes=self.total_expert_bytes,
                  expert_bytes=self.layout.nbytes, expert_source=self.source, expert_policy=self.cfg.policy,
-                 expert_prefetch=bool(self.cfg.prefetch), expert_setup_seconds=self.setup_seconds)
+                 expert_prefetch=self.prefetch, expert_setup_seconds=self.setup_seconds)
         return S
 
 
