@@ -385,7 +385,7 @@ class ExpertCache:
                     if fr is None:
                         raise ConfigError(f"{L.prefix}experts.{e} is not a plain byte range of the checkpoint")
                     r.append((self._fd(fr[0]), fr[1], p.nbytes, p.offset))
-            self._ranges[key] = r
+            r = self._ranges[key] = _merged(r)
         return r
 
     def _converted(self, L: _Layer, e: int) -> tuple:
@@ -396,14 +396,21 @@ class ExpertCache:
 
     @staticmethod
     def _pread(ranges: list, dst: np.ndarray) -> None:
-        for fd, off, n, at in ranges:
-            view = memoryview(dst[at:at + n])
-            done = 0
-            while done < n:
-                got = os.preadv(fd, [view[done:]], off + done)
-                if got <= 0:
-                    raise OSError(f"short read of an expert: {done} of {n} bytes at offset {off}")
-                done += got
+        """Read an expert's file runs (_merged) into its image `dst`: one preadv per run."""
+        for fd, off, pieces in ranges:
+            views = [memoryview(dst[at:at + n]) for at, n in pieces]
+            total = sum(n for _, n in pieces)
+            if os.preadv(fd, views, off) == total:
+                continue
+            pos = off      # a short read (rare): piece by piece, each from its start
+            for v in views:
+                done = 0
+                while done < len(v):
+                    g = os.preadv(fd, [v[done:]], pos + done)
+                    if g <= 0:
+                        raise OSError(f"short read of an expert at byte {pos + done} of its file (truncated?)")
+                    done += g
+                pos += len(v)
 
     def _build_images(self) -> None:
         """source "host": every expert's image in (pinned) host memory, read once at start."""
@@ -677,6 +684,19 @@ class ExpertCache:
                  expert_bytes=self.layout.nbytes, expert_source=self.source, expert_policy=self.cfg.policy,
                  expert_prefetch=self.prefetch, expert_setup_seconds=self.setup_seconds)
         return S
+
+
+def _merged(ranges: list) -> list:
+    """[(fd, file offset, bytes, image offset)] -> [(fd, file offset, [(image offset, bytes)])]: ranges
+    that follow each other in one file become one run (an expert's gate, up and down usually do,
+    in some order), so one preadv reads them into their places in the image."""
+    runs = []
+    for fd, off, n, at in sorted(ranges, key=lambda r: (r[0], r[1])):
+        if runs and runs[-1][0] == fd and runs[-1][1] + sum(k for _, k in runs[-1][2]) == off:
+            runs[-1][2].append((at, n))
+        else:
+            runs.append((fd, off, [(at, n)]))
+    return runs
 
 
 def _done() -> Future:
