@@ -171,8 +171,14 @@ class ModelRunner:
             p.host_input("slots")[:] = -1
             p.host_input("cu_seqlens")[:] = [0, p.key[2]]
             p.host_input("last_idx")[:] = 0
-            self._run_plan(p)
-            self.backend.synchronize()
+            if self.experts is not None:
+                self.experts.dry = True
+            try:
+                self._run_plan(p)
+                self.backend.synchronize()
+            finally:
+                if self.experts is not None:
+                    self.experts.dry = False
         self.plans.clear()                       # they point at the warm-up cache
         del warm
         free, total = self.backend.memory_info()

@@ -307,6 +307,9 @@ class ExpertCache:
         self.route_seconds = 0.0         # host time of the routed pauses (reading ids, policy, issuing loads)
         self._views: dict = {}           # id(pause tensor) -> (tensor, its NumPy view)
         self.trace: Optional[list] = None  # a list: every pause appends (layer pos, needed, predicted next)
+        # dry: steps load nothing and route every pair nowhere (the runner's warm-up step, which only
+        # sizes memory: with lazy loading it would otherwise read every expert before the first token)
+        self.dry = False
 
     def _default_source(self, lazy: bool, total: int) -> str:
         """disk on host-memory backends (their slots are host memory already) and for lazy loading
@@ -593,6 +596,8 @@ class ExpertCache:
 
     def on_routed(self, pos: int, ids: Tensor, pred: Optional[Tensor]) -> None:
         L = self.layers[pos]
+        if self.dry:
+            return
         t0 = time.perf_counter()
         rid = self._read_ids(ids)
         needed, L.odd_ids = self._distinct(rid)
@@ -636,6 +641,10 @@ class ExpertCache:
     def on_experts(self, pos: int, plan, name: str) -> None:
         """Before layer pos's moe_experts: its experts in place, its slot ids in the plan input."""
         L = self.layers[pos]
+        if self.dry:       # route every pair nowhere: moe_experts skips ids outside [0, E)
+            plan.pause_input(name)[...] = -1
+            plan.send_pause_input(name, self.backend)
+            return
         if L.pending:
             t0 = time.perf_counter()
             late = 0
