@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -208,6 +207,7 @@ class _Load:
     read: Optional[Future] = None
     event: object = None     # device: the copy's event (None until issued)
     bounce: Optional[Tensor] = None
+    ranges: Optional[list] = None    # device, disk: the file runs to read
     t0: float = 0.0
 
 
@@ -292,15 +292,15 @@ class ExpertCache:
         self._reader = ThreadPoolExecutor(max_workers=READ_THREADS if self.host_memory else 4,
                                           thread_name_prefix="deepinfer-experts")
         self._images: Optional[list] = None
-        self._bounce_free: list = []
-        self._lock = threading.Lock()
+        self._bounce_free: list = []     # device, disk: pinned buffers the readers read into
+        self._queued: list = []          # loads waiting for a bounce buffer
+        self._reading: list = []         # loads being read into one
         self._copying: list = []        # device: loads whose copies are in flight (bounce buffers held)
         if not self.host_memory:
             self.copy_stream = be.create_stream()
             if self.source == "disk":
                 nb = max(2, min(64, BOUNCE_BYTES // per_expert))
                 self._bounce_free = [self._host_buffer(per_expert) for _ in range(nb)]
-                self._bounce_cv = threading.Condition(self._lock)
         if self.source == "host":
             self._build_images()
         self.setup_seconds = time.perf_counter() - t0
@@ -483,8 +483,9 @@ class ExpertCache:
             self._issue_copy(ld, Tensor(src, (nb,), "uint8"))
             ld.read = _done()
         elif self.raw:
-            ranges = self._expert_ranges(L, e)
-            ld.read = self._reader.submit(self._read_bounce, ld, ranges)
+            ld.ranges = self._expert_ranges(L, e)
+            self._queued.append(ld)       # a reader takes it once a bounce buffer is free (_feed)
+            self._feed()
         else:
             ws = self._converted(L, e)
             parts = iter(self.layout.parts)
@@ -499,13 +500,15 @@ class ExpertCache:
             ld.read = _done()
         return ld
 
-    def _read_bounce(self, ld: _Load, ranges: list) -> None:
-        with self._bounce_cv:
-            while not self._bounce_free:
-                self._bounce_cv.wait()
-            ld.bounce = self._bounce_free.pop()
-        b = ld.bounce
-        self._pread(ranges, b.buffer.view(np.uint8).reshape(-1)[b.offset:b.offset + self.layout.nbytes])
+    def _feed(self) -> None:
+        """Device, disk: hand queued loads to the readers while bounce buffers are free. Buffers are
+        taken and given back on the main thread only, so a reader never waits for one (a reader
+        blocked on a buffer that only the main thread can free would hang the process at exit)."""
+        while self._queued and self._bounce_free:
+            ld = self._queued.pop(0)
+            ld.bounce = b = self._bounce_free.pop()
+            ld.read = self._reader.submit(self._pread, ld.ranges, self._bytes(b))
+            self._reading.append(ld)
 
     def _issue_copy(self, ld: _Load, src: Tensor) -> None:
         nb = self.layout.nbytes
@@ -514,39 +517,44 @@ class ExpertCache:
         ev.record(self.copy_stream)
         ld.event = ev
         if ld.bounce is not None:
+            self._reading.remove(ld)
             self._copying.append(ld)
 
     def _pump(self) -> None:
-        """Device: send reads that finished; give back bounce buffers whose copies finished."""
+        """Device: send reads that finished, give back bounce buffers whose copies finished, start
+        queued reads."""
         if self.host_memory:
             return
-        for L in self.layers:
-            for ld in L.pending.values():
-                if ld.event is None and ld.read is not None and ld.read.done():
-                    ld.read.result()
-                    self._issue_copy(ld, ld.bounce)
+        for ld in [x for x in self._reading if x.read.done()]:
+            ld.read.result()
+            self._issue_copy(ld, ld.bounce)
         still = []
         for ld in self._copying:
             if ld.event.query():
-                with self._bounce_cv:
-                    self._bounce_free.append(ld.bounce)
-                    self._bounce_cv.notify()
+                self._bounce_free.append(ld.bounce)
                 ld.bounce = None
             else:
                 still.append(ld)
         self._copying = still
+        self._feed()
 
     def _wait_read(self, ld: _Load) -> None:
+        """Until ld's bytes are in host memory (device: and its copy is issued)."""
         while True:
             self._pump()
+            if ld.read is None:        # still queued for a bounce buffer: copies in flight will free one
+                time.sleep(0.0001)
+                continue
             try:
                 ld.read.result(timeout=0.0005)
-                return
             except TimeoutError:
                 continue
+            if not self.host_memory and ld.event is None:
+                self._issue_copy(ld, ld.bounce)
+            return
 
     def _complete(self, ld: _Load) -> bool:
-        if not ld.read.done():
+        if ld.read is None or not ld.read.done():
             return False
         return self.host_memory or (ld.event is not None and ld.event.query())
 
@@ -557,8 +565,6 @@ class ExpertCache:
             return
         self._wait_read(ld)
         if not self.host_memory:
-            if ld.event is None:
-                self._issue_copy(ld, ld.bounce)
             if compute_waits:
                 stream = self.backend.stream
                 if stream is not None:
