@@ -1,0 +1,977 @@
+"""The expert cache (model.expert_cache, model.expert_policy): routed MoE experts in bounded per-layer
+slots, loaded on demand from the checkpoint files (source "disk") or from host images (source
+"host"), with the next layer's experts prefetched.
+
+What is checked:
+  * the cached model computes bit for bit what the resident model computes (reference and CPU
+    libraries; every capacity, source, policy and prefetch setting; the device path driven on a host
+    backend; experts converted at load; quantized, fp8 and fused-layout checkpoints; the MTP layer);
+  * its counters (hits, misses, prefetch, bytes streamed) add up;
+  * its memory is bounded by the capacity, and capacities that cannot work are refused;
+  * the configuration is validated (EngineConfig, --expert-cache);
+  * the slot bookkeeping and the LRU / LFRU policies (pure Python);
+  * plans that pause for the host, op by op and captured as one graph per segment;
+  * loads under stress (slow reads, the fewest bounce buffers) and other step shapes (chunked
+    prefill, score());
+  * the engine and the `deepinfer run` command give the same text with the cache as without;
+  * a dropped runner releases the cache's files.
+The embedded model (deepseek-v3-nano: 16 routed experts top-4, 4 MoE layers + an MTP layer) runs
+in a fraction of a second per case on the CPU library, a second or two on the reference backend.
+"""
+from __future__ import annotations
+
+import gc
+import io
+import json
+import os
+import random
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import deepinfer
+from deepinfer import cli
+from deepinfer.config import EngineConfig
+from deepinfer.engine import ModelRunner
+from deepinfer.engine.llm_engine import Engine, default_model_dir
+from deepinfer.errors import EXIT_USAGE, ConfigError
+from deepinfer.model.expert_cache import ExpertCacheConfig
+from deepinfer.model.expert_policy import LayerSlots, make_policy
+from deepinfer.model.plan import Arena, Plan, Tracer
+
+NANO = default_model_dir()          # deepseek-v3-nano: 5 layers (first dense), 16 routed experts top-4, MTP
+RUNNER = dict(max_batch=4, max_seq_len=128, max_num_batched_tokens=64)
+
+
+# ============================================================================ helpers
+def _backend(name: str, cpu_lib=None):
+    """A fresh backend context (each runner owns its stream settings)."""
+    if name == "reference":
+        return deepinfer.get_backend("reference")
+    return deepinfer.loader.load_library(cpu_lib.info.path, num_threads=2)
+
+
+def _workload(r: ModelRunner, vocab: int) -> list:
+    """Every logits array of: one prefill of three sequences of different lengths in one batch (60
+    tokens x top-k touch more experts than a small cache has slots: the overflow path), then 10
+    decode steps of the 3 sequences (a bucket of 4: one padded row), each followed by the MTP head
+    when the model has one (its layer streams through the cache too)."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, vocab, n).tolist() for n in (40, 7, 13)]
+    sids = [r.new_sequence() for _ in prompts]
+    out = [r.backend.to_numpy(r.forward(sids, prompts, [0, 0, 0])).copy()]
+    toks = [[int(np.argmax(x))] for x in out[-1]]
+    pos = [len(p) for p in prompts]
+    mtp = r.weights.mtp is not None
+    for _ in range(10):
+        a = r.backend.to_numpy(r.forward(sids, toks, pos, keep_hidden=mtp)).copy()
+        out.append(a)
+        toks = [[int(np.argmax(x))] for x in a]
+        if mtp:
+            out.append(r.backend.to_numpy(r.mtp_logits(sids, toks)).copy())
+        pos = [p + 1 for p in pos]
+    return out
+
+
+def _runner(path, backend, precision, expert_cache=None, **kw) -> ModelRunner:
+    return ModelRunner(path, backend, precision=precision, expert_cache=expert_cache, **{**RUNNER, **kw})
+
+
+def _layers_and_experts(r: ModelRunner) -> tuple:
+    rep = r.expert_stats()
+    n_layers = rep["expert_total_bytes"] // (rep["expert_bytes"] * r.cfg.n_routed_experts)
+    return n_layers, r.cfg.n_routed_experts
+
+
+def _resident_pairs(r: ModelRunner) -> int:
+    """(layer, expert) pairs now in some layer's slots."""
+    return sum(sum(1 for s in L.slots.slot_of if s >= 0) for L in r.experts.layers)
+
+
+def _check_counters(rep: dict, prefetch: bool, policy: str) -> None:
+    """What holds after any run of a cached model (prefetch: whether it was on)."""
+    need = rep["expert_needed"]
+    assert need > 0
+    assert rep["expert_hits"] + rep["expert_misses"] == need
+    assert 0.0 <= rep["expert_hit_rate"] <= 1.0
+    assert rep["expert_hit_rate"] == pytest.approx(rep["expert_hits"] / need)
+    # every load (a miss, into a slot or the overflow, or a prefetch) moves one expert image
+    assert rep["expert_bytes_streamed"] == (rep["expert_misses"] + rep["expert_prefetch_issued"]) * rep["expert_bytes"]
+    assert 0 <= rep["expert_overflow_loads"] <= rep["expert_misses"]
+    assert 0 <= rep["expert_prefetch_used"] <= rep["expert_prefetch_issued"]
+    assert 0 <= rep["expert_prefetch_late"] <= rep["expert_prefetch_issued"]
+    assert rep["expert_prefetch"] is prefetch
+    assert rep["expert_policy"] == policy
+    if not prefetch:
+        assert rep["expert_prefetch_issued"] == rep["expert_prefetch_used"] == rep["expert_predicted"] == 0
+        assert rep["expert_prefetch_recall"] is None and rep["expert_prefetch_precision"] is None
+    else:
+        for k in ("expert_prefetch_recall", "expert_prefetch_precision"):
+            assert rep[k] is None or 0.0 <= rep[k] <= 1.0
+
+
+# the resident model's logits, computed once per (backend, model, precision)
+_BASELINES: dict = {}
+
+
+def _baseline(bname, cpu_lib, path, precision, vocab, **kw) -> list:
+    key = (bname, str(path), precision, tuple(sorted(kw.items())))
+    if key not in _BASELINES:
+        r = _runner(path, _backend(bname, cpu_lib), precision, **kw)
+        assert r.experts is None and r.weights.layers[1].moe.experts_gate is not None
+        _BASELINES[key] = _workload(r, vocab)
+    return _BASELINES[key]
+
+
+def _assert_bit_identical(bname, cpu_lib, path, precision, ec, vocab, *, raw=None, **kw) -> ModelRunner:
+    """The cached model's logits equal the resident model's at every step, bit for bit; returns the
+    cached runner (after the run) for further checks. kw: more ModelRunner arguments (both models)."""
+    want = _baseline(bname, cpu_lib, path, precision, vocab, **kw)
+    r = _runner(path, _backend(bname, cpu_lib), precision, ec, **kw)
+    cfg = ExpertCacheConfig.parse(ec)
+    # the routed experts really stream: none was loaded with the other weights
+    assert r.experts is not None
+    assert all(l.moe.experts_gate is None for l in r.weights.layers if l.moe is not None)
+    if raw is not None:
+        assert r.experts.raw is raw      # raw file bytes, or images converted as the eager load converts
+    if cfg.source is not None:
+        assert r.experts.source == cfg.source
+    if cfg.host_memory is not None:
+        assert r.experts.host_memory is cfg.host_memory
+    if cfg.prefetch is not None:
+        assert r.experts.prefetch is cfg.prefetch
+    got = _workload(r, vocab)
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert np.isfinite(a).all()
+        assert np.array_equal(a, b), f"step {i}: the cached model differs by {float(np.abs(a - b).max())}"
+    rep = r.expert_stats()
+    _check_counters(rep, r.experts.prefetch, cfg.policy)
+    if r.experts.slots_per_layer < r.cfg.n_routed_experts:
+        # the 60-token prefill routes to more experts than a layer has slots: the shared overflow ran
+        assert rep["expert_overflow_loads"] > 0
+    else:
+        assert rep["expert_overflow_loads"] == 0 and r.experts.n_overflow == 0
+    return r
+
+
+def _with_watchdog(fn, seconds: float = 300.0):
+    """fn() on a daemon thread; a failure instead of a hung suite if it never returns."""
+    import threading
+
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:      # re-raised on the test's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"no result after {seconds:.0f} s: the loads deadlocked"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _device(capacity, source, **kw) -> ExpertCacheConfig:
+    """The device path (pinned bounce buffers, copies on a copy stream, events) on a host backend."""
+    return ExpertCacheConfig(capacity=capacity, source=source, host_memory=False, **kw)
+
+
+# ============================================================================ 1. bit-identical logits
+# unset source / prefetch take the backend's defaults (disk, and no prefetch on host backends; the
+# device path prefetches by default)
+CPU_CASES = [
+    {"capacity": 0.25},
+    {"capacity": 0.25, "source": "host", "policy": "lru", "prefetch": True},
+    {"capacity": 0.5, "source": "disk", "policy": "lru", "prefetch": True},
+    {"capacity": 0.5, "source": "host", "policy": "lfru"},
+    {"capacity": 0.5, "source": "disk", "prefetch": True},
+    {"capacity": 1.0, "source": "disk", "policy": "lru", "prefetch": False},
+    {"capacity": 1.0, "source": "host", "prefetch": True},
+    _device(0.5, "disk"),
+    _device(0.5, "host"),
+    _device(0.25, "disk", policy="lru", prefetch=False),
+]
+REFERENCE_CASES = [
+    {"capacity": 0.25, "source": "disk", "prefetch": True},
+    {"capacity": 0.5, "source": "host", "policy": "lru"},
+    {"capacity": 1.0, "source": "disk", "policy": "lfru", "prefetch": True},
+    _device(0.5, "disk"),
+]
+
+
+def _id(ec) -> str:
+    c = ExpertCacheConfig.parse(ec)
+    pf = {None: "pf-default", True: "pf", False: "nopf"}[c.prefetch]
+    return (f"{c.capacity}-{c.source or 'default'}-{c.policy}-{pf}"
+            + ("-device" if c.host_memory is False else ""))
+
+
+@pytest.mark.parametrize("ec", CPU_CASES, ids=_id)
+def test_bit_identical_cpu(ec, cpu_backend):
+    # precision bf16 on the bf16 model: the experts are used as stored, images are raw file bytes
+    _assert_bit_identical("cpu", cpu_backend, NANO, "bf16", ec, 4096, raw=True)
+
+
+@pytest.mark.parametrize("ec", REFERENCE_CASES, ids=_id)
+def test_bit_identical_reference(ec):
+    _assert_bit_identical("reference", None, NANO, "bf16", ec, 4096, raw=True)
+
+
+CONVERT_CASES = [  # (backend, precision, activation dtype, cache)
+    ("cpu", "int8", "f32", {"capacity": 0.25, "source": "disk", "prefetch": True}),
+    ("cpu", "int8", "f32", {"capacity": 0.5, "source": "host"}),
+    ("cpu", "int8", "f32", _device(0.5, "disk")),
+    ("cpu", "w4a8", "bf16", {"capacity": 0.25, "policy": "lru"}),     # int4 groups, int8 activations
+    ("reference", "int8", "f32", {"capacity": 0.5, "source": "disk", "policy": "lru"}),
+]
+
+
+@pytest.mark.parametrize("bname, precision, dtype, ec", CONVERT_CASES,
+                         ids=[f"{b}-{p}-{d}-{_id(e)}" for b, p, d, e in CONVERT_CASES])
+def test_bit_identical_when_experts_are_converted_at_load(bname, precision, dtype, ec, cpu_backend):
+    """A quantizing precision on the bf16 model: each expert is quantized on the backend when loaded
+    (the images are not file bytes), and must equal the resident model's quantized experts."""
+    _assert_bit_identical(bname, cpu_backend, NANO, precision, ec, 4096, raw=False, dtype=dtype)
+
+
+@pytest.fixture(scope="module")
+def int4_asym_dir(tmp_path_factory):
+    """The embedded model quantized to int4 with zero points: an expert image has 9 parts (q, scales
+    and zeros of gate, up and down), each its own byte range of the files."""
+    from deepinfer import quantizer
+
+    d = tmp_path_factory.mktemp("ec_int4") / "int4asym"
+    quantizer.quantize_model(NANO, d, "int4", group=64, symmetric=False, clip_search=False)
+    return d
+
+
+@pytest.mark.parametrize("ec", [{"capacity": 0.25, "source": "disk"},
+                                {"capacity": 0.5, "source": "host", "prefetch": True},
+                                _device(0.5, "disk", policy="lru")], ids=_id)
+def test_bit_identical_quantized_checkpoint_as_stored(ec, int4_asym_dir, cpu_backend):
+    r = _assert_bit_identical("cpu", cpu_backend, int4_asym_dir, None, ec, 4096, raw=True)
+    assert [(p.weight, p.kind) for p in r.experts.layout.parts] == \
+        [(w, k) for w in range(3) for k in ("q", "scales", "zeros")]
+
+
+@pytest.fixture(scope="module")
+def fused_dirs(tmp_path_factory):
+    """Tiny random checkpoints whose routed experts are stored fused (one gate_up_proj and one
+    down_proj tensor per layer): f32 v3 with a fused MTP layer, and v3 with fp8 experts whose
+    fused scale tensors split on 128-row blocks."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import tiny_checkpoints
+    from deepinfer.model import Checkpoint
+
+    out = {}
+    for family in ("v3", "v3fp8e128"):
+        d, _, _ = tiny_checkpoints.make(family, tmp_path_factory.mktemp(f"ec_fused_{family}"), layout="fused")
+        assert Checkpoint(d).layout == "fused"
+        out[family] = d
+    return out
+
+
+FUSED_CASES = [("cpu", "v3", {"capacity": 0.25, "prefetch": True}), ("cpu", "v3", _device(0.5, "disk")),
+               ("reference", "v3", {"capacity": 0.5, "source": "host", "policy": "lru"}),
+               ("cpu", "v3fp8e128", {"capacity": 0.25, "source": "disk"}),
+               ("cpu", "v3fp8e128", _device(0.5, "host", prefetch=False))]
+
+
+@pytest.mark.parametrize("bname, family, ec", FUSED_CASES,
+                         ids=[f"{b}-{f}-{_id(e)}" for b, f, e in FUSED_CASES])
+def test_bit_identical_fused_layout(bname, family, ec, fused_dirs, cpu_backend):
+    # precision None: as stored; each expert is a plain byte range inside the fused tensors
+    r = _assert_bit_identical(bname, cpu_backend, fused_dirs[family], None, ec, 256, raw=True)
+    if family == "v3":      # its MTP layer (fused too) streams through the cache: mtp_logits was compared
+        assert r.weights.mtp is not None and r.weights.mtp.layer.moe.streamed is not None
+
+
+# ============================================================================ 2. counters
+def test_capacity_one_loads_each_expert_once(cpu_backend):
+    """capacity 1.0 without prefetch is lazy loading: an expert is read the first time it is routed
+    and never again, so the misses are exactly the experts now resident, and the same requests run
+    again are all hits."""
+    r = _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": 1.0, "prefetch": False})
+    n_layers, E = _layers_and_experts(r)
+    assert r.experts.slots_per_layer == E and r.experts.n_overflow == 0
+    r.experts.trace = []                    # every pause: (layer pos, distinct experts needed, predicted)
+    _workload(r, 4096)
+    first = r.expert_stats()
+    _check_counters(first, False, "lfru")
+    distinct = {(pos, e) for pos, needed, _ in r.experts.trace for e in needed}
+    assert first["expert_needed"] == sum(len(needed) for _, needed, _ in r.experts.trace)
+    assert first["expert_misses"] == len(distinct) == _resident_pairs(r) <= n_layers * E
+    assert first["expert_overflow_loads"] == 0 and first["expert_prefetch_issued"] == 0
+    _workload(r, 4096)                      # the same tokens route to the same experts
+    again = r.expert_stats()
+    assert again["expert_misses"] == first["expert_misses"]
+    assert again["expert_bytes_streamed"] == first["expert_bytes_streamed"]
+    assert again["expert_hits"] - first["expert_hits"] == again["expert_needed"] - first["expert_needed"] > 0
+
+
+def test_prefetch_counters(cpu_backend):
+    """With prefetch at half capacity, the next layer's router issues loads, some of which are used;
+    at capacity 1.0 every load (miss or prefetch) still happens once per expert."""
+    r = _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": 0.5, "prefetch": True, "policy": "lru"})
+    _workload(r, 4096)
+    rep = r.expert_stats()
+    _check_counters(rep, True, "lru")
+    assert rep["expert_prefetch_issued"] > 0 and rep["expert_prefetch_used"] > 0
+    assert rep["expert_predicted"] > 0 and 0 < rep["expert_prefetch_recall"] <= 1
+    full = _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": 1.0, "prefetch": True})
+    assert full.experts.prefetch
+    _workload(full, 4096)
+    rep = full.expert_stats()
+    assert rep["expert_misses"] + rep["expert_prefetch_issued"] == _resident_pairs(full)
+
+
+def test_engine_stats(cpu_backend):
+    eng = Engine.from_pretrained(None, config={"backend": cpu_backend.info.path, "num_threads": 2,
+                                               "expert_cache": {"capacity": 0.5}})
+    before = eng.stats()
+    assert before["expert_needed"] == 0 and before["expert_hit_rate"] is None
+    eng.generate("Once upon a time", max_new_tokens=6, temperature=0.0)
+    s = eng.stats()
+    for k in ("expert_hits", "expert_misses", "expert_prefetch_issued", "expert_prefetch_used",
+              "expert_bytes_streamed", "load_seconds", "expert_hit_rate", "generated_tokens"):
+        assert k in s, k
+    assert isinstance(s["load_seconds"], float) and s["load_seconds"] > 0
+    assert s["expert_hits"] + s["expert_misses"] == s["expert_needed"] > 0
+    assert 0.0 <= s["expert_hit_rate"] <= 1.0
+    assert s["expert_bytes_streamed"] == (s["expert_misses"] + s["expert_prefetch_issued"]) * s["expert_bytes"]
+    plain = Engine.from_pretrained(None, config={"backend": cpu_backend.info.path, "num_threads": 2})
+    assert "load_seconds" in plain.stats() and not any(k.startswith("expert_") for k in plain.stats())
+
+
+def test_defaults_per_backend(cpu_backend):
+    """Unset source and prefetch: on a host-memory backend, disk and no prefetch (no predicting
+    router is traced); on the device path, prefetch, and host images unless loading lazily."""
+    r = _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": 0.5})
+    assert r.experts.host_memory and r.experts.source == "disk" and r.experts.prefetch is False
+    assert not any(l.moe.streamed.predict for l in r.weights.layers if l.moe is not None)
+    rep = r.expert_stats()
+    assert rep["expert_source"] == "disk" and rep["expert_prefetch"] is False and rep["expert_policy"] == "lfru"
+    d = _runner(NANO, _backend("cpu", cpu_backend), "bf16", ExpertCacheConfig(capacity=0.5, host_memory=False))
+    assert not d.experts.host_memory and d.experts.prefetch is True
+    assert d.experts.source == "host"            # the embedded model's experts fit the host's memory
+    # every main MoE layer but the last predicts the next one's experts; the MTP layer runs in its own plan
+    assert [l.moe.streamed.predict for l in d.weights.layers[1:]] == [True, True, True, False]
+    assert d.weights.mtp.layer.moe.streamed.predict is False
+    lazy = _runner(NANO, _backend("cpu", cpu_backend), "bf16", ExpertCacheConfig(capacity=1.0, host_memory=False))
+    assert lazy.experts.source == "disk"         # lazy loading reads nothing up front
+
+
+# ============================================================================ 3. the memory bound
+@pytest.mark.parametrize("capacity", [0.04, 0.25, 0.3, 0.5, 0.75, 1.0])
+def test_slots_follow_a_fractional_capacity(capacity, cpu_backend):
+    r = _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": capacity})
+    n_layers, E = _layers_and_experts(r)
+    n = round(capacity * E)
+    ex, rep = r.experts, r.expert_stats()
+    assert ex.slots_per_layer == rep["expert_cache_slots_per_layer"] == n
+    assert all(L.slots.n == n for L in ex.layers)
+    nb = rep["expert_bytes"]
+    assert all(L.pool.nbytes == n * nb for L in ex.layers)           # each layer's slots: one allocation
+    assert ex.n_overflow == E - n                                   # a step can route to every expert
+    assert rep["expert_cache_bytes"] == nb * (n * n_layers + ex.n_overflow) == r.memory_report()["expert_cache_bytes"]
+    assert rep["expert_cache_bytes"] <= rep["expert_total_bytes"]
+    if capacity <= 0.25:
+        assert rep["expert_cache_bytes"] < rep["expert_total_bytes"] / 2
+    # every streamed layer's kernel sees E expert descriptors (slots, overflow, aliases of slot 0)
+    for l in r.weights.layers[1:]:
+        assert len(l.moe.streamed.w_gate) == len(l.moe.streamed.w_up) == len(l.moe.streamed.w_down) == E
+
+
+def test_total_expert_bytes_match_the_resident_model(cpu_backend):
+    """The cache's notion of "all routed expert bytes" (what a fractional capacity is a fraction of)
+    is what the resident model holds: the bf16 images have no padding."""
+    res = _runner(NANO, _backend("cpu", cpu_backend), "bf16")
+    moe = [l.moe for l in res.weights.layers if l.moe is not None] + [res.weights.mtp.layer.moe]
+    resident = sum(w.nbytes for m in moe for ws in (m.experts_gate, m.experts_up, m.experts_down) for w in ws)
+    r = _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": 0.25})
+    assert r.expert_stats()["expert_total_bytes"] == resident
+    assert r.expert_stats()["expert_cache_bytes"] < resident
+
+
+def test_byte_capacity(cpu_backend):
+    """An integer capacity > 1 is bytes: floor(bytes / (expert bytes x MoE layers)) slots per layer,
+    at most all experts; too few bytes for one slot per layer is a ConfigError that says so."""
+    probe = _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": 0.25})
+    n_layers, E = _layers_and_experts(probe)
+    per_slot_row = probe.experts.expert_bytes * n_layers     # one slot in every MoE layer (MTP included)
+    for cap, want in ((3 * per_slot_row, 3), (3 * per_slot_row + per_slot_row - 1, 3), (per_slot_row, 1),
+                      (float(5 * per_slot_row), 5), (100 * per_slot_row, E)):
+        r = _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": cap})
+        assert r.experts.slots_per_layer == want, cap
+    with pytest.raises(ConfigError, match=r"capacity \d+ holds no expert per layer.*raise it"):
+        _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": per_slot_row - 1})
+    with pytest.raises(ConfigError, match="holds no expert per layer"):
+        _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": 0.02})    # round(0.32) = 0 slots
+
+
+def test_byte_capacity_bounds_the_cache_memory(cpu_backend):
+    """A capacity given in bytes is a memory budget: the cache's memory (its report's
+    expert_cache_bytes: every layer's slots plus the shared overflow) must fit in it."""
+    probe = _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": 0.25})
+    n_layers, E = _layers_and_experts(probe)
+    nb = probe.experts.expert_bytes
+    for slots in (3, 8):
+        cap = slots * nb * n_layers
+        r = _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": cap})
+        rep = r.expert_stats()
+        assert rep["expert_cache_bytes"] <= cap, (
+            f"capacity {cap} bytes, but the cache holds {rep['expert_cache_bytes']} bytes "
+            f"({rep['expert_cache_slots_per_layer']} slots x {n_layers} layers + "
+            f"{rep['expert_cache_overflow_slots']} overflow slots, {nb} bytes each)")
+
+
+# ============================================================================ 4. configuration
+BAD_CONFIGS = [
+    ({"capacity": 0.5, "size": 3}, "unknown expert_cache option"),
+    ({"Capacity": 0.5}, "unknown expert_cache option"),
+    ({"source": "gpu"}, "source must be one of host, disk"),
+    ({"policy": "mru"}, "policy must be one of lfru, lru"),
+    ({"policy": "LRU"}, "policy must be one of"),
+    ({"capacity": 0}, "must be > 0"),
+    ({"capacity": 0.0}, "must be > 0"),
+    ({"capacity": -0.5}, "must be > 0"),
+    ({"capacity": -4096}, "must be > 0"),
+    ({"capacity": True}, "must be a number"),
+    ({"capacity": "0.5"}, "must be a number"),
+    ({"capacity": None}, "must be a number"),
+    ({"capacity": float("nan")}, "must be a number"),
+    ({"capacity": 1.5}, "must be an integer"),
+    ({"capacity": 4096.5}, "must be an integer"),
+    ({"capacity": float("inf")}, "must be an integer"),
+    ({"prefetch": "yes"}, "prefetch must be true or false"),
+    ({"prefetch": 1}, "prefetch must be true or false"),
+    (0.5, "expert_cache must be an object"),
+    ("disk", "expert_cache must be an object"),
+    ([{"capacity": 0.5}], "expert_cache must be an object"),
+    (True, "expert_cache must be an object"),
+]
+
+
+@pytest.mark.parametrize("value, fragment", BAD_CONFIGS, ids=[repr(v) for v, _ in BAD_CONFIGS])
+def test_engine_config_rejects_bad_expert_cache(value, fragment):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        EngineConfig.from_any({"expert_cache": value})
+
+
+GOOD_CONFIGS = [    # (capacity, source, prefetch, policy); None: chosen per backend
+    ({}, (1.0, None, None, "lfru")),
+    ({"capacity": 0.5}, (0.5, None, None, "lfru")),
+    ({"capacity": 1}, (1.0, None, None, "lfru")),               # 1 is the whole, not one byte
+    ({"capacity": 1 << 30}, (1 << 30, None, None, "lfru")),
+    ({"capacity": 1e9}, (10 ** 9, None, None, "lfru")),         # an integral float above 1: bytes
+    ({"capacity": 0.25, "source": "host", "prefetch": False, "policy": "lru"}, (0.25, "host", False, "lru")),
+    ({"source": "disk", "policy": "lfru", "prefetch": True}, (1.0, "disk", True, "lfru")),
+]
+
+
+@pytest.mark.parametrize("value, want", GOOD_CONFIGS, ids=[json.dumps(v) for v, _ in GOOD_CONFIGS])
+def test_engine_config_accepts_valid_expert_cache(value, want):
+    cfg = EngineConfig.from_any({"expert_cache": value})
+    assert cfg.expert_cache == value
+    c = ExpertCacheConfig.parse(cfg.expert_cache)
+    assert (c.capacity, c.source, c.prefetch, c.policy) == want
+    assert type(c.capacity) is type(want[0])          # a fraction stays a float, bytes are an int
+    assert EngineConfig.from_any({}).expert_cache is None and ExpertCacheConfig.parse(None) is None
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    """A tiny V3 checkpoint whose every layer is dense (first_k_dense_replace = num_hidden_layers)
+    while its config still names 8 routed experts; no MTP layer."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import tiny_checkpoints
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    d = dict(tiny_checkpoints.BASE)
+    d.update(num_hidden_layers=2, first_k_dense_replace=2)
+    cfg = DeepseekV3Config(**d, q_lora_rank=48, n_shared_experts=1, n_group=4, topk_group=2, norm_topk_prob=True,
+                           routed_scaling_factor=2.5, num_mtp_layers=0)
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("ec_dense") / "dense"
+    DeepseekV3ForCausalLM(cfg).eval().save_pretrained(out)
+    from deepinfer.model import Checkpoint
+
+    ck = Checkpoint(out)
+    assert ck.config.n_routed_experts == 8 and not any(".experts." in n or ".gate." in n for n in ck.names())
+    return out
+
+
+def test_model_without_routed_experts_rejects_the_cache(dense_dir, tmp_path):
+    """n_routed_experts 0: a dense model, for which the option is an error that says so."""
+    import shutil
+
+    zero = tmp_path / "zero"
+    shutil.copytree(dense_dir, zero)
+    cfg = json.loads((dense_dir / "config.json").read_text())
+    cfg["n_routed_experts"] = 0
+    (zero / "config.json").write_text(json.dumps(cfg))
+    be = deepinfer.get_backend("reference")
+    ModelRunner(zero, be, max_batch=2, max_seq_len=32)                      # loads without the cache
+    with pytest.raises(ConfigError, match="no routed experts"):
+        ModelRunner(zero, be, max_batch=2, max_seq_len=32, expert_cache={"capacity": 0.5})
+
+
+def test_model_with_no_moe_layer_rejects_the_cache(dense_dir):
+    """Routed experts in the config but no MoE layer at all (first_k_dense_replace covers every layer):
+    there is nothing to cache, which must be the same clear ConfigError, not a crash."""
+    be = deepinfer.get_backend("reference")
+    ModelRunner(dense_dir, be, max_batch=2, max_seq_len=32)                 # a valid dense model
+    with pytest.raises(ConfigError, match="expert_cache"):
+        ModelRunner(dense_dir, be, max_batch=2, max_seq_len=32, expert_cache={"capacity": 0.5})
+
+
+# ============================================================================ 5. LayerSlots and the policies
+def _consistent(ls: LayerSlots) -> None:
+    for s, e in enumerate(ls.expert_in):
+        if e >= 0:
+            assert ls.slot_of[e] == s
+    for e, s in enumerate(ls.slot_of):
+        if s >= 0:
+            assert ls.expert_in[s] == e
+    assert ls.unused_prefetch <= {e for e in ls.expert_in if e >= 0}
+    assert ls.table.tolist() == ls.slot_of          # the kernel's id -> slot map mirrors slot_of
+
+
+def test_layer_slots_sizes_and_policy_names():
+    for bad in (0, -1, 9):
+        with pytest.raises(ValueError, match="needs 1..8 slots"):
+            LayerSlots(8, bad)
+    with pytest.raises(ValueError, match="is not one of lfru, lru"):
+        make_policy("fifo", 8)
+    LayerSlots(8, 8, "lru")
+    LayerSlots(8, 1, "lfru")
+
+
+def test_lru_evicts_the_least_recently_used():
+    ls = LayerSlots(E=6, n_slots=3, policy="lru")
+    hits, used, loads, over = ls.route([0, 1, 2])
+    assert hits == [] and used == [] and over == []
+    assert loads == [(0, 0, -1), (1, 1, -1), (2, 2, -1)]           # free slots first, nothing evicted
+    assert ls.route([1]) == ([1], [], [], [])
+    assert ls.route([0]) == ([0], [], [], [])                       # recency now: 0, then 1, then 2
+    hits, _, loads, _ = ls.route([3])
+    assert hits == [] and loads == [(3, 2, 2)]                      # 3 takes the slot of 2
+    hits, _, loads, _ = ls.route([4])
+    assert loads == [(4, 1, 1)]                                     # then of 1 (0 was used after it)
+    assert ls.route([0]) == ([0], [], [], [])
+    _consistent(ls)
+    assert sorted(ls.expert_in) == [0, 3, 4]
+
+
+def test_lfru_keeps_a_hot_expert_that_lru_evicts():
+    """Expert 0 is used five steps running, then 1 and 2 once each: LRU evicts 0 for 2 (used longest
+    ago), LFRU evicts 1 (its decayed count is far lower) and the next use of 0 is a hit."""
+    seq = [[0]] * 5 + [[1], [2], [0]]
+    out = {}
+    for policy in ("lru", "lfru"):
+        ls = LayerSlots(E=4, n_slots=2, policy=policy)
+        res = [ls.route(step) for step in seq]
+        out[policy] = res
+        _consistent(ls)
+    assert out["lru"][6][2] == [(2, 0, 0)] and out["lfru"][6][2] == [(2, 1, 1)]
+    assert out["lru"][7][0] == [] and out["lru"][7][2] == [(0, 1, 1)]     # a miss: 0 was flushed
+    assert out["lfru"][7][0] == [0] and out["lfru"][7][2] == []           # a hit
+
+
+def test_lfru_decays_old_uses():
+    """Uses count with a decay, not as a raw count: 30 uses of 0 long ago (a decayed score of ~3.0)
+    weigh less than 10 recent uses of 1 (~5.9), so 0 is the victim, which plain LFU would keep."""
+    ls = LayerSlots(E=4, n_slots=2, policy="lfru")
+    for _ in range(30):
+        ls.route([0])
+    for _ in range(10):
+        ls.route([1])
+    hits, _, loads, _ = ls.route([2])   # both slots taken: the victim is 0 or 1
+    assert loads == [(2, 0, 0)]
+    assert ls.resident(1) and ls.resident(2) and not ls.resident(0)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfru"])
+def test_route_never_evicts_a_needed_expert(policy):
+    rng = random.Random(1)
+    E, n = 12, 4
+    ls = LayerSlots(E, n, policy)
+    for _ in range(400):
+        needed = rng.sample(range(E), rng.randint(1, 7))
+        before = {e for e in range(E) if ls.resident(e)}
+        hits, used, loads, over = ls.route(needed)
+        assert hits == [e for e in needed if e in before]
+        assert sorted(hits + [e for e, _, _ in loads] + over) == sorted(needed)
+        for e, s, evicted in loads:
+            assert evicted not in needed and ls.expert_in[s] == e
+        if over:
+            # only when every slot holds an expert this step needs
+            assert all(e in needed for e in ls.expert_in)
+            assert len(over) == len(needed) - n
+        assert all(ls.resident(e) for e in needed if e not in over)
+        _consistent(ls)
+
+
+def test_route_overflow_when_all_slots_are_needed():
+    ls = LayerSlots(E=8, n_slots=2, policy="lfru")
+    hits, used, loads, over = ls.route([5, 6, 7, 1])
+    assert hits == [] and loads == [(5, 0, -1), (6, 1, -1)] and over == [7, 1]
+    hits, used, loads, over = ls.route([5, 6, 2])
+    assert hits == [5, 6] and loads == [] and over == [2]            # 5 and 6 are needed: nothing to evict
+    assert not ls.resident(7) and not ls.resident(2)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfru"])
+def test_prefetch_spares_predicted_experts_and_counts_use_once(policy):
+    ls = LayerSlots(E=8, n_slots=3, policy=policy)
+    ls.route([0, 1, 2])
+    placed = ls.prefetch([1, 3])              # 1 is resident: only 3 loads, evicting 0 or 2, never 1
+    assert len(placed) == 1 and placed[0][0] == 3 and placed[0][2] in (0, 2)
+    assert ls.resident(1) and ls.resident(3)
+    assert ls.unused_prefetch == {3}
+    hits, used, loads, over = ls.route([3, 1])
+    assert hits == [3, 1] and used == [3] and loads == [] and over == []   # 1 was resident anyway
+    hits, used, _, _ = ls.route([3, 1])
+    assert hits == [3, 1] and used == []                                # reported once only
+    # more predictions than slots: the prefetch stops, never evicting one predicted for this step
+    ls2 = LayerSlots(E=8, n_slots=2, policy=policy)
+    ls2.route([6])
+    placed = ls2.prefetch([0, 1, 2])
+    assert placed == [(0, 1, -1), (1, 0, 6)]          # a free slot, then the unpredicted 6; 2 finds none
+    assert ls2.resident(0) and ls2.resident(1) and not ls2.resident(2)
+    # a prefetched expert evicted before use is no longer reported
+    hits, used, loads, over = ls2.route([4, 5])
+    assert used == [] and ls2.unused_prefetch == set()
+    _consistent(ls2)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfru"])
+def test_prefetch_random_sequences(policy):
+    rng = random.Random(7)
+    E, n = 10, 4
+    ls = LayerSlots(E, n, policy)
+    pending = set()          # prefetched and not yet reported as used
+    for _ in range(300):
+        predicted = rng.sample(range(E), rng.randint(0, 6))
+        placed = ls.prefetch(predicted)
+        for e, s, evicted in placed:
+            assert e in predicted and evicted not in predicted
+        pending = (pending | {e for e, _, _ in placed}) & {e for e in range(E) if ls.resident(e)}
+        assert ls.unused_prefetch == pending
+        if len(predicted) <= n:
+            assert all(ls.resident(e) for e in predicted)
+        needed = rng.sample(range(E), rng.randint(1, 5))
+        hits, used, loads, over = ls.route(needed)
+        assert set(used) == pending & set(needed) and len(used) == len(set(used))
+        pending -= set(needed)
+        pending &= {e for e in range(E) if ls.resident(e)}
+        _consistent(ls)
+
+
+# ============================================================================ 6. plans that pause
+def _paused_plan(be):
+    """x -> a = x + x, b = x * x | pause "mid" (reads a, b; the host writes k) | c = b + k | pause
+    "end" (reads c) | pause "again" (an empty segment) | d = c * c (the output)."""
+    tr = Tracer(be)
+    x = tr.input("x", (8,), "f32")
+    k = tr.input("k", (8,), "f32")
+    a = tr.empty((8,), "f32", "a")
+    tr.add(a=x, b=x, out=a)
+    b = tr.empty((8,), "f32", "b")
+    # a is not read by any op after this point: only the pause keeps it alive (else b may reuse it)
+    tr.mul(a=x, b=x, out=b)
+    tr.pause("mid", a=a, b=b)
+    c = tr.empty((8,), "f32", "c")
+    tr.add(a=b, b=k, out=c)
+    tr.pause("end", c=c)
+    tr.pause("again")
+    d = tr.empty((8,), "f32", "d")
+    tr.mul(a=c, b=c, out=d)
+    tr.output("d", d)
+    p = Plan.from_tracer(("test",), tr)
+    arena = Arena(be)
+    arena.ensure(p.arena_bytes)
+    p.bind(arena, be)
+    return p, arena
+
+
+def _run_paused(p, be, xv, kv, seen):
+    p.host_input("x")[:] = xv
+
+    def on_pause(pz):
+        seen.append(pz.tag)
+        if pz.tag == "mid":
+            assert set(pz.tensors) == {"a", "b"}
+            np.testing.assert_array_equal(be.to_numpy(pz.tensors["a"]), xv + xv)
+            np.testing.assert_array_equal(be.to_numpy(pz.tensors["b"]), xv * xv)
+            p.pause_input("k")[:] = kv            # an input written in the middle of the step
+            p.send_pause_input("k", be)
+        elif pz.tag == "end":
+            np.testing.assert_array_equal(be.to_numpy(pz.tensors["c"]), xv * xv + kv)
+        else:
+            assert pz.tag == "again" and pz.tensors == {}
+
+    p.run(be, on_pause)
+    return be.to_numpy(p.bound_outputs["d"]).copy()
+
+
+def test_pause_without_prior_write_is_an_error():
+    tr = Tracer(None)
+    a = tr.empty((4,), "f32")
+    with pytest.raises(RuntimeError, match="pause 'p' reads .* before any op wrote it"):
+        tr.pause("p", a=a)
+
+
+@pytest.mark.parametrize("bname", ["reference", "cpu"])
+def test_plan_runs_segment_by_segment(bname, cpu_backend):
+    be = _backend(bname, cpu_backend)
+    p, _ = _paused_plan(be)
+    assert p.has_pauses
+    segs = p.prepared(be)
+    assert [pz.tag if pz else None for _, pz in segs] == ["mid", "end", "again", None]
+    assert [len(calls) for calls, _ in segs] == [2, 1, 0, 1]
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        xv, kv = rng.standard_normal(8).astype(np.float32), rng.standard_normal(8).astype(np.float32)
+        seen = []
+        d = _run_paused(p, be, xv, kv, seen)
+        assert seen == ["mid", "end", "again"]
+        np.testing.assert_array_equal(d, (xv * xv + kv) ** 2)
+    with pytest.raises(RuntimeError, match="got no on_pause"):
+        p.run(be)
+    # a plan without pauses still runs without on_pause
+    tr = Tracer(be)
+    x = tr.input("x", (4,), "f32")
+    y = tr.empty((4,), "f32")
+    tr.add(a=x, b=x, out=y)
+    tr.output("y", y)
+    q = Plan.from_tracer(("plain",), tr)
+    arena = Arena(be)
+    arena.ensure(q.arena_bytes)
+    q.bind(arena, be)
+    q.host_input("x")[:] = [1, 2, 3, 4]
+    assert not q.has_pauses
+    q.run(be)
+    np.testing.assert_array_equal(be.to_numpy(q.bound_outputs["y"]), [2, 4, 6, 8])
+
+
+def test_captured_segments_replay_the_same(cpu_backend):
+    """On the CPU library a plan with pauses is captured as one graph per segment (none for an empty
+    one); replays read fresh inputs, including the one the host writes in a pause."""
+    be = deepinfer.loader.load_library(cpu_backend.info.path, num_threads=2)
+    stream = be.create_stream()
+    be.set_stream(stream)
+    try:
+        assert be.supports_graphs
+        p, _ = _paused_plan(be)
+        rng = np.random.default_rng(1)
+        xv, kv = rng.standard_normal(8).astype(np.float32), rng.standard_normal(8).astype(np.float32)
+        eager = _run_paused(p, be, xv, kv, [])
+        p.capture(be)
+        assert isinstance(p.graph, list) and len(p.graph) == 4
+        assert p.graph[2] is None and all(g is not None for i, g in enumerate(p.graph) if i != 2)
+        seen = []
+        np.testing.assert_array_equal(_run_paused(p, be, xv, kv, seen), eager)
+        assert seen == ["mid", "end", "again"]
+        for _ in range(2):
+            xv, kv = rng.standard_normal(8).astype(np.float32), rng.standard_normal(8).astype(np.float32)
+            np.testing.assert_array_equal(_run_paused(p, be, xv, kv, []), (xv * xv + kv) ** 2)
+    finally:
+        be.set_stream(None)
+        stream.close()
+
+
+def test_runner_captures_each_segment_of_a_cached_decode_plan(cpu_backend):
+    """The CPU runner captures decode plans after their first run; with the cache a plan pauses
+    once per MoE layer, so its graph is a list with one entry per segment."""
+    r = _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": 0.5})
+    assert r.use_graphs
+    _workload(r, 4096)
+    decode = [(k, p) for k, p in r.plans.items() if k[1] == "decode" and p.runs > 1]
+    assert {k[0] for k, _ in decode} == {"main", "mtp"}
+    for k, p in decode:
+        segs = p.prepared(r.backend)
+        moe_layers = 4 if k[0] == "main" else 1         # the main model's 4 MoE layers, or the MTP layer
+        assert p.has_pauses and len(segs) == moe_layers + 1 and segs[-1][1] is None
+        want = [("experts", pos) for pos in range(4)] if k[0] == "main" else [("experts", 4)]
+        assert [tuple(pz.tag) for _, pz in segs[:-1]] == want      # (binding turns the tag into a list)
+        assert isinstance(p.graph, list) and len(p.graph) == len(segs)
+
+
+# ============================================================================ loads under stress, other step shapes
+@pytest.mark.parametrize("host_memory", [None, False], ids=["host-path", "device-path"])
+def test_slow_reads_are_waited_for(host_memory, cpu_backend, monkeypatch):
+    """Reads on the reader thread(s) take milliseconds (a slow disk): a layer whose experts are
+    still arriving waits for them, so the results stay bit-identical (a layer that ran on a slot
+    before its bytes arrived would compute with another expert's weights)."""
+    import threading
+    import time
+
+    from deepinfer.model import expert_cache as EC
+
+    pread = EC.ExpertCache._pread
+
+    def slow(ranges, dst):
+        if threading.current_thread().name.startswith("deepinfer-experts"):
+            time.sleep(0.003)
+        pread(ranges, dst)
+
+    monkeypatch.setattr(EC.ExpertCache, "_pread", staticmethod(slow))
+    ec = ExpertCacheConfig(capacity=0.5, source="disk", prefetch=True, host_memory=host_memory)
+    r = _assert_bit_identical("cpu", cpu_backend, NANO, "bf16", ec, 4096, raw=True)
+    assert r.expert_stats()["expert_prefetch_issued"] > 0
+
+
+def test_few_bounce_buffers(cpu_backend, monkeypatch):
+    """The device path reads disk experts through a bounded set of pinned bounce buffers (here the
+    minimum, 2) while many loads are in flight: readers wait for buffers, none deadlocks."""
+    from deepinfer.model import expert_cache as EC
+
+    monkeypatch.setattr(EC, "BOUNCE_BYTES", 1)
+    # a deadlock would hang the suite: the run gets a (generous) watchdog that turns it into a failure
+    r = _with_watchdog(lambda: _assert_bit_identical("cpu", cpu_backend, NANO, "bf16",
+                                                     _device(0.25, "disk", prefetch=True), 4096, raw=True))
+    assert r.expert_stats()["expert_misses"] + r.expert_stats()["expert_prefetch_issued"] > 2
+    # once the loads still in flight (prefetches nobody waited for yet) are done, every buffer is back
+    ex = r.experts
+    for L in ex.layers:
+        for slot in list(L.pending):
+            ex._finish(L, slot, compute_waits=False)
+    ex._pump()
+    assert len(ex._bounce_free) == 2
+
+
+def test_chunked_prefill_and_score(cpu_backend):
+    """Multi-token steps of sequences already started (chunked prefill, score()'s chunks) with the
+    cache give the resident model's logits of every position."""
+    rng = np.random.default_rng(4)
+    ids = rng.integers(3, 4096, 120).tolist()             # chunks of 48, 48 and 24 tokens
+    want = _runner(NANO, _backend("cpu", cpu_backend), "bf16").score(ids, chunk=48)
+    r = _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": 0.25, "policy": "lru", "prefetch": True})
+    got = r.score(ids, chunk=48)
+    assert got.shape == (120, 4096) and np.array_equal(want, got)
+    assert r.expert_stats()["expert_overflow_loads"] > 0
+
+
+# ============================================================================ 7. the command line
+def _cli(argv, monkeypatch, capsys) -> tuple:
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"")))
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:
+        rc = e.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _stats_line(err: str) -> dict:
+    lines = [l for l in err.splitlines() if l.startswith("deepinfer: stats ")]
+    assert len(lines) == 1, err
+    return json.loads(lines[0][len("deepinfer: stats "):])
+
+
+def test_cli_run_with_expert_cache(monkeypatch, capsys):
+    argv = ["run", "--verbose", "Once upon a time", "--max-new-tokens", "8"]
+    rc, plain, err = _cli(argv, monkeypatch, capsys)
+    assert rc == 0, err
+    assert "expert_hits" not in _stats_line(err)
+    rc, cached, err = _cli(["run", "--verbose", "--expert-cache", '{"capacity": 0.5}', "Once upon a time",
+                            "--max-new-tokens", "8"], monkeypatch, capsys)
+    assert rc == 0, err
+    assert "Traceback" not in err
+    assert cached == plain and cached.startswith("Once upon a time") and len(cached) > len("Once upon a time\n")
+    s = _stats_line(err)
+    assert s["expert_hits"] + s["expert_misses"] == s["expert_needed"] > 0
+    assert s["expert_cache_slots_per_layer"] == 8 and s["generated_tokens"] >= 1
+
+
+@pytest.mark.parametrize("value, fragment", [
+    ("{bad", "--expert-cache: not valid JSON"),
+    ("", "--expert-cache: not valid JSON"),               # given but empty: not "no cache"
+    ('{"capacity": 0.5', "--expert-cache: not valid JSON"),
+    ("[0.5]", "expert_cache must be an object"),
+    ('{"capacity": 0}', "expert_cache.capacity must be > 0"),
+    ('{"capacity": 2.5}', "must be an integer"),
+    ('{"size": 1}', "unknown expert_cache option"),
+    ('{"source": "ssd"}', "expert_cache.source must be one of"),
+    ('{"capacity": 4096}', "holds no expert per layer"),        # valid JSON and type, too small for the model
+])
+def test_cli_bad_expert_cache(value, fragment, monkeypatch, capsys):
+    rc, out, err = _cli(["run", "x", "--max-new-tokens", "2", "--backend", "reference", "--expert-cache", value],
+                        monkeypatch, capsys)
+    assert rc == EXIT_USAGE, (rc, err)
+    assert fragment in err, err
+    assert "Traceback" not in err and out == ""
+
+
+# ============================================================================ 8. the engine
+PROMPTS = ["Once upon a time", "The little dog", "She opened the door and saw", "1, 2, 3,"]
+
+
+def test_engine_generate_same_with_and_without_the_cache(cpu_backend):
+    base = dict(backend=cpu_backend.info.path, num_threads=2)
+    plain = Engine.from_pretrained(None, config=base)
+    cached = Engine.from_pretrained(None, config={**base, "expert_cache": {"capacity": 0.5}})
+    assert cached.runner.experts is not None and plain.runner.experts is None
+    for prompt in PROMPTS[:2]:
+        a = plain.generate(prompt, max_new_tokens=12, temperature=0.0)
+        b = cached.generate(prompt, max_new_tokens=12, temperature=0.0)
+        assert a == b and a
+    # several prompts run together (a batched prefill, then decode in a padded bucket)
+    assert plain.generate_batch(PROMPTS, max_new_tokens=10, temperature=0.0) == \
+        cached.generate_batch(PROMPTS, max_new_tokens=10, temperature=0.0)
+    s = cached.stats()
+    assert s["expert_hits"] + s["expert_misses"] == s["expert_needed"] > 0
+
+
+def test_engine_chunked_prefill_same_with_and_without_the_cache(cpu_backend):
+    """Prompts longer than a step's token budget (prefilled in chunks, mixed with other requests'
+    decode steps) and more requests than max_batch: the engine's greedy tokens do not change."""
+    base = dict(backend=cpu_backend.info.path, num_threads=2, max_batch=3, max_num_batched_tokens=32)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 4096, n).tolist() for n in (100, 5, 70, 33, 9)]
+    outs = []
+    for ec in (None, {"capacity": 0.25, "policy": "lru", "prefetch": True}, {"capacity": 0.5, "source": "host"}):
+        eng = Engine.from_pretrained(None, config={**base, "expert_cache": ec})
+        outs.append(eng.generate_ids(prompts, max_new_tokens=16, temperature=0.0, ignore_eos=True))
+    assert all(len(o) == 16 for o in outs[0])
+    assert outs[1] == outs[0] and outs[2] == outs[0]
+
+
+# ============================================================================ resources (not in the brief's list)
+def _open_files_under(d: Path) -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(str(d)):
+                n += 1
+        except OSError:
+            pass
+    return n
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
+def test_dropping_a_cached_runner_closes_its_files(cpu_backend, tmp_path):
+    """The disk source reads through file descriptors of its own; a runner that is dropped must not
+    keep them open (a server or a test suite builds many engines in one process)."""
+    import shutil
+
+    d = tmp_path / "nano"
+    shutil.copytree(NANO, d)
+    gc.collect()
+    assert _open_files_under(d) == 0
+    r = _runner(d, _backend("cpu", cpu_backend), "bf16", {"capacity": 0.25, "source": "disk"})
+    r.forward([r.new_sequence()], [[5, 6, 7, 8, 9]], [0])
+    assert _open_files_under(d) > 0
+    del r
+    gc.collect()
+    assert _open_files_under(d) == 0, "the expert cache's checkpoint file descriptors outlive the runner"
