@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
@@ -291,6 +292,8 @@ class ExpertCache:
         self._fds: dict = {}
         self._reader = ThreadPoolExecutor(max_workers=READ_THREADS if self.host_memory else 4,
                                           thread_name_prefix="deepinfer-experts")
+        # the readers and the open files go with the cache (weakref.finalize: nothing they run holds it)
+        self._closer = weakref.finalize(self, _close, self._reader, self._fds)
         self._images: Optional[list] = None
         self._bounce_free: list = []     # device, disk: pinned buffers the readers read into
         self._queued: list = []          # loads waiting for a bounce buffer
@@ -677,13 +680,9 @@ class ExpertCache:
             self._pump()
 
     def close(self) -> None:
-        self._reader.shutdown(wait=True)
-        for fd in self._fds.values():
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._fds.clear()
+        """Wait for reads in flight, stop the readers, close the checkpoint files (also done when
+        the cache is collected)."""
+        self._closer()
 
     # ------------------------------------------------------------------ reporting
     def report(self) -> dict:
@@ -699,6 +698,16 @@ class ExpertCache:
                  expert_bytes=self.layout.nbytes, expert_source=self.source, expert_policy=self.cfg.policy,
                  expert_prefetch=self.prefetch, expert_setup_seconds=self.setup_seconds)
         return S
+
+
+def _close(reader: ThreadPoolExecutor, fds: dict) -> None:
+    reader.shutdown(wait=True)
+    for fd in fds.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
 
 
 def _merged(ranges: list) -> list:
