@@ -402,32 +402,43 @@ def test_total_expert_bytes_match_the_resident_model(cpu_backend):
 
 
 def test_byte_capacity(cpu_backend):
-    """An integer capacity > 1 is bytes: floor(bytes / (expert bytes x MoE layers)) slots per layer,
-    at most all experts; too few bytes for one slot per layer is a ConfigError that says so."""
+    """An integer capacity > 1 is a byte budget for everything the cache allocates: the most slots
+    per layer k such that k slots in every MoE layer plus the shared overflow (the experts a step may
+    route to beyond k: E - k here, a step can touch them all) fit; too few bytes is a ConfigError
+    that names the minimum."""
     probe = _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": 0.25})
     n_layers, E = _layers_and_experts(probe)
-    per_slot_row = probe.experts.expert_bytes * n_layers     # one slot in every MoE layer (MTP included)
-    for cap, want in ((3 * per_slot_row, 3), (3 * per_slot_row + per_slot_row - 1, 3), (per_slot_row, 1),
-                      (float(5 * per_slot_row), 5), (100 * per_slot_row, E)):
+    nb = probe.experts.expert_bytes
+
+    def cost(k):                      # bytes of k slots per layer plus an overflow of E - k
+        return (k * n_layers + (E - k)) * nb
+
+    for cap, want in ((cost(3), 3), (cost(4) - 1, 3), (cost(1), 1), (float(cost(5)), 5), (100 * cost(E), E),
+                      (cost(E), E)):
         r = _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": cap})
         assert r.experts.slots_per_layer == want, cap
-    with pytest.raises(ConfigError, match=r"capacity \d+ holds no expert per layer.*raise it"):
-        _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": per_slot_row - 1})
+        assert r.expert_stats()["expert_cache_bytes"] <= cap
+        assert r.experts.n_overflow == E - want
+    with pytest.raises(ConfigError, match=rf"capacity \d+ bytes holds no expert per layer.*at least {cost(1)}"):
+        _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": cost(1) - 1})
     with pytest.raises(ConfigError, match="holds no expert per layer"):
         _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": 0.02})    # round(0.32) = 0 slots
 
 
 def test_byte_capacity_bounds_the_cache_memory(cpu_backend):
     """A capacity given in bytes is a memory budget: the cache's memory (its report's
-    expert_cache_bytes: every layer's slots plus the shared overflow) must fit in it."""
+    expert_cache_bytes: every layer's slots plus the shared overflow) fits in it, and the layer
+    pools and the overflow pool the backend allocated add up to that report."""
     probe = _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": 0.25})
     n_layers, E = _layers_and_experts(probe)
     nb = probe.experts.expert_bytes
     for slots in (3, 8):
-        cap = slots * nb * n_layers
+        cap = (slots * n_layers + E - slots) * nb + nb // 2
         r = _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": cap})
         rep = r.expert_stats()
-        assert rep["expert_cache_bytes"] <= cap, (
+        ex = r.experts
+        allocated = sum(L.pool.nbytes for L in ex.layers) + (ex.overflow.nbytes if ex.overflow is not None else 0)
+        assert allocated == rep["expert_cache_bytes"] <= cap, (
             f"capacity {cap} bytes, but the cache holds {rep['expert_cache_bytes']} bytes "
             f"({rep['expert_cache_slots_per_layer']} slots x {n_layers} layers + "
             f"{rep['expert_cache_overflow_slots']} overflow slots, {nb} bytes each)")
@@ -975,3 +986,51 @@ def test_dropping_a_cached_runner_closes_its_files(cpu_backend, tmp_path):
     del r
     gc.collect()
     assert _open_files_under(d) == 0, "the expert cache's checkpoint file descriptors outlive the runner"
+
+
+# ============================================================================ the warm-up step runs dry
+def test_dry_steps_load_nothing_and_route_nowhere(cpu_backend):
+    """The device warm-up that sizes the KV cache runs a prefill with the cache dry: no expert is
+    read (lazy loading stays lazy) and every pair is routed nowhere, so the step computes the
+    model without its routed experts; the next real step loads and matches the resident model."""
+    r = _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": 1.0})
+    r.experts.dry = True
+    dry = r.backend.to_numpy(r.forward([(1, [5, 6, 7, 8], 0)])).copy()
+    rep = r.expert_stats()
+    assert rep["expert_bytes_streamed"] == 0 and rep["expert_needed"] == 0 and np.isfinite(dry).all()
+    r.experts.dry = False
+    r.free(1)
+    got = r.backend.to_numpy(r.forward([(2, [5, 6, 7, 8], 0)])).copy()
+    base = _runner(NANO, _backend("cpu", cpu_backend), "bf16")
+    want = base.backend.to_numpy(base.forward([(2, [5, 6, 7, 8], 0)])).copy()
+    assert np.array_equal(got, want) and not np.array_equal(dry, want)
+    assert r.expert_stats()["expert_misses"] > 0
+
+
+# ============================================================================ a device library
+# DEEPINFER_CUDA_LIB=... (backends/cuda/device_expert_cache.sh on the GPU machine): the same
+# bit-identity on the device, where the copy stream, events and pinned buffers are real
+DEVICE_LIB = os.environ.get("DEEPINFER_CUDA_LIB")
+DEVICE_CASES = [
+    {"capacity": 0.25, "source": "host"},
+    {"capacity": 0.25, "source": "disk", "policy": "lru", "prefetch": False},
+    {"capacity": 0.5, "source": "disk"},
+    {"capacity": 0.5, "source": "host", "prefetch": True, "policy": "lfru"},
+    {"capacity": 1.0},
+]
+
+
+@pytest.mark.skipif(not DEVICE_LIB, reason="needs DEEPINFER_CUDA_LIB (a GPU backend library)")
+@pytest.mark.parametrize("ec", DEVICE_CASES, ids=_id)
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_bit_identical_device(ec, eager):
+    def lib():
+        return deepinfer.loader.load_library(DEVICE_LIB)
+
+    want = _workload(_runner(NANO, lib(), "bf16", enforce_eager=eager), 4096)
+    r = _runner(NANO, lib(), "bf16", ec, enforce_eager=eager)
+    assert r.experts is not None and not r.experts.host_memory
+    got = _workload(r, 4096)
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert np.array_equal(a, b), f"step {i}: the cached model differs by {float(np.abs(a - b).max())}"
+    _check_counters(r.expert_stats(), r.experts.prefetch, ExpertCacheConfig.parse(ec).policy)

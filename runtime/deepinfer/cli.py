@@ -56,7 +56,7 @@ def _engine(args):
         overrides["precision"] = args.precision
     if getattr(args, "revision", None):
         overrides["revision"] = args.revision
-    if getattr(args, "expert_cache", None):
+    if getattr(args, "expert_cache", None) is not None:
         overrides["expert_cache"] = V.parse_json(args.expert_cache.encode(), "--expert-cache", err=ConfigError)
     return Engine.from_pretrained(args.model, config=args.config, **overrides)
 

@@ -111,6 +111,9 @@ class ModelRunner:
             moe = [l.moe for l in self.weights.layers if l.moe is not None]
             if self.weights.mtp is not None and self.weights.mtp.layer.moe is not None:
                 moe.append(self.weights.mtp.layer.moe)
+            if not moe:
+                raise ConfigError("expert_cache: this model has no MoE layer (first_k_dense_replace covers every "
+                                  "layer), so it has no routed experts to stream; drop the option")
             self.experts = ExpertCache(backend, loader, moe, ec, top_k=c.num_experts_per_tok,
                                        max_tokens=max(self.max_num_batched_tokens, self.max_batch, 256),
                                        main_layers=c.num_hidden_layers)

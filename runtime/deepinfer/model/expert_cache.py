@@ -46,7 +46,7 @@ import logging
 import os
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -74,6 +74,11 @@ def _align(n: int) -> int:
 class ExpertCacheConfig:
     """engine config `expert_cache`: {"capacity": fraction of all routed expert bytes in (0, 1] or
     bytes (an integer > 1), "source": "host" | "disk", "prefetch": bool, "policy": "lfru" | "lru"}.
+
+    capacity: a fraction is the share of each layer's experts that stays cached; the shared overflow
+    (the misses of one layer's step beyond its slots: up to experts - slots) comes on top and is
+    reported in expert_cache_bytes. A byte count is a budget for everything the cache allocates,
+    the overflow included.
 
     prefetch, when not given: on for device backends, where copies run on their own engine beside the
     kernels; off on host backends, where the reader takes a core from the compute threads and a
@@ -251,19 +256,32 @@ class ExpertCache:
         self.layout = ImageLayout(tmpl)
         n_moe = len(moe_layers)
         per_expert = self.layout.nbytes
+        # a step routes up to max_tokens x top_k experts of a layer: a shared overflow pool holds, for
+        # one layer at a time, the misses beyond the layer's slots
+        work = min(E, max_tokens * top_k)
+
+        def overflow(n: int) -> int:
+            return max(0, work - n)
+
         if isinstance(cfg.capacity, float):
-            n = int(round(cfg.capacity * E))
+            # a fraction: that share of each layer's experts stays cached; the overflow comes on top
+            n = min(E, int(round(cfg.capacity * E)))
+            if n < 1:
+                raise ConfigError(f"expert_cache.capacity {cfg.capacity!r} holds no expert per layer: it is a share "
+                                  f"of each layer's {E} experts and rounds to 0 slots; use at least {0.5 / E:.3g}")
         else:
-            n = int(cfg.capacity) // (per_expert * n_moe)
-        if n < 1:
-            need = per_expert * n_moe
-            raise ConfigError(f"expert_cache.capacity {cfg.capacity!r} holds no expert per layer: one slot in each of "
-                              f"the {n_moe} MoE layers takes {need} bytes ({per_expert} per expert); raise it")
-        self.slots_per_layer = n = min(n, E)
+            # a byte budget covers everything the cache allocates, the overflow included
+            budget = int(cfg.capacity)
+            n = next((k for k in range(E, 0, -1) if (k * n_moe + overflow(k)) * per_expert <= budget), 0)
+            if n < 1:
+                need = (n_moe + overflow(1)) * per_expert
+                raise ConfigError(f"expert_cache.capacity {budget} bytes holds no expert per layer: one slot in each "
+                                  f"of the {n_moe} MoE layers plus the {overflow(1)}-expert overflow a step may need "
+                                  f"take {need} bytes ({per_expert} per expert); raise it to at least {need}")
+        self.slots_per_layer = n
+        self.n_overflow = overflow(n)
         if self.source is None:
             self.source = self._default_source(n == E, per_expert * E * n_moe)
-        # a step routes T tokens x top_k experts: the overflow covers what exceeds a layer's slots
-        self.n_overflow = max(0, min(E, max_tokens * top_k) - n)
         be = backend
         self.layers: list[_Layer] = []
         for pos, m in enumerate(moe_layers):
@@ -550,7 +568,7 @@ class ExpertCache:
                 continue
             try:
                 ld.read.result(timeout=0.0005)
-            except TimeoutError:
+            except FutureTimeout:      # not the builtin TimeoutError before Python 3.11
                 continue
             if not self.host_memory and ld.event is None:
                 self._issue_copy(ld, ld.bounce)
