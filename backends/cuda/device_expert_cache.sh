@@ -24,7 +24,7 @@ python3 -m deepinfer.conformance "$LIB" --ops moe_router,moe_experts --no-out > 
 tail -6 "$OUT/conformance_moe.log"
 echo "== expert cache tests on cuda"
 DEEPINFER_TEST_BACKENDS=cuda DEEPINFER_CUDA_LIB=$LIB python3 -m pytest -q -x -p no:cacheprovider \
-  tests/test_expert_cache.py 2>&1 | tee "$OUT/expert_cache_tests_cuda.log" | tail -6 || status=1
+  tests/test_expert_cache.py -k test_bit_identical_device 2>&1 | tee "$OUT/expert_cache_tests_cuda.log" | tail -6 || status=1
 echo "== benchmark: embedded model"
 python3 benchmarks/bench_expert_cache.py --backend "$LIB" --commit "$COMMIT" --out-dir "$OUT" --tokens 256 \
   --cold-repeats 3 2>&1 | tail -40 || status=1
