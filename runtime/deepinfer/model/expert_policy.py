@@ -115,6 +115,14 @@ class LayerSlots:
         a prefetch, loads [(expert, slot, evicted)] the misses placed in the layer's slots and
         overflow the misses left for the shared overflow (all slots hold needed experts)."""
         self.now += 1
+        use, now, slot_of = self.policy.use, self.now, self.slot_of
+        if not self.unused_prefetch and all(slot_of[e] >= 0 for e in needed):
+            # the common step once the cache is warm: every needed expert is resident
+            for e in needed:
+                use(e, now)
+            if self.predicted:
+                self.predicted = set()
+            return needed, [], [], []
         keep = set(needed)
         hits, used_pf, loads, overflow = [], [], [], []
         for e in needed:
