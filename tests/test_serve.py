@@ -256,3 +256,19 @@ def test_cli_serve_answers_then_stops_cleanly_on_sigterm():
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
+
+
+def test_metrics_with_an_expert_cache():
+    """With expert_cache on, /metrics carries its counters, and they move once a request ran."""
+    s = LiveServer({**_config(), "precision": "bf16", "max_batch": 2, "expert_cache": {"capacity": 0.5}})
+    try:
+        r = httpx.post(s.url + "/v1/completions", json={"model": NAME, "prompt": "def f(x):", "max_tokens": 8,
+                                                        "temperature": 0}, timeout=60)
+        assert r.status_code == 200
+        text = httpx.get(s.url + "/metrics").text
+        vals = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                if line.startswith("deepinfer_expert_cache_")}
+        assert vals["deepinfer_expert_cache_hits"] + vals["deepinfer_expert_cache_misses"] > 0
+        assert vals["deepinfer_expert_cache_bytes_streamed"] > 0 and 0 < vals["deepinfer_expert_cache_hit_ratio"] <= 1
+    finally:
+        s.stop()

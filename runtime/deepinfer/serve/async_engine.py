@@ -70,7 +70,7 @@ class AsyncEngine:
 
     def snapshot(self) -> dict:
         """Engine counters for /metrics and /health (read without locking: plain ints)."""
-        m = self.engine.metrics()
+        m = self.engine.stats()
         m["alive"] = self._thread.is_alive() and self.error is None
         return m
 

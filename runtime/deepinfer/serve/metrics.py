@@ -1,8 +1,8 @@
 """Prometheus metrics of the server (prometheus_client, one registry per server).
 
 Counters and histograms are updated on the engine thread as outputs arrive; gauges (running and
-waiting requests, KV blocks, tokens/s over the last 10 s) are read from the engine when /metrics is
-scraped."""
+waiting requests, KV blocks, tokens/s over the last 10 s, the expert cache's counters) are read from
+the engine when /metrics is scraped."""
 from __future__ import annotations
 
 import threading
@@ -41,6 +41,15 @@ class ServerMetrics:
         self.plans = Gauge("deepinfer_plans", "execution plans traced", registry=r)
         self.tokens_per_s = Gauge("deepinfer_generation_tokens_per_second", "tokens generated per second, last 10 s",
                                   registry=r)
+        # the expert cache's counters (engine config expert_cache), present only when it is on
+        self.experts = {k: Gauge(f"deepinfer_expert_cache_{k}", help_, registry=r) for k, help_ in (
+            ("hits", "routed experts found resident when a step needed them"),
+            ("misses", "routed experts a step had to load and wait for"),
+            ("prefetch_issued", "experts loaded ahead of use on a prediction"),
+            ("prefetch_used", "prefetched experts a step then used"),
+            ("bytes_streamed", "expert bytes copied into the cache"),
+            ("wait_seconds", "time steps waited for expert loads"))}
+        self.expert_hit_ratio = Gauge("deepinfer_expert_cache_hit_ratio", "hits / needed experts", registry=r)
         self._recent: deque = deque()
         self._lock = threading.Lock()
 
@@ -59,6 +68,10 @@ class ServerMetrics:
         self.prefix_hit.set(snapshot["prefix_cache_hit_tokens"] / q if q else 0.0)
         self.preemptions.set(snapshot["preemptions"])
         self.plans.set(snapshot["plans"])
+        if "expert_hits" in snapshot:
+            for k, g in self.experts.items():
+                g.set(snapshot[f"expert_{k}"])
+            self.expert_hit_ratio.set(snapshot["expert_hit_rate"] or 0.0)
         now = time.monotonic()
         with self._lock:
             while self._recent and self._recent[0][0] < now - 10.0:
