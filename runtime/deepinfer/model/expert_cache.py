@@ -31,14 +31,15 @@ hides transfers is prefetch, issued a whole layer ahead. (Computing the resident
 misses arrive would split the op's sum over k into two calls and change its rounding: the output
 would no longer be the resident model's.)
 
-Loads. A reader thread copies an image's bytes from its source: the pinned host image (source
-"host": every expert read, converted and kept in host memory at start) or the checkpoint file
-(source "disk": pread of each tensor's byte range when the experts are used as stored; otherwise
-the expert is converted on the main thread as the eager load does). On a backend whose memory is
-host memory (CPU, reference) the reader writes into the slot itself. On a device it reads into a
-pinned bounce buffer (disk) and the main thread sends it with an asynchronous copy on a copy
-stream; the working stream waits for that copy's event before the layer's moe_experts, so the
-host never waits for a transfer.
+Loads. An expert's bytes come from the pinned host image (source "host": every expert read, and
+converted where the precision says so, into host memory at start) or from the checkpoint files
+(source "disk": one preadv per run of the expert's byte ranges when the experts are used as stored;
+otherwise the expert is converted on the main thread as the eager load does). On a backend whose
+memory is host memory (CPU, reference) a miss is read into its slot on the main thread (it is waited
+for at once) and a prefetch by a reader thread (it overlaps the layers computed until its use). On a
+device, reader threads read into pinned bounce buffers (disk) and the main thread sends each with an
+asynchronous copy on a copy stream; the working stream waits for that copy's event before the
+layer's moe_experts, so the host never waits for a transfer.
 """
 from __future__ import annotations
 
@@ -214,7 +215,6 @@ class _Load:
     event: object = None     # device: the copy's event (None until issued)
     bounce: Optional[Tensor] = None
     ranges: Optional[list] = None    # device, disk: the file runs to read
-    t0: float = 0.0
 
 
 @dataclass
@@ -289,7 +289,7 @@ class ExpertCache:
             views = [self.layout.views(pool.buffer, pool.offset + s * per_expert) for s in range(n)]
             idx = int(m.prefix.split(".")[2])
             self.layers.append(_Layer(pos, idx, m.prefix, LayerSlots(E, n, cfg.policy), pool, views))
-        self.overflow = be.empty((max(self.n_overflow, 1) * per_expert,), "uint8") if self.n_overflow else None
+        self.overflow = be.empty((self.n_overflow * per_expert,), "uint8") if self.n_overflow else None
         self.overflow_views = [self.layout.views(self.overflow.buffer, self.overflow.offset + s * per_expert)
                                for s in range(self.n_overflow)]
         self._overflow_raw = []
@@ -306,7 +306,7 @@ class ExpertCache:
             # the next layer's router runs on this layer's residual; the MTP layer is another plan
             m.streamed.predict = self.prefetch and self.layers[i + 1].index == self.layers[i].index + 1 \
                 and self.layers[i + 1].index < main_layers
-        self._ranges: dict = {}          # (layer pos, expert) -> [(fd, file offset, nbytes, image offset)]
+        self._ranges: dict = {}          # (layer pos, expert) -> its file runs (_merged)
         self._fds: dict = {}
         self._reader = ThreadPoolExecutor(max_workers=READ_THREADS if self.host_memory else 4,
                                           thread_name_prefix="deepinfer-experts")
@@ -496,7 +496,7 @@ class ExpertCache:
 
     def _start(self, L: _Layer, e: int, slot_t: Tensor, kind: str) -> _Load:
         """Device: begin loading expert e of layer L into the bytes of slot_t."""
-        ld = _Load(L.pos, e, slot_t, kind, t0=time.perf_counter())
+        ld = _Load(L.pos, e, slot_t, kind)
         nb = self.layout.nbytes
         # device: the bytes go through host memory, then one asynchronous copy on the copy stream
         if self._images is not None:
