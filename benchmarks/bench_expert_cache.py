@@ -191,7 +191,8 @@ def main() -> int:
     ids = tok.encode(text_path.read_text())[: args.tokens]
     res = {"date": dt.date.today().isoformat(), "commit": args.commit, "backend": args.backend,
            "model": args.model.name, "text": text_path.name, "tokens": len(ids), "host": platform.node(),
-           "cpu": platform.processor() or platform.machine(), "precision": args.precision, "warmup": args.warmup}
+           "cpu": platform.processor() or platform.machine(), "precision": args.precision, "warmup": args.warmup,
+           "command": "python benchmarks/bench_expert_cache.py " + " ".join(sys.argv[1:])}
 
     # 1-2: routing and policies
     steps, n_layers, E, nb, res["backend"] = trace_routing(args, ids)
@@ -255,8 +256,8 @@ def write(res: dict, out: Path) -> None:
     (out / f"{stem}.json").write_text(json.dumps(res, indent=1, default=float))
     f = lambda v, p=3: "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))  # noqa: E731
     L = [f"# Expert cache on {res['backend']}: {res['model']}, {res['tokens']} tokens of {res['text']}", "",
-         f"{res['date']}, commit {res['commit']}, {res['cpu']}. Command: `python benchmarks/bench_expert_cache.py "
-         f"--backend {res['backend']} --commit {res['commit']}`. {res['moe_layers']} streamed MoE layers x "
+         f"{res['date']}, commit {res['commit']}, {res['cpu']}, backend {res['backend']}. Command: `{res['command']}`. "
+         f"{res['moe_layers']} streamed MoE layers x "
          f"{res['experts_per_layer']} experts of {res['expert_bytes']} bytes; batch 1, teacher-forced decode "
          f"(every step feeds the text's next token).", "",
          "## Policies on the model's real routing (the engine's bookkeeping replayed on the recorded trace)", "",
