@@ -185,8 +185,8 @@ def _device(capacity, source, **kw) -> ExpertCacheConfig:
 
 
 # ============================================================================ 1. bit-identical logits
-# unset source / prefetch take the backend's defaults (disk, and no prefetch on host backends; the
-# device path prefetches by default)
+# unset source / prefetch take the backend's defaults (disk, and no prefetch on host backends for the
+# embedded model's small experts; the device path prefetches by default)
 CPU_CASES = [
     {"capacity": 0.25},
     {"capacity": 0.25, "source": "host", "policy": "lru", "prefetch": True},
@@ -352,8 +352,9 @@ def test_engine_stats(cpu_backend):
 
 
 def test_defaults_per_backend(cpu_backend):
-    """Unset source and prefetch: on a host-memory backend, disk and no prefetch (no predicting
-    router is traced); on the device path, prefetch, and host images unless loading lazily."""
+    """Unset source and prefetch: on a host-memory backend, disk, and prefetch only for experts of
+    HOST_PREFETCH_MIN_BYTES or more (the embedded model's are 192 KiB: no predicting router is
+    traced); on the device path, prefetch, and host images unless loading lazily."""
     r = _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": 0.5})
     assert r.experts.host_memory and r.experts.source == "disk" and r.experts.prefetch is False
     assert not any(l.moe.streamed.predict for l in r.weights.layers if l.moe is not None)
@@ -367,6 +368,16 @@ def test_defaults_per_backend(cpu_backend):
     assert d.weights.mtp.layer.moe.streamed.predict is False
     lazy = _runner(NANO, _backend("cpu", cpu_backend), "bf16", ExpertCacheConfig(capacity=1.0, host_memory=False))
     assert lazy.experts.source == "disk"         # lazy loading reads nothing up front
+    # the same model with f32 experts (384 KiB) prefetches on a host backend once the threshold is below that
+    from deepinfer.model import expert_cache as X
+
+    old = X.HOST_PREFETCH_MIN_BYTES
+    X.HOST_PREFETCH_MIN_BYTES = 300 << 10
+    try:
+        assert _runner(NANO, _backend("cpu", cpu_backend), "f32", {"capacity": 0.5}).experts.prefetch is True
+        assert _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": 0.5}).experts.prefetch is False
+    finally:
+        X.HOST_PREFETCH_MIN_BYTES = old
 
 
 # ============================================================================ 3. the memory bound

@@ -64,6 +64,10 @@ SOURCES = ("host", "disk")
 ALIGN = 256
 READ_THREADS = 1          # host-memory backends: the compute threads use the cores; one reader overlaps them
 BOUNCE_BYTES = 1 << 30    # device backends: at most this much pinned memory for disk reads in flight
+# host backends prefetch by default only experts this large: a read then lasts long enough (~200 us
+# from the page cache) for the reader to overlap the compute; with small ones (the embedded model's
+# 192 KiB) the hand-off and the wrong predictions' reads cost more than the overlap saves
+HOST_PREFETCH_MIN_BYTES = 4 << 20
 
 
 def _align(n: int) -> int:
@@ -82,13 +86,14 @@ class ExpertCacheConfig:
     the overflow included.
 
     prefetch, when not given: on for device backends, where copies run on their own engine beside the
-    kernels; off on host backends, where the reader takes a core from the compute threads and a
-    wrong prediction (a quarter of them on the embedded model) costs a read that nothing hides
-    (benchmarks/results/expert_cache_cpu_*.md measures both)."""
+    kernels; on host backends only for experts of HOST_PREFETCH_MIN_BYTES or more: there the reader
+    takes a core from the compute threads, and with small experts its hand-off and the reads of wrong
+    predictions (a quarter of them on the embedded model) cost more than it hides
+    (benchmarks/results/expert_cache_cpu_*.md: the embedded model, and V2-Lite-sized experts)."""
 
     capacity: float = 1.0
     source: Optional[str] = None      # None: see ExpertCache._default_source
-    prefetch: Optional[bool] = None   # None: on for device backends, off for host backends
+    prefetch: Optional[bool] = None   # None: on for devices, on host backends for large experts
     policy: str = "lfru"
     # not a JSON key: False drives the device path (pinned bounce buffers, async copies on a copy
     # stream, events) on a host-memory backend, which is how tests cover it without a GPU
@@ -243,7 +248,6 @@ class ExpertCache:
         # slots in host memory the reader writes itself (CPU / reference backends), else the device path
         self.host_memory = backend.device == "cpu" if cfg.host_memory is None else bool(cfg.host_memory)
         self.source = cfg.source
-        self.prefetch = (not self.host_memory) if cfg.prefetch is None else bool(cfg.prefetch)
         self.E = E = loader.cfg.n_routed_experts
         self.K = top_k
         self.stats = dict(expert_hits=0, expert_misses=0, expert_overflow_loads=0, expert_prefetch_issued=0,
@@ -280,6 +284,8 @@ class ExpertCache:
                                   f"take {need} bytes ({per_expert} per expert); raise it to at least {need}")
         self.slots_per_layer = n
         self.n_overflow = overflow(n)
+        self.prefetch = bool(cfg.prefetch) if cfg.prefetch is not None else \
+            (not self.host_memory or per_expert >= HOST_PREFETCH_MIN_BYTES)
         if self.source is None:
             self.source = self._default_source(n == E, per_expert * E * n_moe)
         be = backend
