@@ -184,6 +184,7 @@ class Plan:
     _staged: object = None                 # event after the last input copy (None: nothing in flight)
     _pending: bool = False
     graph: object = None                   # one backend.Graph per segment (None: run op by op)
+    _has_pauses: Optional[bool] = None
     runs: int = 0
 
     @classmethod
@@ -275,7 +276,9 @@ class Plan:
 
     @property
     def has_pauses(self) -> bool:
-        return any(op == PAUSE for op, _ in self.calls)
+        if self._has_pauses is None:
+            self._has_pauses = any(op == PAUSE for op, _ in self.calls)
+        return self._has_pauses
 
     def input_region(self, name: str) -> tuple:
         """(device view, host view) of one input's bytes, for an input the host writes in a pause
