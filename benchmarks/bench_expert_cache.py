@@ -43,11 +43,18 @@ from deepinfer.loader import get_backend  # noqa: E402
 from deepinfer.model.expert_policy import LayerSlots  # noqa: E402
 
 CAPACITIES = (0.25, 0.5, 0.75, 1.0)
+CONFIGS = {    # the streamed runs of each capacity
+    "lru": ("lru, no prefetch", {"policy": "lru", "prefetch": False}),
+    "lfru": ("lfru, no prefetch", {"policy": "lfru", "prefetch": False}),
+    "lfru+prefetch": ("lfru + prefetch", {"policy": "lfru", "prefetch": True}),
+}
 
 
 # ---------------------------------------------------------------------------------------- the runs
 def runner_for(args, expert_cache):
     be = get_backend(args.backend, num_threads=args.threads)
+    if expert_cache is not None and args.source:
+        expert_cache = {**expert_cache, "source": args.source}
     return ModelRunner(args.model, be, max_batch=1, precision=args.precision, expert_cache=expert_cache,
                        max_seq_len=args.tokens + 8)
 
@@ -114,33 +121,52 @@ def simulate(steps: list, n_layers: int, E: int, capacity: float, policy: str, p
             "prefetch_precision": pf_used_pred / pred_total if pred_total else None}
 
 
-def source_bandwidth(r: ModelRunner) -> float:
-    """Bytes/s of the expert source as the cache reads it: pread of every expert's byte ranges of
-    every streamed layer (page cache warm: read twice, the second timed) on host backends; a pinned
-    host to device copy on devices."""
+def source_bandwidth(r: ModelRunner) -> dict:
+    """Bytes/s of the expert source as the cache reads it, each path measured as the cache runs it
+    (the page cache warm: everything is read once untimed first): "read", pread of the experts'
+    byte ranges (source disk; on a device by the cache's 4 reader threads), or "memcpy" from the host
+    images (source host on a host backend); "h2d", a pinned host to device copy (devices). "bound"
+    is the slowest stage a load passes through."""
+    from concurrent.futures import ThreadPoolExecutor
+
     ex = r.experts
     nb = ex.layout.nbytes
-    if ex.host_memory:
+    out = {}
+    if ex.source == "host" and ex.host_memory:
         buf = np.empty(nb, np.uint8)
-        jobs = [ex._expert_ranges(L, e) for L in ex.layers for e in range(ex.E)] if ex.raw else []
-        if not jobs:
-            return float("nan")
-        for rg in jobs:
-            ex._pread(rg, buf)
+        imgs = [img[e * nb:(e + 1) * nb] for img in ex._images for e in range(ex.E)]
+        for src in imgs:
+            np.copyto(buf, src)
         t0 = time.perf_counter()
-        for rg in jobs:
-            ex._pread(rg, buf)
-        return len(jobs) * nb / (time.perf_counter() - t0)
-    be = r.backend
-    host = be.host_empty((nb * 8,), "uint8")
-    dev = be.empty((nb * 8,), "uint8")
-    be.copy_async(dev, host)
-    be.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(5):
+        for src in imgs:
+            np.copyto(buf, src)
+        out["memcpy"] = len(imgs) * nb / (time.perf_counter() - t0)
+    elif ex.source == "disk" and ex.raw:
+        jobs = [ex._expert_ranges(L, e) for L in ex.layers for e in range(ex.E)][:256]
+        threads = 1 if ex.host_memory else 4
+        bufs = [np.empty(nb, np.uint8) for _ in range(threads)]
+
+        def read(i):
+            ex._pread(jobs[i], bufs[i % threads])
+
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(read, range(len(jobs))))
+            t0 = time.perf_counter()
+            list(pool.map(read, range(len(jobs))))
+            out["read"] = len(jobs) * nb / (time.perf_counter() - t0)
+    if not ex.host_memory:
+        be = r.backend
+        host = be.host_empty((nb * 8,), "uint8")
+        dev = be.empty((nb * 8,), "uint8")
         be.copy_async(dev, host)
-    be.synchronize()
-    return 5 * nb * 8 / (time.perf_counter() - t0)
+        be.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            be.copy_async(dev, host)
+        be.synchronize()
+        out["h2d"] = 5 * nb * 8 / (time.perf_counter() - t0)
+    out["bound"] = min(out.values()) if out else float("nan")
+    return out
 
 
 def cold_start(args, cache: bool, repeats: int) -> list:
@@ -181,6 +207,9 @@ def main() -> int:
     ap.add_argument("--precision", default="bf16", help="weights' precision (default bf16: what the engine picks for a bf16 checkpoint)")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--cold-repeats", type=int, default=5)
+    ap.add_argument("--capacities", type=float, nargs="+", default=list(CAPACITIES))
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--source", choices=("host", "disk"), help="every streamed run's source (default: the engine's)")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
@@ -197,7 +226,7 @@ def main() -> int:
     # 1-2: routing and policies
     steps, n_layers, E, nb, res["backend"] = trace_routing(args, ids)
     res.update(moe_layers=n_layers, experts_per_layer=E, expert_bytes=nb)
-    sims = [simulate(steps, n_layers, E, c, pol, pf) for c in CAPACITIES for pol in ("lru", "lfru")
+    sims = [simulate(steps, n_layers, E, c, pol, pf) for c in args.capacities for pol in ("lru", "lfru")
             for pf in (False, True)]
     for s in sims:
         s["bytes_per_token"] = s["loads_per_token"] * nb
@@ -210,15 +239,15 @@ def main() -> int:
     res["resident"] = {"step_ms": 1e3 * t_res, "tok_s": 1 / t_res}
     runs = []
     bw = None
-    for c in CAPACITIES:
-        for label, ec in (("lru, no prefetch", {"capacity": c, "policy": "lru", "prefetch": False}),
-                          ("lfru, no prefetch", {"capacity": c, "policy": "lfru", "prefetch": False}),
-                          ("lfru + prefetch", {"capacity": c, "policy": "lfru", "prefetch": True})):
-            r = runner_for(args, ec)
+    for c in args.capacities:
+        for label, opts in (CONFIGS[k] for k in args.configs):
+            r = runner_for(args, {"capacity": c, **opts})
             if bw is None:
-                bw = source_bandwidth(r)
+                parts = source_bandwidth(r)
+                bw = parts["bound"]
                 res["source"] = r.experts.source
                 res["source_bandwidth_GBps"] = bw / 1e9
+                res["source_stages_GBps"] = {k: v / 1e9 for k, v in parts.items() if k != "bound"}
             out = decode(r, ids)
             st = r.expert_stats()
             t = med(out["times"][args.warmup:])
@@ -269,8 +298,9 @@ def write(res: dict, out: Path) -> None:
                  f"{s['bytes_per_token'] / 1024:.0f} |")
     r0 = res["resident"]
     L += ["", f"## Decode, measured (median step after {res.get('warmup', 32)} warm-up steps)", "",
-          f"Resident model: {r0['step_ms']:.3f} ms/step ({r0['tok_s']:.0f} tok/s). Source `{res['source']}` reads at "
-          f"{res['source_bandwidth_GBps']:.2f} GB/s (measured here). Transfer bound = resident step + bytes moved per "
+          f"Resident model: {r0['step_ms']:.3f} ms/step ({r0['tok_s']:.0f} tok/s). Source `{res['source']}` moves "
+          f"{res['source_bandwidth_GBps']:.2f} GB/s, its slowest stage (measured here: "
+          f"{', '.join(f'{k} {v:.2f} GB/s' for k, v in res['source_stages_GBps'].items())}). Transfer bound = resident step + bytes moved per "
           f"token / that bandwidth. Stalls: loads a step waited for (misses, and prefetches not yet complete); "
           f"wait: time waiting for loads another thread or stream was doing; host: time in the pauses (reading "
           f"the routing, the policy, and on host backends the misses' reads).", "",
