@@ -1045,3 +1045,18 @@ def test_bit_identical_device(ec, eager):
     for i, (a, b) in enumerate(zip(want, got)):
         assert np.array_equal(a, b), f"step {i}: the cached model differs by {float(np.abs(a - b).max())}"
     _check_counters(r.expert_stats(), r.experts.prefetch, ExpertCacheConfig.parse(ec).policy)
+
+
+def test_device_path_without_streams_is_a_clear_error(cpu_backend, monkeypatch):
+    """A device library without ABI 1.1's streams / events cannot overlap copies: a ConfigError that
+    says so at load, not a failure in the middle of a step."""
+    from deepinfer.errors import UnsupportedOpError
+
+    be = _backend("cpu", cpu_backend)
+
+    def no_streams():
+        raise UnsupportedOpError("stream_create", 3, "UNIMPLEMENTED", "this library lacks stream_create")
+
+    monkeypatch.setattr(be, "create_stream", no_streams)
+    with pytest.raises(ConfigError, match="needs streams, events and asynchronous copies"):
+        _runner(NANO, be, "bf16", ExpertCacheConfig(capacity=0.5, host_memory=False), enforce_eager=True)

@@ -324,7 +324,12 @@ class ExpertCache:
         self._reading: list = []         # loads being read into one
         self._copying: list = []        # device: loads whose copies are in flight (bounce buffers held)
         if not self.host_memory:
-            self.copy_stream = be.create_stream()
+            try:      # copies on a stream of their own, ordered by events: ABI 1.1's optional entries
+                self.copy_stream = be.create_stream()
+                be.create_event().close()
+            except Exception as e:
+                raise ConfigError(f"expert_cache on {be.name} needs streams, events and asynchronous copies (ABI "
+                                  f"1.1), which this library lacks ({e}); load the model without expert_cache")
             if self.source == "disk":
                 nb = max(2, min(64, BOUNCE_BYTES // per_expert))
                 self._bounce_free = [self._host_buffer(per_expert) for _ in range(nb)]
