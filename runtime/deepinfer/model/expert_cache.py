@@ -337,7 +337,7 @@ class ExpertCache:
             self._build_images()
         self.setup_seconds = time.perf_counter() - t0
         self.route_seconds = 0.0         # host time of the routed pauses (reading ids, policy, issuing loads)
-        self._views: dict = {}           # id(pause tensor) -> (tensor, its NumPy view)
+        self._views: dict = {}           # id(pause tensor) -> (tensor, its host view / pinned copy)
         self.trace: Optional[list] = None  # a list: every pause appends (layer pos, needed, predicted next)
         # dry: steps load nothing and route every pair nowhere (the runner's warm-up step, which only
         # sizes memory: with lazy loading it would otherwise read every expert before the first token)
@@ -615,16 +615,30 @@ class ExpertCache:
         return Tensor(g.buffer, (self.layout.nbytes,), "uint8", None, g.offset - self.layout.parts[0].offset)
 
     # ------------------------------------------------------------------ a step
-    def _read_ids(self, t: Tensor) -> np.ndarray:
-        """A layer's routing, copied (the arena reuses its bytes after the pause). The padding rows
-        of a bucketed batch are routed and loaded too: which rows share an expert can change a
-        library's blocking, and so the last bits of the real rows (the CPU library's does)."""
-        if not t.on_host:
-            return self.backend.to_numpy(t)
-        v = self._views.get(id(t))
-        if v is None or v[0] is not t:
-            v = self._views[id(t)] = (t, t.numpy())     # the plan binds its tensors once: one view each
-        return v[1].copy()
+    def _read_ids(self, *ts) -> list:
+        """The routings of a pause (this layer's, and the next layer's prediction), copied: the
+        arena reuses their bytes after the pause. The padding rows of a bucketed batch are routed and
+        loaded too: which rows share an expert can change a library's blocking, and so the last bits
+        of the real rows (the CPU library's does). On a device: asynchronous copies into pinned
+        buffers and one synchronization for all of them."""
+        views = []
+        for t in ts:
+            v = self._views.get(id(t))
+            if v is None or v[0] is not t:
+                if self.host_memory:
+                    view = t.numpy()          # the plan binds its tensors once: one view each
+                else:
+                    h = self._host_buffer(t.nbytes)
+                    view = Tensor(h.buffer, t.shape, t.dtype, None, h.offset)
+                v = self._views[id(t)] = (t, view)
+            views.append(v[1])
+        if self.host_memory:
+            return [v.copy() for v in views]
+        for t, h in zip(ts, views):
+            self.backend.copy_async(Tensor(h.buffer, (t.nbytes,), "uint8", None, h.offset),
+                                    Tensor(t.buffer, (t.nbytes,), "uint8", None, t.offset))
+        self.backend.synchronize()
+        return [np.array(h.numpy()) for h in views]
 
     def _distinct(self, ids: np.ndarray) -> tuple:
         """(distinct experts in first-use order, whether some id was outside [0, E))."""
@@ -637,7 +651,7 @@ class ExpertCache:
         if self.dry:
             return
         t0 = time.perf_counter()
-        rid = self._read_ids(ids)
+        rid, rpred = self._read_ids(ids, pred) if pred is not None else (self._read_ids(ids)[0], None)
         needed, L.odd_ids = self._distinct(rid)
         S = self.stats
         if L.slots.predicted:
@@ -667,7 +681,7 @@ class ExpertCache:
         predicted = None
         if pred is not None:
             N = self.layers[pos + 1]
-            predicted, _ = self._distinct(self._read_ids(pred))
+            predicted, _ = self._distinct(rpred)
             for e, s, _ in N.slots.prefetch(predicted):
                 self._finish(N, s, compute_waits=False)
                 self._load(N, e, s, "prefetch")
