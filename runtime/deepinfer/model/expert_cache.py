@@ -625,6 +625,8 @@ class ExpertCache:
         for t in ts:
             v = self._views.get(id(t))
             if v is None or v[0] is not t:
+                if len(self._views) > 4096:   # plans retraced over a long run: drop the old entries
+                    self._views.clear()
                 if self.host_memory:
                     view = t.numpy()          # the plan binds its tensors once: one view each
                 else:
