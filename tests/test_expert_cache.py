@@ -855,7 +855,8 @@ def test_slow_reads_are_waited_for(host_memory, cpu_backend, monkeypatch):
 
 def test_few_bounce_buffers(cpu_backend, monkeypatch):
     """The device path reads disk experts through a bounded set of pinned bounce buffers (here the
-    minimum, 2) while many loads are in flight: readers wait for buffers, none deadlocks."""
+    minimum, 2) while many loads are in flight: loads queue for a buffer on the main thread, nothing
+    deadlocks."""
     from deepinfer.model import expert_cache as EC
 
     monkeypatch.setattr(EC, "BOUNCE_BYTES", 1)
