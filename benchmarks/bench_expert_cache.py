@@ -76,7 +76,8 @@ def decode(r: ModelRunner, tokens: list) -> dict:
 
 
 def trace_routing(args, tokens: list):
-    r = runner_for(args, {"capacity": 1.0, "prefetch": True})     # prefetch: the predictions are traced
+    # prefetch: the predictions are traced; no fill: every step keeps its pauses (and so its trace)
+    r = runner_for(args, {"capacity": 1.0, "prefetch": True, "fill": False})
     r.experts.trace = []
     decode(r, tokens)
     ex = r.experts

@@ -98,8 +98,11 @@ def _check_counters(rep: dict, prefetch: bool, policy: str) -> None:
     assert rep["expert_hits"] + rep["expert_misses"] == need
     assert 0.0 <= rep["expert_hit_rate"] <= 1.0
     assert rep["expert_hit_rate"] == pytest.approx(rep["expert_hits"] / need)
-    # every load (a miss, into a slot or the overflow, or a prefetch) moves one expert image
-    assert rep["expert_bytes_streamed"] == (rep["expert_misses"] + rep["expert_prefetch_issued"]) * rep["expert_bytes"]
+    # every load (a miss, into a slot or the overflow, a prefetch, or lazy loading's background fill)
+    # moves one expert image
+    assert rep["expert_bytes_streamed"] == (rep["expert_misses"] + rep["expert_prefetch_issued"]
+                                            + rep["expert_fill_loads"]) * rep["expert_bytes"]
+    assert rep["expert_fill_loads"] == 0 or rep["expert_fill"]
     assert 0 <= rep["expert_overflow_loads"] <= rep["expert_misses"]
     assert 0 <= rep["expert_prefetch_used"] <= rep["expert_prefetch_issued"]
     assert 0 <= rep["expert_prefetch_late"] <= rep["expert_prefetch_issued"]
@@ -296,10 +299,10 @@ def test_bit_identical_fused_layout(bname, family, ec, fused_dirs, cpu_backend):
 
 # ============================================================================ 2. counters
 def test_capacity_one_loads_each_expert_once(cpu_backend):
-    """capacity 1.0 without prefetch is lazy loading: an expert is read the first time it is routed
-    and never again, so the misses are exactly the experts now resident, and the same requests run
-    again are all hits."""
-    r = _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": 1.0, "prefetch": False})
+    """capacity 1.0 without prefetch (and without the background fill) is lazy loading: an expert is
+    read the first time it is routed and never again, so the misses are exactly the experts now
+    resident, and the same requests run again are all hits."""
+    r = _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": 1.0, "prefetch": False, "fill": False})
     n_layers, E = _layers_and_experts(r)
     assert r.experts.slots_per_layer == E and r.experts.n_overflow == 0
     r.experts.trace = []                    # every pause: (layer pos, distinct experts needed, predicted)
@@ -326,7 +329,7 @@ def test_prefetch_counters(cpu_backend):
     _check_counters(rep, True, "lru")
     assert rep["expert_prefetch_issued"] > 0 and rep["expert_prefetch_used"] > 0
     assert rep["expert_predicted"] > 0 and 0 < rep["expert_prefetch_recall"] <= 1
-    full = _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": 1.0, "prefetch": True})
+    full = _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": 1.0, "prefetch": True, "fill": False})
     assert full.experts.prefetch
     _workload(full, 4096)
     rep = full.expert_stats()
@@ -1061,3 +1064,45 @@ def test_device_path_without_streams_is_a_clear_error(cpu_backend, monkeypatch):
     monkeypatch.setattr(be, "create_stream", no_streams)
     with pytest.raises(ConfigError, match="needs streams, events and asynchronous copies"):
         _runner(NANO, be, "bf16", ExpertCacheConfig(capacity=0.5, host_memory=False), enforce_eager=True)
+
+
+# ============================================================================ lazy loading's background fill
+@pytest.mark.parametrize("ec", [{"capacity": 1.0}, _device(1.0, "disk"), _device(1.0, "host")], ids=_id)
+def test_fill_then_steps_without_pauses(ec, cpu_backend):
+    """Lazy loading (capacity 1.0) fills the experts nobody routed yet in the background after the
+    first step; once every expert is resident the plans are traced again without pauses (the eager
+    model's step over the cache's memory). Logits equal the resident model's before, across and
+    after the switch."""
+    be = _backend("cpu", cpu_backend)
+    r = _runner(NANO, be, "bf16", ec)
+    base = _runner(NANO, _backend("cpu", cpu_backend), "bf16")
+    assert r.experts.fill and not r.experts.direct
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(3, 4096, 9).tolist()
+    got, want = [], []
+    for runner, out in ((r, got), (base, want)):
+        sid = runner.new_sequence()
+        out.append(runner.backend.to_numpy(runner.forward([(sid, prompt, 0)])).copy())
+        tok, pos = int(np.argmax(out[-1][0])), len(prompt)
+        for _ in range(40):
+            out.append(runner.backend.to_numpy(runner.forward([(sid, [tok], pos)])).copy())
+            tok, pos = int(np.argmax(out[-1][0])), pos + 1
+            if runner is r and r.experts.direct and len(out) > 35:
+                break
+    assert r.experts.direct, "the background fill never completed"
+    assert all(not p.has_pauses for p in r.plans.values())     # retraced without pauses
+    assert all(np.array_equal(a, b) for a, b in zip(got, want[:len(got)]))
+    rep = r.expert_stats()
+    n_layers, E = _layers_and_experts(r)
+    assert _resident_pairs(r) == n_layers * E
+    assert rep["expert_direct"] is True and rep["expert_fill_loads"] > 0
+    assert rep["expert_bytes_streamed"] == n_layers * E * rep["expert_bytes"]     # each expert read once
+
+
+def test_fill_options():
+    assert ExpertCacheConfig.parse({"capacity": 1.0, "fill": False}).fill is False
+    assert ExpertCacheConfig.parse({}).fill is None
+    with pytest.raises(ConfigError, match="needs capacity 1.0"):
+        ExpertCacheConfig.parse({"capacity": 0.5, "fill": True})
+    with pytest.raises(ConfigError, match="fill must be true or false"):
+        ExpertCacheConfig.parse({"fill": "yes"})

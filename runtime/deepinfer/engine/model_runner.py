@@ -240,6 +240,8 @@ class ModelRunner:
         T = sum(n for _, _, n in batch)
         S = len(batch)
         Tb, Sb = bucket(T), bucket(S)
+        if self.experts is not None and self.experts.before_step():
+            self.plans.clear()     # every expert is resident now: trace the steps again, without pauses
         p = self.plan(kind, mode, Tb, Sb, all_logits, keep_hidden)
         self._fill(p, batch, mode, T, Tb, Sb)
         if self.use_graphs and mode == "decode" and p.graph is None and p.runs >= 1:
@@ -261,6 +263,8 @@ class ModelRunner:
             ex.on_experts(pos, p, f"expert_slots_{pos}")
 
         p.run(self.backend, on_pause)
+        if not ex.dry:
+            ex.steps += 1
 
     def _fill(self, p: Plan, batch: list, mode: str, T: int, Tb: int, Sb: int) -> None:
         if mode == "decode" and T == len(batch):

@@ -189,11 +189,13 @@ class DeepseekGraph:
         ids, wts = self.route(g, w, x, T)
         out = g.empty((T, c.hidden_size), self.dtype, "moe_out")
         s = w.streamed
-        if s is None:
+        if s is None or s.direct is not None:
+            # resident experts (or a filled expert cache: its slots in expert order, no pause)
+            gate, up, down = (w.experts_gate, w.experts_up, w.experts_down) if s is None else s.direct
             if w.shared is not None:
                 self.mlp(g, w.shared, x, T, out=out)
             g.moe_experts(x=x, topk_ids=ids, topk_weights=wts, num_experts=E, accumulate=int(w.shared is not None),
-                          w_gate=w.experts_gate, w_up=w.experts_up, w_down=w.experts_down, out=out)
+                          w_gate=gate, w_up=up, w_down=down, out=out)
             return out
         # streamed experts (model.expert_cache): one pause, after the shared experts, where the host
         # reads the routing, gets missing experts loaded and writes the slot each (token, k) pair uses

@@ -85,6 +85,10 @@ class ExpertCacheConfig:
     reported in expert_cache_bytes. A byte count is a budget for everything the cache allocates,
     the overflow included.
 
+    fill (capacity 1.0 only, default on): after the first step, the experts not routed yet load in
+    the background; once every expert is resident the plans are traced again without pauses (the
+    step is then the eager model's, its experts in the cache's memory).
+
     prefetch, when not given: on for device backends, where copies run on their own engine beside the
     kernels; on host backends only for experts of HOST_PREFETCH_MIN_BYTES or more: there the reader
     takes a core from the compute threads, and with small experts its hand-off and the reads of wrong
@@ -95,6 +99,7 @@ class ExpertCacheConfig:
     source: Optional[str] = None      # None: see ExpertCache._default_source
     prefetch: Optional[bool] = None   # None: on for devices, on host backends for large experts
     policy: str = "lfru"
+    fill: Optional[bool] = None       # capacity 1.0: load the rest in the background (None: yes)
     # not a JSON key: False drives the device path (pinned bounce buffers, async copies on a copy
     # stream, events) on a host-memory backend, which is how tests cover it without a GPU
     host_memory: Optional[bool] = None
@@ -108,10 +113,10 @@ class ExpertCacheConfig:
         if not isinstance(d, dict):
             raise ConfigError(f"expert_cache must be an object such as {{\"capacity\": 0.5, \"source\": \"disk\"}}, "
                               f"not {d!r}")
-        unknown = set(d) - {"capacity", "source", "prefetch", "policy"}
+        unknown = set(d) - {"capacity", "source", "prefetch", "policy", "fill"}
         if unknown:
             raise ConfigError(f"unknown expert_cache option(s) {sorted(map(str, unknown))}; valid: capacity, source, "
-                              f"prefetch, policy")
+                              f"prefetch, policy, fill")
         c = cls()
         if "capacity" in d:
             cap = d["capacity"]
@@ -129,6 +134,11 @@ class ExpertCacheConfig:
             c.source = d["source"]
         if "prefetch" in d:
             c.prefetch = V.boolean("expert_cache.prefetch", d["prefetch"])
+        if "fill" in d:
+            c.fill = V.boolean("expert_cache.fill", d["fill"])
+            if c.fill and c.capacity != 1.0:
+                raise ConfigError(f"expert_cache.fill loads every expert after the first step, which needs "
+                                  f"capacity 1.0 (lazy loading), not {c.capacity!r}")
         if "policy" in d:
             if d["policy"] not in POLICIES:
                 raise ConfigError(f"expert_cache.policy must be one of {', '.join(POLICIES)}, not {d['policy']!r}")
@@ -208,6 +218,8 @@ class StreamedLayer:
     w_up: list
     w_down: list
     predict: bool            # trace the next layer's router on this layer's residual (prefetch)
+    # every expert resident (a filled lazy cache): E descriptors in expert order, no pause; None before
+    direct: Optional[tuple] = None
 
 
 @dataclass
@@ -253,7 +265,7 @@ class ExpertCache:
         self.stats = dict(expert_hits=0, expert_misses=0, expert_overflow_loads=0, expert_prefetch_issued=0,
                           expert_prefetch_used=0, expert_prefetch_late=0, expert_bytes_streamed=0,
                           expert_wait_seconds=0.0, expert_predicted=0, expert_predicted_used=0,
-                          expert_needed=0, expert_needed_predicted=0)
+                          expert_needed=0, expert_needed_predicted=0, expert_fill_loads=0)
         t0 = time.perf_counter()
         first = moe_layers[0].prefix
         tmpl, self.raw = self._template(first)
@@ -284,6 +296,7 @@ class ExpertCache:
                                   f"take {need} bytes ({per_expert} per expert); raise it to at least {need}")
         self.slots_per_layer = n
         self.n_overflow = overflow(n)
+        self.fill = (n == E) if cfg.fill is None else bool(cfg.fill)
         self.prefetch = bool(cfg.prefetch) if cfg.prefetch is not None else \
             (not self.host_memory or per_expert >= HOST_PREFETCH_MIN_BYTES)
         if self.source is None:
@@ -303,6 +316,7 @@ class ExpertCache:
             for L in self.layers:
                 L.raw = [self._bytes(self._slot_tensor(L, s)) for s in range(n)]
             self._overflow_raw = [self._bytes(self._slot_tensor(self.layers[0], n + j)) for j in range(self.n_overflow)]
+        self._moe = moe_layers
         for L, m in zip(self.layers, moe_layers):
             descs = list(L.views) + list(self.overflow_views)
             descs += [L.views[0]] * (E - len(descs))     # never named by an id; keeps E resident descriptors
@@ -342,6 +356,9 @@ class ExpertCache:
         # dry: steps load nothing and route every pair nowhere (the runner's warm-up step, which only
         # sizes memory: with lazy loading it would otherwise read every expert before the first token)
         self.dry = False
+        self.steps = 0                   # steps run through the pauses (the runner counts them)
+        self._filling = False
+        self.direct = False              # every expert resident: plans run without pauses
 
     def _default_source(self, lazy: bool, total: int) -> str:
         """disk on host-memory backends (their slots are host memory already) and for lazy loading
@@ -494,7 +511,7 @@ class ExpertCache:
             dst = L.raw[slot] if slot < L.slots.n else self._overflow_raw[slot - L.slots.n]
             if not self.raw and self._images is None:
                 self._store_converted(self._converted(L, e), dst)
-            elif kind == "prefetch":      # overlaps the layers computed until its use
+            elif kind in ("prefetch", "fill"):      # overlaps the layers computed until its use
                 src = (np.copyto, (dst, self._images[L.pos][e * nb:(e + 1) * nb])) if self._images is not None \
                     else (self._pread, (self._expert_ranges(L, e), dst))
                 L.pending[slot] = _Load(L.pos, e, None, kind, read=self._reader.submit(src[0], *src[1]))
@@ -615,6 +632,37 @@ class ExpertCache:
         return Tensor(g.buffer, (self.layout.nbytes,), "uint8", None, g.offset - self.layout.parts[0].offset)
 
     # ------------------------------------------------------------------ a step
+    def before_step(self) -> bool:
+        """Called by the runner before each step. With fill: after the first step, starts the
+        background loads of every expert not yet resident; once they are all in place, switches the
+        layers to direct descriptors and returns True: the runner then traces its plans again,
+        without pauses. Never blocks."""
+        if not self.fill or self.direct or self.steps < 1:
+            return False
+        if not self._filling:
+            self._filling = True
+            for L in self.layers:
+                for e, s in L.slots.fill():
+                    self._load(L, e, s, "fill")
+                    self.stats["expert_fill_loads"] += 1
+            return False
+        self._pump()
+        if not all(self._complete(ld) or (not self.host_memory and ld.read is not None and ld.read.done()
+                                          and ld.event is not None)
+                   for L in self.layers for ld in L.pending.values()):
+            return False
+        for L in self.layers:
+            for slot in list(L.pending):
+                self._finish(L, slot, compute_waits=True)   # device: the working stream waits for the copies
+            if not L.slots.full:
+                return False
+        for L, m in zip(self.layers, self._moe):
+            v = [L.views[L.slots.slot_of[e]] for e in range(self.E)]
+            m.streamed.direct = ([d[0] for d in v], [d[1] for d in v], [d[2] for d in v])
+        self.direct = True
+        log.info("expert cache: every routed expert is resident; steps run without pauses from now on")
+        return True
+
     def _read_ids(self, *ts) -> list:
         """The routings of a pause (this layer's, and the next layer's prediction), copied: the
         arena reuses their bytes after the pause. The padding rows of a bucketed batch are routed and
@@ -741,7 +789,8 @@ class ExpertCache:
         S.update(expert_cache_slots_per_layer=self.slots_per_layer, expert_cache_overflow_slots=self.n_overflow,
                  expert_cache_bytes=self.slot_bytes, expert_total_bytes=self.total_expert_bytes,
                  expert_bytes=self.layout.nbytes, expert_source=self.source, expert_policy=self.cfg.policy,
-                 expert_prefetch=self.prefetch, expert_setup_seconds=self.setup_seconds)
+                 expert_prefetch=self.prefetch, expert_setup_seconds=self.setup_seconds,
+                 expert_fill=self.fill, expert_direct=self.direct)
         return S
 
 

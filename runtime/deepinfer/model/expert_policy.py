@@ -143,6 +143,25 @@ class LayerSlots:
         self.predicted = set()
         return hits, used_pf, loads, overflow
 
+    def fill(self) -> list:
+        """Place every expert that is not resident into a free slot (a layer with a slot for each of
+        its experts: lazy loading's background fill); returns [(expert, slot)]. Evicts nothing."""
+        out = []
+        for e in range(self.E):
+            if self.slot_of[e] >= 0:
+                continue
+            s = self._slot_for(set(range(self.E)))
+            if s is None or self.expert_in[s] >= 0:
+                break
+            self._place(e, s)
+            out.append((e, s))
+        return out
+
+    @property
+    def full(self) -> bool:
+        """Every expert of the layer is resident."""
+        return all(s >= 0 for s in self.slot_of)
+
     def prefetch(self, predicted: list) -> list:
         """Place predicted experts that are not resident; returns [(expert, slot, evicted)]. The
         experts predicted for this step are kept; nothing else is spared (a wrong prediction evicts
