@@ -31,6 +31,11 @@ hides transfers is prefetch, issued a whole layer ahead. (Computing the resident
 misses arrive would split the op's sum over k into two calls and change its rounding: the output
 would no longer be the resident model's.)
 
+Lazy loading (capacity 1.0) fills in: after the first step the experts nobody routed yet load in
+the background, and once every expert is resident each layer gets direct descriptors (its slots in
+expert order) and the runner traces its plans again without pauses: from then on a step is the
+eager model's step over the cache's memory.
+
 Loads. An expert's bytes come from the pinned host image (source "host": every expert read, and
 converted where the precision says so, into host memory at start) or from the checkpoint files
 (source "disk": one preadv per run of the expert's byte ranges when the experts are used as stored;
