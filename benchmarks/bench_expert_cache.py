@@ -43,6 +43,7 @@ from deepinfer.loader import get_backend  # noqa: E402
 from deepinfer.model.expert_policy import LayerSlots  # noqa: E402
 
 CAPACITIES = (0.25, 0.5, 0.75, 1.0)
+REPEATS = 7           # timed passes of each bandwidth measurement (the best one counts)
 CONFIGS = {    # the streamed runs of each capacity
     "lru": ("lru, no prefetch", {"policy": "lru", "prefetch": False}),
     "lfru": ("lfru, no prefetch", {"policy": "lfru", "prefetch": False}),
@@ -126,8 +127,9 @@ def source_bandwidth(r: ModelRunner) -> dict:
     """Bytes/s of the expert source as the cache reads it, each path measured as the cache runs it
     (the page cache warm: everything is read once untimed first): "read", pread of the experts'
     byte ranges (source disk; on a device by the cache's 4 reader threads), or "memcpy" from the host
-    images (source host on a host backend); "h2d", a pinned host to device copy (devices). "bound"
-    is the slowest stage a load passes through."""
+    images (source host on a host backend); "h2d", a pinned host to device copy (devices). Each is
+    the best of REPEATS timed passes (the highest rate: the tightest bound). "bound" is the slowest
+    stage a load passes through."""
     from concurrent.futures import ThreadPoolExecutor
 
     ex = r.experts
@@ -138,10 +140,13 @@ def source_bandwidth(r: ModelRunner) -> dict:
         imgs = [img[e * nb:(e + 1) * nb] for img in ex._images for e in range(ex.E)]
         for src in imgs:
             np.copyto(buf, src)
-        t0 = time.perf_counter()
-        for src in imgs:
-            np.copyto(buf, src)
-        out["memcpy"] = len(imgs) * nb / (time.perf_counter() - t0)
+        best = float("inf")
+        for _ in range(REPEATS):
+            t0 = time.perf_counter()
+            for src in imgs:
+                np.copyto(buf, src)
+            best = min(best, time.perf_counter() - t0)
+        out["memcpy"] = len(imgs) * nb / best
     elif ex.source == "disk" and ex.raw:
         jobs = [ex._expert_ranges(L, e) for L in ex.layers for e in range(ex.E)][:256]
         threads = 1 if ex.host_memory else 4
@@ -152,20 +157,26 @@ def source_bandwidth(r: ModelRunner) -> dict:
 
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(read, range(len(jobs))))
-            t0 = time.perf_counter()
-            list(pool.map(read, range(len(jobs))))
-            out["read"] = len(jobs) * nb / (time.perf_counter() - t0)
+            best = float("inf")
+            for _ in range(REPEATS):
+                t0 = time.perf_counter()
+                list(pool.map(read, range(len(jobs))))
+                best = min(best, time.perf_counter() - t0)
+            out["read"] = len(jobs) * nb / best
     if not ex.host_memory:
         be = r.backend
         host = be.host_empty((nb * 8,), "uint8")
         dev = be.empty((nb * 8,), "uint8")
         be.copy_async(dev, host)
         be.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(5):
-            be.copy_async(dev, host)
-        be.synchronize()
-        out["h2d"] = 5 * nb * 8 / (time.perf_counter() - t0)
+        best = float("inf")
+        for _ in range(REPEATS):
+            t0 = time.perf_counter()
+            for _ in range(5):
+                be.copy_async(dev, host)
+            be.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        out["h2d"] = 5 * nb * 8 / best
     out["bound"] = min(out.values()) if out else float("nan")
     return out
 
