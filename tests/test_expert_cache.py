@@ -1106,3 +1106,29 @@ def test_fill_options():
         ExpertCacheConfig.parse({"capacity": 0.5, "fill": True})
     with pytest.raises(ConfigError, match="fill must be true or false"):
         ExpertCacheConfig.parse({"fill": "yes"})
+
+
+# ============================================================================ precision "auto" with a cache
+def test_auto_precision_counts_only_what_the_cache_holds(cpu_backend):
+    """precision auto sizes the weights against the memory budget; with an expert cache the routed
+    experts count at the cache's share, so a budget too small for the whole bf16 model but large
+    enough for it with a quarter of its experts keeps the checkpoint's bf16 (no lossy fallback)."""
+    from deepinfer import precision as P
+    from deepinfer.model import Checkpoint
+    from deepinfer import quant_formats as QF
+
+    ck = Checkpoint(NANO)
+    shapes = QF.logical_shapes(ck.entries(), ck.array)
+    full = P.weight_bytes(shapes, "bf16", 64, True, 4)
+    cached = P.resident_weight_bytes(shapes, "bf16", {"capacity": 0.25}, 64, True, 4)
+    experts = P.weight_bytes({n: s for n, s in shapes.items() if ".mlp.experts." in n}, "bf16", 64, True, 4)
+    assert full - experts < cached < full
+    # a byte capacity is what the cache allocates (at most every expert plus the overflow)
+    assert P.resident_weight_bytes(shapes, "bf16", {"capacity": 1 << 20}, 64, True, 4) == full - experts + (1 << 20)
+    budget = (cached + full) // 2
+    base = {"backend": "cpu", "memory_budget_bytes": budget, "max_batch": 1, "max_seq_len": 128}
+    plain = Engine.from_pretrained(None, config=base)
+    assert plain.runner.precision not in (None, "bf16")          # bf16 does not fit: a lossy path
+    streamed = Engine.from_pretrained(None, config={**base, "expert_cache": {"capacity": 0.25}})
+    assert streamed.runner.precision is None or streamed.runner.precision == "bf16"
+    assert "bf16" in streamed.runner.precision_note and "expert cache" in streamed.runner.precision_reason

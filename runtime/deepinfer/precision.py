@@ -211,6 +211,31 @@ def weight_bytes(shapes: Mapping[str, tuple], precision: str, group_size: int = 
     return total
 
 
+def resident_weight_bytes(shapes: Mapping[str, tuple], precision: str, expert_cache, group_size: int = 64,
+                          symmetric: bool = True, kept_bytes_per_element: int = 2) -> int:
+    """weight_bytes with an expert cache (model.expert_cache): every tensor but the routed experts,
+    plus what the cache allocates for them at this precision (a capacity fraction of each layer's
+    experts plus the shared overflow, at most experts - slots of one layer; a byte capacity as given).
+    What must fit the memory budget when the experts stream, so that `auto` keeps the checkpoint's
+    precision for a model whose experts do not fit."""
+    from .model.expert_cache import ExpertCacheConfig
+
+    ec = ExpertCacheConfig.parse(expert_cache)
+    experts = {n: sh for n, sh in shapes.items() if ".mlp.experts." in n}
+    rest = {n: sh for n, sh in shapes.items() if n not in experts}
+    total = weight_bytes(experts, precision, group_size, symmetric, kept_bytes_per_element)
+    if not experts or total == 0:
+        return weight_bytes(rest, precision, group_size, symmetric, kept_bytes_per_element)
+    layers = {n.split(".mlp.experts.")[0] for n in experts}
+    E = len({(n.split(".mlp.experts.")[1].split(".")[0]) for n in experts})
+    if isinstance(ec.capacity, float):
+        n = min(E, max(1, round(ec.capacity * E)))
+        cache = total * n // E + (total // max(len(layers), 1)) * (E - n) // E
+    else:
+        cache = min(int(ec.capacity), total + total // max(len(layers), 1))
+    return weight_bytes(rest, precision, group_size, symmetric, kept_bytes_per_element) + cache
+
+
 # ---------------------------------------------------------------------------- accuracy
 
 
@@ -417,13 +442,24 @@ def resolve(backend, config, shapes: Mapping[str, tuple], checkpoint_scheme=None
         stored = (scheme.format, scheme.describe()) if scheme is not None else (None, None)
     # weights that stay plain (embeddings, norms, router, lm_head) are held in the activation dtype
     kept = 4 if act == "f32" else 2
+    ec = getattr(config, "expert_cache", None)
+
+    def size(p: str) -> int:
+        if ec is None:
+            return weight_bytes(shapes, p, group, symmetric, kept)
+        return resident_weight_bytes(shapes, p, ec, group, symmetric, kept)
+
     if forced is not None:
-        sizes = {forced: weight_bytes(shapes, forced, group, symmetric, kept)}
+        sizes = {forced: size(forced)}
         budget, source = (config.memory_budget_bytes, "memory_budget_bytes") if config.memory_budget_bytes \
             else (2**62, "unknown budget")
     else:
-        sizes = {p: weight_bytes(shapes, p, group, symmetric, kept) for p in allowed}
+        sizes = {p: size(p) for p in allowed}
         budget, source = memory_budget(backend, config.memory_budget_bytes)
-    return choose_precision(caps, sizes, budget, device=backend.device, vnni=has_vnni(backend), forced=forced,
-                            allowed=allowed, group_size=group, activation_dtype=act, backend_name=backend.name,
-                            budget_source=source, policy=policy, stored=stored[0], stored_as=stored[1])
+    precision, reason = choose_precision(caps, sizes, budget, device=backend.device, vnni=has_vnni(backend),
+                                         forced=forced, allowed=allowed, group_size=group, activation_dtype=act,
+                                         backend_name=backend.name, budget_source=source, policy=policy,
+                                         stored=stored[0], stored_as=stored[1])
+    if ec is not None:
+        reason += " (routed experts counted at what the expert cache holds)"
+    return precision, reason
