@@ -52,7 +52,8 @@ class EngineConfig:
     # is not in the engine yet, so no other key is accepted: a knob that did nothing would be a lie.
     speculative: dict = field(default_factory=dict)
     # routed MoE experts on demand (model.expert_cache): {"capacity": fraction of all routed expert
-    # bytes or bytes, "source": "host" | "disk", "prefetch": bool, "policy": "lfru" | "lru"}. None: every
+    # bytes or bytes, "source": "host" | "disk", "prefetch": bool, "policy": "lfru" | "lru", "fill":
+    # bool}. None: every
     # expert is loaded at start. {"capacity": 1.0} is lazy loading (experts load when first routed).
     # Unset source / prefetch are chosen per backend (ExpertCacheConfig says how)
     expert_cache: Optional[dict] = None
