@@ -200,6 +200,12 @@ class Tensor:
             raise ValueError("a 4-bit view must start on a byte boundary")
         return Tensor(self.buffer, shape, self.dtype, self.strides, self.offset + self.dtype.nbytes(elem_off))
 
+    def byte_view(self, start: int = 0, nbytes: Optional[int] = None) -> "Tensor":
+        """Bytes [start, start + nbytes) of this tensor's storage (default: all nbytes of it) as a
+        1-D uint8 Tensor of the same buffer: what raw copies and byte-level slicing use."""
+        n = self.nbytes - start if nbytes is None else nbytes
+        return Tensor(self.buffer, (n,), "uint8", None, self.offset + start)
+
     # ------------------------------------------------------------------ host access
     def numpy(self) -> np.ndarray:
         """A NumPy view of a host tensor's elements (for 4-bit dtypes: the unpacked elements, a copy)."""

@@ -209,9 +209,6 @@ class ImageLayout:
             out.append(w)
         return tuple(out)
 
-    def raw(self, t: Tensor, nbytes: int) -> np.ndarray:
-        return t.buffer.view(np.uint8).reshape(-1)[t.offset:t.offset + nbytes]
-
 
 # ====================================================================== the cache
 @dataclass
@@ -319,8 +316,8 @@ class ExpertCache:
         self._overflow_raw = []
         if self.host_memory:
             for L in self.layers:
-                L.raw = [self._bytes(self._slot_tensor(L, s)) for s in range(n)]
-            self._overflow_raw = [self._bytes(self._slot_tensor(self.layers[0], n + j)) for j in range(self.n_overflow)]
+                L.raw = [self._slot_tensor(L, s).numpy() for s in range(n)]
+            self._overflow_raw = [self._slot_tensor(self.layers[0], n + j).numpy() for j in range(self.n_overflow)]
         self._moe = moe_layers
         for L, m in zip(self.layers, moe_layers):
             descs = list(L.views) + list(self.overflow_views)
@@ -415,7 +412,7 @@ class ExpertCache:
     def _file_range(self, t: Tensor):
         if not t.on_host or not t.is_contiguous():
             return None
-        return self.ckpt.file_range(t.buffer.view(np.uint8).reshape(-1)[t.offset:t.offset + t.nbytes])
+        return self.ckpt.file_range(t.byte_view().numpy())
 
     def _fd(self, path) -> int:
         fd = self._fds.get(path)
@@ -475,7 +472,7 @@ class ExpertCache:
         self._images = []
         for L in self.layers:
             img = self._host_buffer(self.E * nb) if not self.host_memory else Tensor.empty((self.E * nb,), "uint8")
-            raw = img.buffer.view(np.uint8).reshape(-1)[img.offset:img.offset + self.E * nb]
+            raw = img.byte_view().numpy()
             for e in range(self.E):
                 dst = raw[e * nb:(e + 1) * nb]
                 if self.raw:
@@ -498,10 +495,9 @@ class ExpertCache:
             for _, x in ImageLayout.components(w):
                 p = next(parts)
                 if x.on_host:
-                    dst[p.offset:p.offset + p.nbytes] = self.layout.raw(x, p.nbytes)
+                    dst[p.offset:p.offset + p.nbytes] = x.byte_view(0, p.nbytes).numpy()
                 else:
-                    host = Tensor(dst, (p.nbytes,), "uint8", None, p.offset)
-                    be.copy_async(host, Tensor(x.buffer, (p.nbytes,), "uint8", None, x.offset))
+                    be.copy_async(Tensor(dst, (p.nbytes,), "uint8", None, p.offset), x.byte_view(0, p.nbytes))
         be.synchronize()
 
     # ------------------------------------------------------------------ loads
@@ -546,8 +542,7 @@ class ExpertCache:
             for w in ws:
                 for _, x in ImageLayout.components(w):
                     p = next(parts)
-                    self.backend.copy_async(Tensor(slot_t.buffer, (p.nbytes,), "uint8", None, slot_t.offset + p.offset),
-                                            Tensor(x.buffer, (p.nbytes,), "uint8", None, x.offset))
+                    self.backend.copy_async(slot_t.byte_view(p.offset, p.nbytes), x.byte_view(0, p.nbytes))
             ev = self.backend.create_event()
             ev.record(self.backend.stream)
             ld.event = ev
@@ -561,12 +556,12 @@ class ExpertCache:
         while self._queued and self._bounce_free:
             ld = self._queued.pop(0)
             ld.bounce = b = self._bounce_free.pop()
-            ld.read = self._reader.submit(self._pread, ld.ranges, self._bytes(b))
+            ld.read = self._reader.submit(self._pread, ld.ranges, b.numpy())
             self._reading.append(ld)
 
     def _issue_copy(self, ld: _Load, src: Tensor) -> None:
         nb = self.layout.nbytes
-        self.backend.copy_async(Tensor(ld.dst.buffer, (nb,), "uint8", None, ld.dst.offset), src, self.copy_stream)
+        self.backend.copy_async(ld.dst.byte_view(0, nb), src, self.copy_stream)
         ev = self.backend.create_event()
         ev.record(self.copy_stream)
         ld.event = ev
@@ -628,13 +623,9 @@ class ExpertCache:
             else:
                 ld.event.synchronize()
 
-    @staticmethod
-    def _bytes(t: Tensor) -> np.ndarray:
-        return t.buffer.view(np.uint8).reshape(-1)[t.offset:t.offset + t.nbytes]
-
     def _slot_tensor(self, L: _Layer, slot: int) -> Tensor:
         g = L.views[slot][0] if slot < L.slots.n else self.overflow_views[slot - L.slots.n][0]
-        return Tensor(g.buffer, (self.layout.nbytes,), "uint8", None, g.offset - self.layout.parts[0].offset)
+        return g.byte_view(-self.layout.parts[0].offset, self.layout.nbytes)
 
     # ------------------------------------------------------------------ a step
     def before_step(self) -> bool:
@@ -690,8 +681,7 @@ class ExpertCache:
         if self.host_memory:
             return [v.copy() for v in views]
         for t, h in zip(ts, views):
-            self.backend.copy_async(Tensor(h.buffer, (t.nbytes,), "uint8", None, h.offset),
-                                    Tensor(t.buffer, (t.nbytes,), "uint8", None, t.offset))
+            self.backend.copy_async(h.byte_view(), t.byte_view())
         self.backend.synchronize()
         return [np.array(h.numpy()) for h in views]
 

@@ -285,10 +285,10 @@ class Plan:
         (the store was sent at the start of the step): copy the host view over after writing it."""
         v = self.inputs[name]
         off, n = v.buffer.offset, v.nbytes
-        dev = Tensor(self._input_store.buffer, (n,), "uint8", None, self._input_store.offset + off)
+        dev = self._input_store.byte_view(off, n)
         if self._staging is None:
             return dev, dev
-        return dev, Tensor(self._staging.buffer, (n,), "uint8", None, self._staging.offset + off)
+        return dev, self._staging.byte_view(off, n)
 
     def pause_input(self, name: str) -> np.ndarray:
         """The host view of an input written in a pause (then `send_pause_input`). The step-start

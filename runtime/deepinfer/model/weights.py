@@ -107,11 +107,9 @@ def copy_bytes(backend, dst: Tensor, src: Tensor) -> None:
     if dst.nbytes != src.nbytes:
         raise ValueError(f"copy_bytes: {src!r} -> {dst!r} differ in size")
     if dst.on_host and src.on_host:
-        raw = lambda t: np.asarray(t.buffer).view(np.uint8).reshape(-1)[t.offset:t.offset + t.nbytes]  # noqa: E731
-        raw(dst)[...] = raw(src)
+        dst.byte_view().numpy()[...] = src.byte_view().numpy()
     else:
-        backend.copy_async(Tensor(dst.buffer, (dst.nbytes,), "uint8", None, dst.offset),
-                           Tensor(src.buffer, (src.nbytes,), "uint8", None, src.offset))
+        backend.copy_async(dst.byte_view(), src.byte_view())
 
 
 class WeightLoader:
