@@ -226,9 +226,7 @@ class StreamedLayer:
 
 @dataclass
 class _Load:
-    pos: int
-    expert: int
-    dst: Tensor              # the slot's bytes
+    dst: Optional[Tensor]    # device: the slot's bytes
     kind: str                # "miss", "prefetch" or "overflow"
     read: Optional[Future] = None
     event: object = None     # device: the copy's event (None until issued)
@@ -478,8 +476,9 @@ class ExpertCache:
                 if self.raw:
                     self._pread(self._expert_ranges(L, e), dst)
                 else:
-                    self._store_converted(self._converted(L, e), dst)
+                    self._write_converted(self._converted(L, e), Tensor(dst, (nb,), "uint8"))
             self._images.append(raw)
+        self.backend.synchronize()
 
     def _host_buffer(self, nbytes: int) -> Tensor:
         """Pinned host memory where the library has it (asynchronous copies), else pageable."""
@@ -488,17 +487,14 @@ class ExpertCache:
         except Exception:     # a library without host_alloc: its copies are synchronous anyway
             return Tensor.empty((nbytes,), "uint8")
 
-    def _store_converted(self, ws: tuple, dst: np.ndarray) -> None:
-        be = self.backend
+    def _write_converted(self, ws: tuple, dst: Tensor) -> None:
+        """A converted expert's components into the image bytes `dst` (a host image or a slot),
+        copies on the working stream."""
         parts = iter(self.layout.parts)
         for w in ws:
             for _, x in ImageLayout.components(w):
                 p = next(parts)
-                if x.on_host:
-                    dst[p.offset:p.offset + p.nbytes] = x.byte_view(0, p.nbytes).numpy()
-                else:
-                    be.copy_async(Tensor(dst, (p.nbytes,), "uint8", None, p.offset), x.byte_view(0, p.nbytes))
-        be.synchronize()
+                self.backend.copy_async(dst.byte_view(p.offset, p.nbytes), x.byte_view(0, p.nbytes))
 
     # ------------------------------------------------------------------ loads
     def _load(self, L: _Layer, e: int, slot: int, kind: str) -> None:
@@ -511,11 +507,12 @@ class ExpertCache:
         if self.host_memory:
             dst = L.raw[slot] if slot < L.slots.n else self._overflow_raw[slot - L.slots.n]
             if not self.raw and self._images is None:
-                self._store_converted(self._converted(L, e), dst)
+                self._write_converted(self._converted(L, e), Tensor(dst, (nb,), "uint8"))
+                self.backend.synchronize()
             elif kind in ("prefetch", "fill"):      # overlaps the layers computed until its use
                 src = (np.copyto, (dst, self._images[L.pos][e * nb:(e + 1) * nb])) if self._images is not None \
                     else (self._pread, (self._expert_ranges(L, e), dst))
-                L.pending[slot] = _Load(L.pos, e, None, kind, read=self._reader.submit(src[0], *src[1]))
+                L.pending[slot] = _Load(None, kind, read=self._reader.submit(src[0], *src[1]))
             elif self._images is not None:
                 np.copyto(dst, self._images[L.pos][e * nb:(e + 1) * nb])
             else:
@@ -525,7 +522,7 @@ class ExpertCache:
 
     def _start(self, L: _Layer, e: int, slot_t: Tensor, kind: str) -> _Load:
         """Device: begin loading expert e of layer L into the bytes of slot_t."""
-        ld = _Load(L.pos, e, slot_t, kind)
+        ld = _Load(slot_t, kind)
         nb = self.layout.nbytes
         # device: the bytes go through host memory, then one asynchronous copy on the copy stream
         if self._images is not None:
@@ -537,12 +534,7 @@ class ExpertCache:
             self._queued.append(ld)       # a reader takes it once a bounce buffer is free (_feed)
             self._feed()
         else:
-            ws = self._converted(L, e)
-            parts = iter(self.layout.parts)
-            for w in ws:
-                for _, x in ImageLayout.components(w):
-                    p = next(parts)
-                    self.backend.copy_async(slot_t.byte_view(p.offset, p.nbytes), x.byte_view(0, p.nbytes))
+            self._write_converted(self._converted(L, e), slot_t)
             ev = self.backend.create_event()
             ev.record(self.backend.stream)
             ld.event = ev
@@ -642,10 +634,8 @@ class ExpertCache:
                     self._load(L, e, s, "fill")
                     self.stats["expert_fill_loads"] += 1
             return False
-        self._pump()
-        if not all(self._complete(ld) or (not self.host_memory and ld.read is not None and ld.read.done()
-                                          and ld.event is not None)
-                   for L in self.layers for ld in L.pending.values()):
+        self._pump()     # device: every read that is done has its copy issued after this
+        if not all(ld.read is not None and ld.read.done() for L in self.layers for ld in L.pending.values()):
             return False
         for L in self.layers:
             for slot in list(L.pending):

@@ -146,16 +146,11 @@ class LayerSlots:
     def fill(self) -> list:
         """Place every expert that is not resident into a free slot (a layer with a slot for each of
         its experts: lazy loading's background fill); returns [(expert, slot)]. Evicts nothing."""
-        out = []
-        for e in range(self.E):
-            if self.slot_of[e] >= 0:
-                continue
-            s = self._slot_for(set(range(self.E)))
-            if s is None or self.expert_in[s] >= 0:
-                break
+        free = [s for s in range(self.n) if self.expert_in[s] < 0]
+        missing = [e for e in range(self.E) if self.slot_of[e] < 0]
+        for e, s in zip(missing, free):
             self._place(e, s)
-            out.append((e, s))
-        return out
+        return list(zip(missing, free))
 
     @property
     def full(self) -> bool:
