@@ -200,8 +200,7 @@ class WeightLoader:
             # float precisions keep these weights in that dtype (activations may differ)
             return self.dequantized(be.upload(t), fmt) if t.quant is not None else be.upload(
                 self.ckpt.weight(name, shape, fmt))
-        qdt, block = {"int8": ("int8", (1, 0)), "int4": ("int4", (1, self.group_size)),
-                      "fp8": ("e4m3", (128, 128))}[fmt]
+        qdt, block = self._quantized_as(fmt)
         if t.quant is not None:
             if t.dtype.name == qdt and tuple(t.quant.block) == block:
                 return be.upload(t)
@@ -213,6 +212,10 @@ class WeightLoader:
         q.quant = Quant(be.empty(grid, "f32"), block)
         be.quantize(x=be.upload(t), out=q, scale_pow2=0)
         return q
+
+    def _quantized_as(self, fmt: str) -> tuple:
+        """(storage dtype, quantization block) of a quantized weight format at this load."""
+        return {"int8": ("int8", (1, 0)), "int4": ("int4", (1, self.group_size)), "fp8": ("e4m3", (128, 128))}[fmt]
 
     def _int8_rows(self, w: Tensor) -> Tensor:
         """w quantized to int8 with one scale per row (the backend's quantize op), for the head."""
@@ -329,8 +332,7 @@ class WeightLoader:
                 return None
         else:
             t = self.ckpt.weight(name, shape)
-            qdt, block = {"int8": ("int8", (1, 0)), "int4": ("int4", (1, self.group_size)),
-                          "fp8": ("e4m3", (128, 128))}[fmt]
+            qdt, block = self._quantized_as(fmt)
             if t.quant is None or t.dtype.name != qdt or tuple(t.quant.block) != block:
                 return None
         return t
