@@ -722,7 +722,12 @@ def _paused_plan(be):
     d = tr.empty((8,), "f32", "d")
     tr.mul(a=c, b=c, out=d)
     tr.output("d", d)
-    p = Plan.from_tracer(("test",), tr)
+    return _bound(tr, be, ("test",))
+
+
+def _bound(tr: Tracer, be, key) -> tuple:
+    """(the plan of a tracer, bound to an arena of its own, the arena)."""
+    p = Plan.from_tracer(key, tr)
     arena = Arena(be)
     arena.ensure(p.arena_bytes)
     p.bind(arena, be)
@@ -779,10 +784,7 @@ def test_plan_runs_segment_by_segment(bname, cpu_backend):
     y = tr.empty((4,), "f32")
     tr.add(a=x, b=x, out=y)
     tr.output("y", y)
-    q = Plan.from_tracer(("plain",), tr)
-    arena = Arena(be)
-    arena.ensure(q.arena_bytes)
-    q.bind(arena, be)
+    q, _ = _bound(tr, be, ("plain",))
     q.host_input("x")[:] = [1, 2, 3, 4]
     assert not q.has_pauses
     q.run(be)
