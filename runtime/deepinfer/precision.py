@@ -169,7 +169,7 @@ def memory_budget(backend=None, configured: Optional[int] = None, meminfo_path: 
         return configured, "memory_budget_bytes from the config"
     device = getattr(backend, "device", "cpu")
     if device == "cpu":
-        avail = _meminfo_available(meminfo_path)
+        avail = meminfo_available(meminfo_path)
         if avail is not None:
             return avail, "MemAvailable in /proc/meminfo"
     attrs = getattr(getattr(backend, "info", None), "attributes", None) or {}
@@ -185,7 +185,8 @@ def memory_budget(backend=None, configured: Optional[int] = None, meminfo_path: 
                       f"set memory_budget_bytes in the engine config")
 
 
-def _meminfo_available(path: str) -> Optional[int]:
+def meminfo_available(path: str = "/proc/meminfo") -> Optional[int]:
+    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read)."""
     try:
         with open(path) as f:
             for line in f:

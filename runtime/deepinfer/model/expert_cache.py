@@ -60,6 +60,7 @@ import numpy as np
 
 from .. import validate as V
 from ..errors import ConfigError
+from ..precision import meminfo_available
 from ..tensor import Quant, Tensor
 from .expert_policy import POLICIES, LayerSlots
 
@@ -367,14 +368,7 @@ class ExpertCache:
         pinned copy instead of a file read), else disk."""
         if self.host_memory or lazy:
             return "disk"
-        avail = 0
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        avail = int(line.split()[1]) * 1024
-        except (OSError, ValueError, IndexError):
-            pass
+        avail = meminfo_available() or 0
         if total <= 0.8 * avail:
             return "host"
         log.info("expert cache: the %.1f GiB of routed experts exceed 80%% of the host's %.1f GiB available; "
