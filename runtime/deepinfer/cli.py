@@ -58,7 +58,25 @@ def _engine(args):
         overrides["revision"] = args.revision
     if getattr(args, "expert_cache", None) is not None:
         overrides["expert_cache"] = V.parse_json(args.expert_cache.encode(), "--expert-cache", err=ConfigError)
+    if getattr(args, "speculative", None):
+        from .config import EngineConfig
+
+        spec = dict(EngineConfig.from_any(args.config).speculative) if args.config else {}
+        spec["method"] = args.speculative
+        if args.num_draft is not None:
+            spec["num_draft"] = args.num_draft
+        if args.spec_confidence is not None:
+            spec["confidence"] = args.spec_confidence if args.spec_confidence == "auto" else \
+                V.number("--spec-confidence", _float_or_text(args.spec_confidence), 0, 1)
+        overrides["speculative"] = spec
     return Engine.from_pretrained(args.model, config=args.config, **overrides)
+
+
+def _float_or_text(s: str):
+    try:
+        return float(s)
+    except ValueError:
+        raise ConfigError(f"--spec-confidence must be auto or a number in [0, 1), not {s!r}") from None
 
 
 def _cmd_run(args) -> int:
@@ -158,6 +176,14 @@ def _cmd_quantize(args) -> int:
     return quantize_main(args)
 
 
+def _speculative_args(p) -> None:
+    p.add_argument("--speculative", choices=["mtp"], help="speculative decoding with the model's MTP module "
+                   "(overrides the config file's speculative.method)")
+    p.add_argument("--num-draft", type=_int_in(1, 8), help="drafts per sequence and step with --speculative (default 2)")
+    p.add_argument("--spec-confidence", metavar="auto|P", help="auto (default): the throughput scheduler; P in "
+                   "[0, 1): verify the drafts whose survival probability is at least P (0: always num-draft)")
+
+
 def _int_in(lo: int, hi: Optional[int] = None):
     """An argparse type: an int in [lo, hi] (a usage error, exit 2, otherwise)."""
     def parse(s: str) -> int:
@@ -221,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--stop", action="append", help="stop string (repeatable)")
     r.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    _speculative_args(r)
     r.add_argument("--expert-cache", metavar="JSON", help='routed experts on demand, e.g. \'{"capacity": 0.5, '
                    '"source": "disk"}\' (overrides the config file\'s expert_cache)')
     r.set_defaults(fn=_cmd_run)
@@ -233,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--backend")
     s.add_argument("--precision")
     s.add_argument("--revision", help="branch, tag or commit of a hub id")
+    _speculative_args(s)
     s.add_argument("--served-model-name", help="the model id clients send (default: MODEL as given)")
     s.add_argument("--max-batch", type=_int_in(1), help="sequences running together")
     s.add_argument("--max-seq-len", type=_int_in(1), help="longest prompt + completion")

@@ -48,8 +48,9 @@ class EngineConfig:
     device_id: int = 0
     fallback: bool = False               # run ops the backend lacks on the reference (logged)
     activation_dtype: str = "auto"       # "f32", "bf16" or "auto" (f32 on CPU backends)
-    # {"mtp": false} skips loading the MTP draft head (saves its memory). Speculative decoding with it
-    # is not in the engine yet, so no other key is accepted: a knob that did nothing would be a lie.
+    # MTP speculative decoding (engine.speculative): {"method": "mtp", "num_draft": K (1..8, default
+    # 2), "confidence": "auto" (the throughput scheduler) or a survival threshold in [0, 1) (0: always
+    # K drafts)}. {} (default): off. {"mtp": false} skips loading the MTP head (saves its memory)
     speculative: dict = field(default_factory=dict)
     # routed MoE experts on demand (model.expert_cache): {"capacity": fraction of all routed expert
     # bytes or bytes, "source": "host" | "disk", "prefetch": bool, "policy": "lfru" | "lru", "fill":
@@ -114,14 +115,12 @@ class EngineConfig:
             from .model.expert_cache import ExpertCacheConfig
 
             ExpertCacheConfig.parse(self.expert_cache)
+        from .engine.speculative import SpecConfig
+
         if not isinstance(self.speculative, dict):
-            raise ConfigError(f"speculative must be an object such as {{\"mtp\": false}}, not {self.speculative!r}")
-        unknown_spec = set(self.speculative) - {"mtp"}
-        if unknown_spec:
-            raise ConfigError(f"unknown speculative option(s) {sorted(map(str, unknown_spec))}; valid: mtp (load "
-                              f"the MTP head or not); MTP speculative decoding itself is not implemented yet")
-        if "mtp" in self.speculative:
-            V.boolean("speculative.mtp", self.speculative["mtp"])
+            raise ConfigError(f"speculative must be an object such as {{\"method\": \"mtp\", \"num_draft\": 2}}, "
+                              f"not {self.speculative!r}")
+        SpecConfig.parse(self.speculative)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)

@@ -26,6 +26,7 @@ from ..errors import CheckpointError, ConfigError, DeepinferError, InputTypeErro
 from .. import validate as V
 from .sampling import SamplingParams, step_seed
 from .scheduler import Scheduler
+from .speculative import SpecConfig, Speculator, Timer
 from .sequence import Sequence, Status
 from .tokenizer import Detokenizer, Tokenizer
 
@@ -98,6 +99,15 @@ class Engine:
         self._ids = itertools.count()
         self.counters = {"steps": 0, "prompt_tokens": 0, "computed_prompt_tokens": 0, "generated_tokens": 0,
                       "requests_finished": 0, "requests_aborted": 0}
+        self.spec = None
+        spec_cfg = SpecConfig.parse(config.speculative)
+        if spec_cfg is not None:
+            self.spec = Speculator(self, spec_cfg)
+            if spec_cfg.confidence == "auto":
+                t0 = time.perf_counter()
+                self.spec.profile()
+                log.info("speculative: step times profiled in %.2f s (us): %s", time.perf_counter() - t0,
+                         self.spec.costs.describe())
         log.info("engine: %s on %s (%s); KV cache %d blocks x %d tokens", self.model_dir.name, self.backend.name,
                  self.runner.precision_note, self.block_manager.num_blocks, self.block_manager.block_size)
         reason = getattr(self.runner, "precision_reason", "")
@@ -213,8 +223,27 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return outs
+        spec = self.spec
+        if spec is not None and self.scheduler.last_kind == "decode":
+            done = spec.decode_step(batch, time.monotonic)
+            if done is not None:
+                return outs + done
+            with Timer() as tm:
+                outs = self._plain_step(batch, outs)
+            spec.observe_plain(len(batch), tm.seconds)
+            return outs
+        samples = [s.samples for s in batch]
+        outs = self._plain_step(batch, outs)
+        if spec is not None:
+            spec.after_prefill(batch, samples)      # the MTP layer's cache for the prompt, and first drafts
+        return outs
+
+    def _plain_step(self, batch: list, outs: list) -> list:
+        """A step without speculation: run the batch, sample one token for each sequence that ends
+        its chunk at its last token."""
         self.counters["steps"] += 1
-        logits = self.runner.run([(s.seq, s.start, s.num_tokens) for s in batch])
+        prefill = self.spec is not None and self.scheduler.last_kind == "prefill"
+        logits = self.runner.run([(s.seq, s.start, s.num_tokens) for s in batch], keep_hidden=prefill)
         for s in batch:
             s.seq.num_computed = s.start + s.num_tokens
             self.block_manager.commit(s.seq)
@@ -364,8 +393,12 @@ class Engine:
     def stats(self) -> dict:
         """metrics() plus load_seconds (weights onto the backend) and, with an expert cache, its
         counters: expert_hits, expert_misses, expert_prefetch_issued / _used / _late,
-        expert_bytes_streamed, expert_wait_seconds, hit rate, prefetch recall and precision."""
-        return {**self.metrics(), "load_seconds": self.load_seconds, **self.runner.expert_stats()}
+        expert_bytes_streamed, expert_wait_seconds, hit rate, prefetch recall and precision; with
+        speculative decoding, spec_*: acceptance per draft position, mean accepted length (tokens
+        a sequence gains per speculative step), verify tokens per step, plain steps the scheduler
+        chose, the step-time table."""
+        return {**self.metrics(), "load_seconds": self.load_seconds, **self.runner.expert_stats(),
+                **(self.spec.report() if self.spec is not None else {})}
 
 
 def _prompt_list(prompts, fn: str, single: str) -> list:

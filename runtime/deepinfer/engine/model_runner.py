@@ -121,6 +121,10 @@ class ModelRunner:
         self.arena = Arena(backend)
         self.plans: "OrderedDict[tuple, Plan]" = OrderedDict()
         self._hidden: Optional[Tensor] = None     # persistent final hidden states for the MTP head
+        self._mtp_hidden: Optional[Tensor] = None  # the MTP layer's own (feeds recursive drafts)
+        self._draft_hidden: Optional[Tensor] = None   # [bucket(max_batch), H]: a row per drafting sequence
+        self._draft_q: Optional[Tensor] = None    # [num_draft * max_batch, V] f32: draft logits kept for spec_verify
+        self._gather_ids: Optional[Tensor] = None
         self.last_hidden: Optional[Tensor] = None
         self._last_layout = None                  # (seq id, tokens, start) of the last keep_hidden forward
         self._last_steps = None                   # and its (Sequence, start, n) steps, for mtp_logits
@@ -203,14 +207,20 @@ class ModelRunner:
         key = (kind, mode, T, S, all_logits, keep_hidden)
         p = self.plans.get(key)
         if p is None:
-            if keep_hidden or kind == "mtp":
+            if keep_hidden or kind != "main":
                 self._hidden_store(T)
             g = Tracer(self.backend)
             meta = StepInputs.declare(g, mode, T, S, self.max_blocks_per_seq, all_logits)
             if kind == "main":
                 self.graph.forward(g, meta, self._hidden.narrow(0, 0, T) if keep_hidden else None)
-            else:
-                self.graph.mtp(g, meta, self._hidden.narrow(0, 0, T))
+            elif kind == "mtp":
+                self.graph.mtp(g, meta, self._hidden.narrow(0, 0, T), self._mtp_hidden.narrow(0, 0, T))
+            elif kind == "draft":
+                # a recursive draft: the MTP layer on its own previous output, read and written in place
+                self.graph.mtp(g, meta, self._draft_hidden.narrow(0, 0, T), self._draft_hidden.narrow(0, 0, T))
+            else:   # "spec": verify the drafts and draft again (keep_hidden = draft logits gathered)
+                self.graph.verify_and_draft(g, meta, self._hidden.narrow(0, 0, T), self._mtp_hidden.narrow(0, 0, T),
+                                            self._draft_q if keep_hidden else None)
             p = Plan.from_tracer(key, g)
             self.plans[key] = p
             while len(self.plans) > MAX_CACHED_PLANS:
@@ -222,35 +232,108 @@ class ModelRunner:
         return p
 
     def _hidden_store(self, T: int) -> Tensor:
+        """The persistent hidden-state stores (main model's and the MTP layer's) for T rows."""
         if self._hidden is None or self._hidden.shape[0] < T:
             n = max(T, 2 * self.max_batch, 64 if self._hidden is None else 2 * self._hidden.shape[0])
-            self._hidden = self.backend.empty((n, self.cfg.hidden_size), self.dtype)
-            # plans bound to the old store must be traced again
-            self.plans = OrderedDict((k, p) for k, p in self.plans.items() if not (k[-1] or k[0] == "mtp"))
+            # zero-filled: a step-time profile (engine.speculative) runs plans on rows nothing wrote
+            self._hidden = self.backend.empty((n, self.cfg.hidden_size), self.dtype, fill=0.0)
+            self._mtp_hidden = self.backend.empty((n, self.cfg.hidden_size), self.dtype, fill=0.0)
+            # plans bound to the old stores must be traced again
+            self.plans = OrderedDict((k, p) for k, p in self.plans.items() if k[0] == "main" and not k[-1])
+        if self._draft_hidden is None:
+            self._draft_hidden = self.backend.empty((bucket(self.max_batch), self.cfg.hidden_size), self.dtype,
+                                                    fill=0.0)
         return self._hidden
 
     # ================================================================== one step
-    def run(self, batch: list, *, all_logits: bool = False, keep_hidden: bool = False, kind: str = "main") -> Tensor:
+    def run(self, batch: list, *, all_logits: bool = False, keep_hidden: bool = False, kind: str = "main",
+            tokens: Optional[list] = None, inputs: Optional[dict] = None) -> Tensor:
         """One step over `batch`, a list of (Sequence, start, n_tokens): feeds seq.token_ids[start:
-        start + n] at positions start.. (blocks already granted by the block manager). Returns f32
-        logits [S, V] (or [T, V] with all_logits), a view valid until the next call."""
+        start + n] (or tokens[row]) at positions start.. (blocks already granted by the block
+        manager). Returns f32 logits [S, V] (or [T, V] with all_logits), a view valid until the
+        next call. inputs: {name: (per-token values, padding value)} for a plan's extra inputs (the
+        speculative step's); its other outputs are read with `output`."""
         if not batch:
             raise ValueError("a step needs at least one sequence")
-        mode = "prefill" if all(start == 0 for _, start, _ in batch) else "decode"
+        mode = "prefill" if all(start == 0 for _, start, _ in batch) and kind != "spec" else "decode"
         T = sum(n for _, _, n in batch)
         S = len(batch)
         Tb, Sb = bucket(T), bucket(S)
         if self.experts is not None and self.experts.before_step():
             self.plans.clear()     # every expert is resident now: trace the steps again, without pauses
         p = self.plan(kind, mode, Tb, Sb, all_logits, keep_hidden)
-        self._fill(p, batch, mode, T, Tb, Sb)
+        self._fill(p, batch, mode, T, Tb, Sb, tokens)
+        if kind == "spec" and Tb > T:
+            # a speculative step samples every row in the plan: padding attends to the first
+            # sequence's position 0 (kv_len 1, no cache write) so that its rows stay finite
+            p.host_input("kv_len")[T:] = 1
+        for name, (vals, pad) in (inputs or {}).items():
+            h = p.host_input(name)
+            h[:T] = vals
+            h[T:] = pad
         if self.use_graphs and mode == "decode" and p.graph is None and p.runs >= 1:
             p.capture(self.backend)
         self._run_plan(p)
         if keep_hidden:
             self.last_hidden = self._hidden.narrow(0, 0, T)
+        self.last_plan, self._last_T = p, T
         logits = p.bound_outputs["logits"]
         return logits.narrow(0, 0, T if all_logits else S)
+
+    def output(self, name: str, rows: Optional[int] = None) -> Tensor:
+        """An output of the last step's plan (its first `rows` rows; default: the step's tokens)."""
+        return self.last_plan.bound_outputs[name].narrow(0, 0, self._last_T if rows is None else rows)
+
+    # ================================================================== speculative decoding
+    def enable_speculation(self, num_draft: int) -> None:
+        """Size the stores a speculative step reads and writes (engine.speculative)."""
+        if self.weights.mtp is None:
+            raise ConfigError("speculative decoding with MTP needs the checkpoint's MTP layer: this model has none "
+                              "(num_nextn_predict_layers is 0, or its weights are absent, or speculative.mtp is "
+                              "false); drop the speculative option")
+        for op in ("spec_verify",):
+            if not self.backend.has_op(op):
+                raise ConfigError(f"speculative decoding needs the {op} op (ABI 1.2), which backend "
+                                  f"{self.backend.name} lacks; update that library, or set fallback: true to run "
+                                  f"it on the reference")
+        self.num_draft = int(num_draft)
+        rows = max(self.max_num_batched_tokens, self.max_batch * (self.num_draft + 1))
+        self._hidden_store(bucket(rows))
+        self._gather_ids = self.backend.empty((bucket(rows),), "int32")
+
+    def draft_store(self) -> Tensor:
+        """[num_draft * max_batch, V] f32: each drafting sequence's draft logits, row depth *
+        max_batch + slot (allocated at the first sampled draft: greedy drafts never need it)."""
+        if self._draft_q is None:
+            self._draft_q = self.backend.empty((self.num_draft * self.max_batch, self.cfg.vocab_size), "f32")
+        return self._draft_q
+
+    def gather_rows(self, src: Tensor, rows: list, dst: Tensor) -> None:
+        """dst[i] = src[rows[i]] for i < len(rows) (the embedding op is a row gather)."""
+        n = len(rows)
+        if n == 0:
+            return
+        ids = self._gather_ids.narrow(0, 0, n)
+        self.backend.write(ids, np.asarray(rows, np.int32))
+        self.backend.call("embedding", ids=ids, table=src, out=dst.narrow(0, 0, n))
+
+    def scatter_draft_rows(self, src: Tensor, rows: list, slots: list, depth: int) -> None:
+        """Keep draft logits: draft_store row depth * max_batch + slots[i] = src[rows[i]]."""
+        store = self.draft_store()
+        base = depth * self.max_batch
+        # slots are arbitrary: one gather per run of consecutive slots
+        i = 0
+        while i < len(rows):
+            j = i + 1
+            while j < len(rows) and slots[j] == slots[j - 1] + 1:
+                j += 1
+            self.gather_rows(src, rows[i:j], store.narrow(0, base + slots[i], j - i))
+            i = j
+
+    def keep_draft_hidden(self, rows: list) -> None:
+        """_draft_hidden[i] = the MTP layer's hidden state at row rows[i] of the last step (the start
+        of recursive drafting)."""
+        self.gather_rows(self._mtp_hidden, rows, self._draft_hidden)
 
     def _run_plan(self, p: Plan) -> None:
         if not p.has_pauses:
@@ -266,8 +349,9 @@ class ModelRunner:
         if not ex.dry:
             ex.steps += 1
 
-    def _fill(self, p: Plan, batch: list, mode: str, T: int, Tb: int, Sb: int) -> None:
-        if mode == "decode" and T == len(batch):
+    def _fill(self, p: Plan, batch: list, mode: str, T: int, Tb: int, Sb: int, tokens: Optional[list] = None) -> None:
+        """Write a step's inputs. tokens: per batch row the ids fed (default seq.token_ids[start:start + n])."""
+        if mode == "decode" and T == len(batch) and tokens is None:
             return self._fill_decode(p, batch, T)
         bm, pad = self.block_manager, Tb - T
         ids = np.zeros(Tb, np.int32)
@@ -276,7 +360,7 @@ class ModelRunner:
         last = np.zeros(Sb, np.int32)
         t = 0
         for r, (seq, start, n) in enumerate(batch):
-            ids[t:t + n] = seq.token_ids[start:start + n]
+            ids[t:t + n] = seq.token_ids[start:start + n] if tokens is None else tokens[r]
             pos[t:t + n] = np.arange(start, start + n)
             slots[t:t + n] = bm.slots(seq, start, start + n)
             t += n

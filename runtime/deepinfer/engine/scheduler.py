@@ -42,6 +42,7 @@ class Scheduler:
         self.waiting: deque = deque()
         self.running: list = []
         self.num_preemptions = 0
+        self.last_kind = ""
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -60,8 +61,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> list:
+        """The next step's batch; self.last_kind says whether it is a "prefill" or a "decode" step."""
         batch = self._prefill()
-        return batch if batch else self._decode()
+        self.last_kind = "prefill"
+        if not batch:
+            batch = self._decode()
+            self.last_kind = "decode"
+        return batch
 
     def _prefill(self) -> list:
         budget, batch = self.max_num_batched_tokens, []

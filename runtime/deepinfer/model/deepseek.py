@@ -228,8 +228,8 @@ class DeepseekGraph:
         g.rmsnorm(x=a, residual=resid, residual_out=resid, weight=w.ln2, out=n2, eps=c.rms_norm_eps)
         return self.moe(g, w.moe, n2, T, resid, next_layer) if w.moe is not None else self.mlp(g, w.mlp, n2, T)
 
-    def head(self, g, norm_w, resid, delta, head_w, meta: StepInputs, hidden_out=None):
-        """Final norm of (resid + delta), then f32 logits of the wanted rows."""
+    def head(self, g, norm_w, resid, delta, head_w, meta: StepInputs, hidden_out=None, name: str = "logits"):
+        """Final norm of (resid + delta), then f32 logits of the wanted rows (plan output `name`)."""
         c, T = self.cfg, meta.T
         n = hidden_out if hidden_out is not None else g.empty((T, c.hidden_size), self.dtype, "final_norm")
         g.rmsnorm(x=delta, residual=resid, residual_out=resid, weight=norm_w, out=n, eps=c.rms_norm_eps)
@@ -238,12 +238,14 @@ class DeepseekGraph:
             # the embedding op is a row gather: the last token of each sequence
             rows = g.empty((meta.S, c.hidden_size), self.dtype, "last_hidden")
             g.embedding(ids=meta.last_idx, table=n, out=rows)
-        logits = g.empty((rows.shape[0], c.vocab_size), "f32", "logits")
+        logits = g.empty((rows.shape[0], c.vocab_size), "f32", name)
         g.linear(x=rows, w=head_w, out=logits)
-        g.output("logits", logits)
+        g.output(name, logits)
+        return logits
 
-    def forward(self, g, meta: StepInputs, hidden_out: Optional[Tensor] = None):
-        """The main model; `hidden_out` [T, H] receives the final-normed hidden states (for MTP)."""
+    def forward(self, g, meta: StepInputs, hidden_out: Optional[Tensor] = None) -> Tensor:
+        """The main model; `hidden_out` [T, H] receives the final-normed hidden states (for MTP).
+        Returns the logits (plan output "logits")."""
         w = self.w
         x = g.empty((meta.T, self.cfg.hidden_size), self.dtype, "residual")
         g.embedding(ids=meta.ids, table=w.embed, out=x)
@@ -251,10 +253,14 @@ class DeepseekGraph:
         for i, layer in enumerate(w.layers):
             nxt = w.layers[i + 1] if i + 1 < len(w.layers) else None
             delta = self.block(g, layer, x, delta, meta, nxt)
-        self.head(g, w.norm, x, delta, w.lm_head, meta, hidden_out)
+        return self.head(g, w.norm, x, delta, w.lm_head, meta, hidden_out)
 
-    def mtp(self, g, meta: StepInputs, hidden: Tensor):
-        """The MTP layer on the main model's hidden states `hidden` [T, H] and the next tokens."""
+    def mtp(self, g, meta: StepInputs, hidden: Tensor, hidden_out: Optional[Tensor] = None,
+            name: str = "logits") -> Tensor:
+        """The MTP layer on hidden states `hidden` [T, H] (the main model's, or for a recursive
+        draft the MTP layer's own) and the next tokens (meta.ids). `hidden_out` [T, H] receives
+        its final-normed output (shared_head.norm), which feeds the next recursive draft, as
+        SGLang's NextN steps do. May alias `hidden`: that is read first and written last."""
         c, m, T, H = self.cfg, self.w.mtp, meta.T, self.cfg.hidden_size
         e = g.empty((T, H), self.dtype, "mtp_embed")
         g.embedding(ids=meta.ids, table=m.embed, out=e)
@@ -266,4 +272,45 @@ class DeepseekGraph:
         x = g.empty((T, H), self.dtype, "residual")
         self.linear(g, cat, m.eh_proj, x)
         delta = self.block(g, m.layer, x, None, meta)
-        self.head(g, m.head_norm, x, delta, m.head, meta)
+        return self.head(g, m.head_norm, x, delta, m.head, meta, hidden_out, name)
+
+    def verify_and_draft(self, g, meta: StepInputs, hidden: Tensor, mtp_hidden: Tensor,
+                         draft_table: Optional[Tensor]) -> None:
+        """One speculative decoding step (engine.speculative), traced as one plan: every row is a
+        position of some sequence (its last token, then the drafts under test).
+
+            logits = main model (all rows)                       -> hidden [T, H]
+            out, accepted = spec_verify(logits, drafts)          out[t]: the token at position t + 1
+            draft logits = MTP(hidden, ids = out)                -> mtp_hidden [T, H]
+            next drafts, their probabilities = sample(draft logits)
+
+        The MTP's next token at a row is exactly spec_verify's out there: for an accepted draft
+        the draft itself, at the first rejected row the correction, after the last draft the bonus
+        token. Rows past a sequence's first rejection compute what nobody reads, and their cache
+        writes (main and MTP layer) sit past the sequence's new length, where the next step writes
+        first. So the draft for each sequence's next step is the sample at row
+        (first row + accepted drafts), with no host round trip inside the step.
+        draft_table: the previous step's draft logits [rows, V] (f32), gathered per row by the
+        input "draft_src" as spec_verify's draft_logits (sampled rows); None: greedy drafts only."""
+        T, V = meta.T, self.cfg.vocab_size
+        logits = self.forward(g, meta, hidden)
+        q = None
+        if draft_table is not None:
+            q = g.empty((T, V), "f32", "draft_q")
+            g.embedding(ids=g.input("draft_src", (T,)), table=draft_table, out=q)
+        out = g.empty((T,), "int32", "verified")
+        acc = g.empty((T,), "int32", "accepted")
+        g.spec_verify(logits=logits, draft_logits=q, draft_ids=g.input("draft_ids", (T,)),
+                      temperature=g.input("temperature", (T,), "f32"), top_k=g.input("top_k", (T,)),
+                      top_p=g.input("top_p", (T,), "f32"), seeds=g.input("seeds", (T,), "uint64"),
+                      out=out, accepted=acc)
+        mtp_meta = StepInputs(meta.mode, T, meta.S, out, meta.positions, meta.slots, meta.cu_seqlens,
+                              meta.block_table, meta.token_seq, meta.kv_len, None)
+        dl = self.mtp(g, mtp_meta, hidden, mtp_hidden, "draft_logits")
+        dtok = g.empty((T,), "int32", "draft_tokens")
+        dprob = g.empty((T,), "f32", "draft_probs")
+        g.sample(logits=dl, temperature=g.input("draft_temperature", (T,), "f32"),
+                 top_k=g.input("draft_top_k", (T,)), top_p=g.input("draft_top_p", (T,), "f32"),
+                 seeds=g.input("draft_seeds", (T,), "uint64"), out=dtok, probs=dprob)
+        for name, t in (("verified", out), ("accepted", acc), ("draft_tokens", dtok), ("draft_probs", dprob)):
+            g.output(name, t)

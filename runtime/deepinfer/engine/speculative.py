@@ -1,0 +1,667 @@
+"""MTP speculative decoding with confidence-scheduled, variable-length verification.
+
+The engine's `speculative` config: {"method": "mtp", "num_draft": K, "confidence": "auto" | p}.
+
+How a step goes (engine.Engine._spec_step; the traced step is DeepseekGraph.verify_and_draft):
+
+- Drafting. DeepSeek's MTP module predicts the token after next from the main model's hidden
+  state at a position and the next token. Each sequence's first draft comes out of the step that
+  verified its previous drafts (the MTP runs on the verified rows in the same plan, its next
+  tokens being spec_verify's outputs); drafts 2..K apply the module to its own output (a
+  "draft" plan per depth, as SGLang's NextN steps). The MTP layer has its own KV cache layer in
+  the same blocks as the main model's, written at every position the main model verifies, so it
+  stays consistent with the main model's cache.
+- Verification. One batched forward over every sequence's last token and its admitted drafts
+  (variable counts per sequence); spec_verify (ABI 1.2) judges each row: greedy rows accept the
+  longest prefix that matches the target argmax, sampled rows do exact rejection sampling from
+  draft and target probabilities, so the output distribution is the non-speculative one.
+  Rejected positions are rolled back by moving the sequence's length: the next step writes them
+  (main and MTP layer) before anything reads them, and the prefix cache registers only blocks of
+  accepted positions.
+- Confidence scheduling (after DeepSeek's DSpark). Each draft has a confidence: its draft
+  probability, calibrated per position from the acceptance measured so far (`Calibration`). The
+  product over a sequence's drafts is the probability the prefix survives. Each step ranks every
+  (sequence, draft position) candidate of the batch by that and admits them while the expected
+  throughput -- (sequences + expected accepted drafts) / step time at that verify size, from a
+  table of step times profiled at start-up and refined by every step (`StepCosts`) -- keeps the
+  best value; if a plain decode step (no MTP at all) is expected to be faster, the step runs
+  plain, so speculation never costs throughput at high load. A fixed confidence threshold p
+  admits the drafts whose survival probability is at least p (0: every draft, a fixed K).
+
+A sequence that decoded plainly for some steps (the scheduler backed off) misses the MTP cache
+entries of those positions; its drafts resume with that gap (lossless; the calibration absorbs a
+lower acceptance). Blocks reused from the prefix cache hold the MTP entries their first owner
+wrote; the one at a block's last position saw that owner's next token. Seeded sampling stays
+lossless but, with speculation on, a seed's text depends on which drafts were verified.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .. import validate as V
+from ..errors import ConfigError
+
+MAX_DRAFT = 8
+DRAFT_SALT = 0x5DEECE66D  # draft seeds: a stream of their own (engine.sampling.step_seed)
+
+
+@dataclass
+class SpecConfig:
+    method: str = "mtp"
+    num_draft: int = 2
+    confidence: object = "auto"     # "auto" (throughput scheduler) or a survival threshold in [0, 1)
+
+    @classmethod
+    def parse(cls, spec: Optional[dict]) -> Optional["SpecConfig"]:
+        """None when speculation is off (no method); ConfigError for anything malformed."""
+        if spec is None:
+            return None
+        if not isinstance(spec, dict):
+            raise ConfigError(f"speculative must be an object such as {{\"method\": \"mtp\", \"num_draft\": 2}}, "
+                              f"not {spec!r}")
+        known = {"method", "num_draft", "confidence", "mtp"}
+        unknown = sorted(map(str, set(spec) - known))
+        if unknown:
+            raise ConfigError(f"unknown speculative option(s) {unknown}; valid: method (\"mtp\"), num_draft "
+                              f"(1..{MAX_DRAFT}), confidence (\"auto\" or a threshold in [0, 1)), mtp (load the MTP "
+                              f"head: false saves its memory and turns speculation off)")
+        if "mtp" in spec:
+            V.boolean("speculative.mtp", spec["mtp"])
+        if "method" not in spec:
+            if set(spec) - {"mtp"}:
+                raise ConfigError("speculative: set \"method\": \"mtp\" to speculate (num_draft and confidence "
+                                  "need it)")
+            return None
+        if spec["method"] != "mtp":
+            raise ConfigError(f"speculative.method {spec['method']!r} is not supported: only \"mtp\" (DeepSeek's "
+                              f"multi-token prediction module)")
+        if spec.get("mtp", True) is False:
+            raise ConfigError("speculative: method \"mtp\" needs the MTP head; drop \"mtp\": false")
+        c = cls()
+        c.num_draft = V.integer("speculative.num_draft", spec.get("num_draft", c.num_draft), 1, MAX_DRAFT)
+        conf = spec.get("confidence", "auto")
+        if conf != "auto":
+            if isinstance(conf, str):
+                raise ConfigError(f"speculative.confidence must be \"auto\" or a number in [0, 1), not {conf!r}")
+            conf = V.number("speculative.confidence", conf, 0, 1)
+            if conf >= 1:
+                raise ConfigError(f"speculative.confidence must be below 1 (a survival probability threshold; 1 "
+                                  f"would admit nothing), not {conf}")
+        c.confidence = conf
+        return c
+
+
+class Calibration:
+    """Per draft position, measured acceptance against the draft's own probability: BINS bins of
+    the probability, each a Beta-like count seeded with PRIOR pseudo-trials at the bin's centre
+    (so an unmeasured bin trusts the draft probability, and data takes over as it comes)."""
+
+    BINS = 10
+    PRIOR = 4.0
+
+    def __init__(self, num_draft: int):
+        centre = (np.arange(self.BINS) + 0.5) / self.BINS
+        self.hits = np.tile(centre * self.PRIOR, (num_draft, 1))
+        self.trials = np.full((num_draft, self.BINS), self.PRIOR)
+        self.accepted = np.zeros(num_draft, np.int64)     # what the stats report: raw counts
+        self.tested = np.zeros(num_draft, np.int64)
+
+    def _bin(self, prob: float) -> int:
+        return min(int(prob * self.BINS), self.BINS - 1)
+
+    def __call__(self, pos: int, prob: float) -> float:
+        """The probability that the draft at position `pos` (0-based) is accepted, given its
+        draft probability and that every draft before it was."""
+        b = self._bin(prob)
+        return float(self.hits[pos, b] / self.trials[pos, b])
+
+    def update(self, pos: int, prob: float, accepted: bool) -> None:
+        b = self._bin(prob)
+        self.trials[pos, b] += 1
+        self.hits[pos, b] += accepted
+        self.tested[pos] += 1
+        self.accepted[pos] += accepted
+
+    def mean(self, pos: int) -> float:
+        return float(self.hits[pos].sum() / self.trials[pos].sum())
+
+
+class StepCosts:
+    """Seconds per step: plain decode by sequences bucket, speculative by verify-rows bucket, a
+    recursive draft by sequences bucket. Profiled at start-up, then an exponential average of the
+    steps the engine times (host wall time of the whole step, sampling included)."""
+
+    ALPHA = 0.2
+
+    def __init__(self):
+        self.plain: dict = {}
+        self.spec: dict = {}
+        self.draft: dict = {}
+
+    @staticmethod
+    def _get(table: dict, key: int) -> float:
+        if key in table:
+            return table[key]
+        keys = sorted(table)
+        if not keys:
+            return 0.0
+        # between measured buckets: linear; beyond them: proportional to the size
+        lo = max((k for k in keys if k <= key), default=None)
+        hi = min((k for k in keys if k >= key), default=None)
+        if lo is None:
+            return table[hi] * key / hi
+        if hi is None:
+            return table[lo] * key / lo
+        w = (key - lo) / (hi - lo)
+        return table[lo] * (1 - w) + table[hi] * w
+
+    def get(self, kind: str, key: int) -> float:
+        return self._get(getattr(self, kind), key)
+
+    def observe(self, kind: str, key: int, seconds: float) -> None:
+        t = getattr(self, kind)
+        t[key] = seconds if key not in t else (1 - self.ALPHA) * t[key] + self.ALPHA * seconds
+
+    def describe(self) -> dict:
+        return {k: {n: round(v * 1e6, 1) for n, v in sorted(getattr(self, k).items())}
+                for k in ("plain", "spec", "draft")}
+
+
+@dataclass
+class Admission:
+    """The scheduler's decision for one step: drafts verified per sequence (None: a plain step)."""
+
+    counts: Optional[list]
+    expected_tokens: float = 0.0
+    expected_seconds: float = 0.0
+
+
+def admit(drafts: list, survival: list, costs: StepCosts, bucket, threshold, spec_ready: bool,
+          allow_plain: bool = True) -> Admission:
+    """Choose how many of its drafts each sequence verifies this step.
+
+    drafts[i]: sequence i's available drafts (their number); survival[i][j]: the probability that
+    its drafts 0..j are all accepted. threshold None: the throughput scheduler (admit candidates
+    in order of survival while (S + expected accepted) / step seconds is best, and run a plain
+    step if that is faster still); a number: admit the drafts whose survival is >= threshold.
+    spec_ready False: no sequence can speculate (no drafts): plain."""
+    S = len(drafts)
+    if not spec_ready:
+        return Admission(None)
+    if threshold is not None:
+        counts = [sum(1 for p in survival[i][:drafts[i]] if p >= threshold) for i in range(S)]
+        return Admission(counts, S + sum(sum(survival[i][:c]) for i, c in enumerate(counts)))
+    cands = sorted(((survival[i][j], i) for i in range(S) for j in range(drafts[i])), reverse=True)
+    tokens, T = float(S), S
+    best = (tokens / max(costs.get("spec", bucket(T)), 1e-9), 0, tokens, costs.get("spec", bucket(T)))
+    for n, (p, _) in enumerate(cands, 1):
+        tokens += p
+        T += 1
+        sec = max(costs.get("spec", bucket(T)), 1e-9)
+        if tokens / sec > best[0]:
+            best = (tokens / sec, n, tokens, sec)
+    plain_sec = max(costs.get("plain", bucket(S)), 1e-9)
+    if allow_plain and S / plain_sec >= best[0]:
+        return Admission(None, float(S), plain_sec)
+    counts = [0] * S
+    for _, i in cands[:best[1]]:
+        counts[i] += 1
+    return Admission(counts, best[2], best[3])
+
+
+class SpecStats:
+    """What engine.stats() reports about speculation."""
+
+    def __init__(self, num_draft: int):
+        self.spec_steps = 0
+        self.plain_steps = 0
+        self.verify_tokens = 0          # rows of spec steps (sequences' last tokens + drafts)
+        self.drafts_proposed = 0        # drafts made (every depth)
+        self.drafts_verified = 0
+        self.drafts_accepted = 0
+        self.seq_steps = 0              # (sequence, spec step) pairs
+        self.tokens_emitted = 0         # tokens spec steps produced (accepted + bonus/correction)
+        self.draft_runs = 0             # recursive draft plans run
+        self.seconds = {"spec": 0.0, "plain": 0.0, "draft": 0.0}
+
+    def report(self, cal: Calibration, costs: StepCosts) -> dict:
+        per_pos = [round(float(a) / float(t), 4) if t else None for a, t in zip(cal.accepted, cal.tested)]
+        return {
+            "spec_steps": self.spec_steps, "spec_plain_steps": self.plain_steps,
+            "spec_drafts_proposed": self.drafts_proposed, "spec_drafts_verified": self.drafts_verified,
+            "spec_drafts_accepted": self.drafts_accepted,
+            "spec_acceptance_per_position": per_pos,
+            "spec_mean_accepted_length": round(self.tokens_emitted / self.seq_steps, 4) if self.seq_steps else None,
+            "spec_verify_tokens_per_step": round(self.verify_tokens / self.spec_steps, 3) if self.spec_steps else None,
+            "spec_draft_runs": self.draft_runs,
+            "spec_step_seconds": {k: round(v, 4) for k, v in self.seconds.items()},
+            "spec_step_table_us": costs.describe(),
+        }
+
+
+def survival(confs: list, cal: Calibration) -> list:
+    """Prefix-survival probabilities of one sequence's drafts from their draft probabilities."""
+    out, p = [], 1.0
+    for j, c in enumerate(confs):
+        p *= cal(j, c)
+        out.append(p)
+    return out
+
+
+class Timer:
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.t0
+
+
+class Speculator:
+    """The engine's speculative decoding: drafting, verification, the scheduler and its tables.
+    The engine hands it prefill steps (to draft after them) and decode batches (to run)."""
+
+    def __init__(self, engine, cfg: SpecConfig):
+        self.engine, self.runner, self.cfg = engine, engine.runner, cfg
+        self.K = cfg.num_draft
+        self.threshold = None if cfg.confidence == "auto" else float(cfg.confidence)
+        self.runner.enable_speculation(self.K)
+        self.cal = Calibration(self.K)
+        self.costs = StepCosts()
+        self.stats = SpecStats(self.K)
+        self.slots: dict = {}           # seq_id -> row of the draft store
+        self.backend = self.runner.backend
+
+    # ------------------------------------------------------------------ sequence state
+    # A sequence's drafts live on it: seq.drafts (token ids), seq.draft_probs (their draft
+    # probabilities), seq.draft_q (drafted by sampling: their logits are kept for spec_verify),
+    # seq.draft_len (len(seq) when drafted: drafts are stale once the sequence moved on).
+    @staticmethod
+    def drafts_of(seq) -> list:
+        d = getattr(seq, "drafts", None)
+        if not d or seq.draft_len != len(seq) or seq.num_computed != len(seq) - 1:
+            return []
+        return d
+
+    def _slot(self, seq) -> int:
+        s = self.slots.get(seq.seq_id)
+        if s is None:
+            used = set(self.slots.values())
+            s = next(i for i in range(self.runner.max_batch) if i not in used)
+            self.slots[seq.seq_id] = s
+        return s
+
+    def _release_slots(self, running: list) -> None:
+        keep = {s.seq_id for s in running}
+        for sid in [k for k in self.slots if k not in keep]:
+            del self.slots[sid]
+
+    @staticmethod
+    def _params(seq):
+        p = seq.params
+        return p.temperature, p.top_k, p.top_p
+
+    def _draft_params(self, seqs: list, depth: int) -> tuple:
+        from .sampling import step_seed
+
+        temp, top_k, top_p, seeds = [], [], [], []
+        for seq in seqs:
+            t, k, pp = self._params(seq)
+            temp.append(t)
+            top_k.append(k)
+            top_p.append(pp)
+            seeds.append(step_seed(seq.params.seed ^ DRAFT_SALT, seq.index, len(seq) + depth))
+        return temp, top_k, top_p, seeds
+
+    def _sample_probs(self, logits, temp, top_k, top_p, seeds) -> tuple:
+        """The sample op with probs on [n, V] logits: (tokens, probabilities) as lists."""
+        be, n = self.backend, logits.shape[0]
+        out, probs = be.empty((n,), "int32"), be.empty((n,), "f32")
+        be.call("sample", logits=logits, temperature=be.upload(np.asarray(temp, np.float32)),
+                top_k=be.upload(np.asarray(top_k, np.int32)), top_p=be.upload(np.asarray(top_p, np.float32)),
+                seeds=be.upload(np.asarray(seeds, np.uint64)), out=out, probs=probs)
+        return be.to_numpy(out).tolist(), be.to_numpy(probs).tolist()
+
+    def _set_drafts(self, seq, tokens: list, probs: list, sampled: bool) -> None:
+        seq.drafts, seq.draft_probs, seq.draft_q, seq.draft_len = list(tokens), list(probs), sampled, len(seq)
+        self.stats.drafts_proposed += len(tokens)
+
+    # ------------------------------------------------------------------ after a prefill step
+    def after_prefill(self, batch: list, samples: list) -> None:
+        """Run the MTP layer over the positions a prefill step computed (its cache layer must hold
+        every position) and draft for the sequences whose prompt is now complete. `batch`: the
+        step's ScheduledSeq list, after the engine appended the sampled tokens; samples: which of
+        them sampled a token (their chunk ended the prompt)."""
+        r = self.runner
+        steps, tokens, last_rows = [], [], []
+        for s in batch:
+            seq, start, n = s.seq, s.start, s.num_tokens
+            nxt = seq.token_ids[start + 1:start + n + 1]
+            nxt = nxt + [0] * (n - len(nxt))     # a sequence that stopped at its first token: never read
+            steps.append((seq, start, n))
+            tokens.append(nxt)
+        logits = r.run(steps, kind="mtp", tokens=tokens)
+        want = [i for i, s in enumerate(batch) if samples[i] and not s.seq.is_finished]
+        if not want:
+            return
+        seqs = [batch[i].seq for i in want]
+        self._release_slots(self.engine.scheduler.running)
+        rows_logits = logits if len(want) == logits.shape[0] else None
+        if rows_logits is None:
+            rows_logits = r.backend.empty((len(want), logits.shape[1]), "f32")
+            r.gather_rows(logits, want, rows_logits)
+        toks, probs = self._sample_probs(rows_logits, *self._draft_params(seqs, 0))
+        sampled = [seq.params.temperature > 0 for seq in seqs]
+        if any(sampled):
+            sel = [i for i, sm in enumerate(sampled) if sm]
+            r.scatter_draft_rows(rows_logits, sel, [self._slot(seqs[i]) for i in sel], 0)
+        # the MTP hidden state of each sequence's last row, for deeper drafts
+        last_row, t = [], 0
+        for i, s in enumerate(batch):
+            t += s.num_tokens
+            if i in want:
+                last_row.append(t - 1)
+        for seq, tok, pr, sm in zip(seqs, toks, probs, sampled):
+            self._set_drafts(seq, [tok], [pr], sm)
+        self._draft_deeper(seqs, last_row)
+
+    # ------------------------------------------------------------------ recursive drafts
+    def _draft_deeper(self, seqs: list, mtp_rows: list) -> None:
+        """Drafts 2..K: the MTP layer on its own hidden state and its last draft, for the
+        sequences where one more draft is expected to pay (or reach the threshold)."""
+        if self.K < 2 or not seqs:
+            return
+        r, bm = self.runner, self.engine.block_manager
+        cand = list(range(len(seqs)))
+        rows = list(mtp_rows)
+        first = True
+        for depth in range(1, self.K):
+            cand = self._choose_deeper([seqs[i] for i in cand], depth, cand)
+            # the draft writes the MTP layer's cache at position len(seq) - 1 + depth - 1
+            cand = [i for i in cand if bm.can_grow(seqs[i], len(seqs[i]) + depth)]
+            if not cand:
+                return
+            for i in cand:
+                bm.grow(seqs[i], len(seqs[i]) + depth)
+            if first:
+                r.keep_draft_hidden([rows[i] for i in cand])
+                first = False
+            elif len(cand) != len(rows):
+                # compact the rows still drafting (through a second store: no gather in place)
+                r.gather_rows(r._draft_hidden, [rows.index(i) for i in cand], r._mtp_hidden)
+                r.gather_rows(r._mtp_hidden, list(range(len(cand))), r._draft_hidden)
+            rows = list(cand)
+            sub = [seqs[i] for i in cand]
+            steps = [(seq, len(seq) - 1 + depth - 1, 1) for seq in sub]
+            toks = [[seq.drafts[-1]] for seq in sub]
+            with Timer() as tm:
+                logits = r.run(steps, kind="draft", tokens=toks)
+                dt, dp = self._sample_probs(logits, *self._draft_params(sub, depth))
+            self.costs.observe("draft", len(sub), tm.seconds)
+            self.stats.draft_runs += 1
+            self.stats.seconds["draft"] += tm.seconds
+            sel = [j for j, seq in enumerate(sub) if seq.draft_q]
+            if sel:
+                r.scatter_draft_rows(logits, sel, [self._slot(sub[j]) for j in sel], depth)
+            for seq, tok, pr in zip(sub, dt, dp):
+                seq.drafts.append(tok)
+                seq.draft_probs.append(pr)
+                self.stats.drafts_proposed += 1
+            cand = list(range(len(sub)))
+            seqs = sub
+            rows = list(range(len(sub)))
+
+    def _choose_deeper(self, seqs: list, depth: int, ids: list) -> list:
+        """Which of these sequences draft at position `depth` (0-based)."""
+        gains = []
+        for seq, i in zip(seqs, ids):
+            surv = survival(seq.draft_probs[:depth], self.cal)[-1]
+            gains.append((surv * self.cal.mean(depth), i))
+        if self.threshold is not None:
+            return [i for g, i in gains if g >= self.threshold]
+        # auto: the expected tokens gained must pay for the extra draft run
+        gains.sort(reverse=True)
+        n_run = max(len(self.engine.scheduler.running), 1)
+        spec_sec = self.costs.get("spec", self._bucket(n_run * (depth + 1)))
+        per_token = spec_sec / max(n_run * (1 + sum(self.cal.mean(j) for j in range(depth))), 1e-9)
+        best, best_n, acc = 0.0, 0, 0.0
+        for n, (g, _) in enumerate(gains, 1):
+            acc += g
+            extra_rows = self.costs.get("spec", self._bucket(n_run * (depth + 1) + n)) - spec_sec
+            v = acc * per_token - self.costs.get("draft", self._bucket(n)) - max(extra_rows, 0.0)
+            if v > best:
+                best, best_n = v, n
+        return sorted(i for _, i in gains[:best_n])
+
+    @staticmethod
+    def _bucket(n: int) -> int:
+        from .model_runner import bucket
+
+        return bucket(max(int(n), 1))
+
+    # ------------------------------------------------------------------ one decode step
+    def decode_step(self, batch: list, now_fn) -> Optional[list]:
+        """Run the decode batch speculatively; None: the scheduler chose a plain step (the engine
+        runs it). Returns the RequestOutputs."""
+        from .sampling import step_seed
+
+        eng, r, bm = self.engine, self.runner, self.engine.block_manager
+        self._release_slots(eng.scheduler.running)
+        seqs = [s.seq for s in batch]
+        drafts = [self.drafts_of(seq) for seq in seqs]
+        surv = [survival(seq.draft_probs[:len(d)], self.cal) if d else [] for seq, d in zip(seqs, drafts)]
+        # speculate or not: sequences without drafts (new after a plain step) count as if they had
+        # K drafts of the measured mean acceptance -- this step's MTP run gives them real ones
+        virt = [len(d) if d else self.K for d in drafts]
+        vsurv = [sv if d else self._expected_survival() for d, sv in zip(drafts, surv)]
+        if admit(virt, vsurv, self.costs, self._bucket, self.threshold, spec_ready=True).counts is None:
+            return None
+        counts = admit([len(d) for d in drafts], surv, self.costs, self._bucket, self.threshold, spec_ready=True,
+                       allow_plain=False).counts
+        if self.threshold is not None and not any(counts) and not any(drafts):
+            counts = [0] * len(seqs)
+        for i, seq in enumerate(seqs):       # drafts never take a block another sequence needs
+            while counts[i] and not bm.can_grow(seq, len(seq) + counts[i]):
+                counts[i] -= 1
+            bm.grow(seq, len(seq) + counts[i])
+        steps, tokens = [], []
+        draft_ids, temp, top_k, top_p, seeds, src = [], [], [], [], [], []
+        with_q = False
+        for seq, d, k in zip(seqs, drafts, counts):
+            start = seq.num_computed
+            steps.append((seq, start, 1 + k))
+            tokens.append([seq.token_ids[start]] + d[:k])
+            t, tk, tp = self._params(seq)
+            n_out = seq.num_output_tokens
+            slot = self._slot(seq) if (k and seq.draft_q) else 0
+            for j in range(k + 1):
+                draft_ids.append(d[j] if j < k else -1)
+                temp.append(t)
+                top_k.append(tk)
+                top_p.append(tp)
+                seeds.append(step_seed(seq.params.seed, seq.index, n_out + j))
+                src.append(j * r.max_batch + slot if j < k else 0)
+            with_q |= bool(k and seq.draft_q and t > 0)
+        T = len(draft_ids)
+        # the drafts the MTP makes this step: one per row, sampled with the request's parameters
+        dtemp, dtk, dtp, dseeds = [], [], [], []
+        for (seq, start, n) in steps:
+            t, tk, tp = self._params(seq)
+            for j in range(n):
+                dtemp.append(t)
+                dtk.append(tk)
+                dtp.append(tp)
+                dseeds.append(step_seed(seq.params.seed ^ DRAFT_SALT, seq.index, start + 2 + j))
+        inputs = {"draft_ids": (draft_ids, -1), "temperature": (temp, 0.0), "top_k": (top_k, 0), "top_p": (top_p, 1.0),
+                  "seeds": (seeds, 0), "draft_temperature": (dtemp, 0.0), "draft_top_k": (dtk, 0),
+                  "draft_top_p": (dtp, 1.0), "draft_seeds": (dseeds, 0)}
+        if with_q:
+            inputs["draft_src"] = (src, 0)
+            r.draft_store()
+        with Timer() as tm:
+            logits = r.run(steps, all_logits=True, keep_hidden=with_q, kind="spec", tokens=tokens, inputs=inputs)
+            be = self.backend
+            verified = be.to_numpy(r.output("verified")).tolist()
+            accepted = be.to_numpy(r.output("accepted")).tolist()
+            dtok = be.to_numpy(r.output("draft_tokens")).tolist()
+            dprob = be.to_numpy(r.output("draft_probs")).tolist()
+        self.costs.observe("spec", self._bucket(T), tm.seconds)
+        st = self.stats
+        st.spec_steps += 1
+        st.verify_tokens += T
+        st.seconds["spec"] += tm.seconds
+        host = None
+        if any(seq.params.logprobs is not None for seq in seqs):
+            host = be.to_numpy(logits)
+        outs, now = [], now_fn()
+        keep_rows, keep_seqs = [], []
+        row = 0
+        for (seq, start, n), d, k in zip(steps, drafts, counts):
+            a = 0
+            while a < k and accepted[row + a]:
+                a += 1
+            for j in range(min(a + 1, k)):      # calibration: drafts tested (all before them accepted)
+                self.cal.update(j, seq.draft_probs[j], j < a)
+            st.drafts_verified += min(a + 1, k)
+            st.drafts_accepted += a
+            st.seq_steps += 1
+            new = d[:a] + [verified[row + a]]
+            emitted = 0
+            for j, tok in enumerate(new):
+                o = eng._advance(seq, tok, host[row + j] if host is not None and seq.params.logprobs is not None
+                                 else None, now)
+                emitted += 1
+                outs.append(o)
+                if seq.is_finished:
+                    break
+            st.tokens_emitted += emitted
+            if not seq.is_finished:
+                seq.num_computed = start + 1 + a
+                bm.commit(seq)
+                self._set_drafts(seq, [dtok[row + a]], [dprob[row + a]], seq.params.temperature > 0)
+                keep_rows.append(row + a)
+                keep_seqs.append(seq)
+            row += n
+        eng.counters["steps"] += 1
+        # merge the outputs of one request's tokens into one RequestOutput per sequence
+        outs = _merge(outs)
+        sampled = [i for i, seq in enumerate(keep_seqs) if seq.draft_q]
+        if sampled:
+            r.scatter_draft_rows(r.output("draft_logits"), [keep_rows[i] for i in sampled],
+                                 [self._slot(keep_seqs[i]) for i in sampled], 0)
+        self._draft_deeper(keep_seqs, keep_rows)
+        return outs
+
+    def _expected_survival(self) -> list:
+        """Survival of K drafts at the measured mean acceptance per position (0.8 until measured:
+        speculation has to be tried to be measured)."""
+        out, p = [], 1.0
+        for j in range(self.K):
+            t = int(self.cal.tested[j])
+            p *= self.cal.accepted[j] / t if t >= 20 else 0.8
+            out.append(p)
+        return out
+
+    def observe_plain(self, batch_size: int, seconds: float) -> None:
+        self.costs.observe("plain", self._bucket(batch_size), seconds)
+        self.stats.plain_steps += 1
+        self.stats.seconds["plain"] += seconds
+
+    def report(self) -> dict:
+        return self.stats.report(self.cal, self.costs)
+
+    # ------------------------------------------------------------------ the step-time table
+    def profile(self, repeats: int = 3) -> None:
+        """Time plain decode steps, speculative steps and draft runs over the batch sizes this
+        engine can see (dummy sequences, random tokens), so the scheduler has costs from the first
+        step; the engine keeps refining them with the steps it runs."""
+        from .model_runner import bucket
+        from .sequence import Sequence
+
+        r, bm = self.runner, self.engine.block_manager
+        V = r.cfg.vocab_size
+        rng = np.random.default_rng(0)
+        ctx = 16
+        need = lambda n: -(-(ctx + self.K + 2) // bm.block_size) * n
+        maxS = r.max_batch
+        while maxS > 1 and need(maxS) > bm.num_free_blocks:
+            maxS //= 2
+        if need(1) > bm.num_free_blocks:
+            return
+        seqs = []
+        try:
+            for _ in range(maxS):
+                seq = Sequence(rng.integers(0, V, ctx + self.K + 2).tolist(), cacheable=False)
+                bm.grow(seq, ctx + self.K + 2)
+                seq.num_computed = ctx
+                seqs.append(seq)
+            be = r.backend
+
+            def timed(fn):
+                fn()
+                fn()     # traced, then captured
+                ts = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    fn()
+                    be.synchronize()
+                    ts.append(time.perf_counter() - t0)
+                return float(np.median(ts))
+
+            sizes = sorted({bucket(s) for s in range(1, maxS + 1)})
+            sizes = [s for s in sizes if s <= maxS]
+            for S in sizes:
+                sub = seqs[:S]
+
+                def plain():
+                    lg = r.run([(q, ctx, 1) for q in sub])
+                    r.sample(lg, temperature=[0.0] * S)
+                self.costs.observe("plain", S, timed(plain))
+
+                def draft():
+                    lg = r.run([(q, ctx, 1) for q in sub], kind="draft", tokens=[[5]] * S)
+                    self._sample_probs(lg, [0.0] * S, [0] * S, [1.0] * S, [0] * S)
+                self.costs.observe("draft", S, timed(draft))
+            spec_sizes = sorted({bucket(t) for t in range(1, maxS * (self.K + 1) + 1)})
+            for T in spec_sizes:
+                S = min(maxS, T)
+                per = [T // S + (1 if i < T % S else 0) for i in range(S)]
+                if max(per) > self.K + 1:
+                    continue
+                steps = [(q, ctx, n) for q, n in zip(seqs[:S], per)]
+                toks = [rng.integers(0, V, n).tolist() for n in per]
+                inputs = {"draft_ids": (rng.integers(0, V, T).tolist(), -1), "temperature": ([0.0] * T, 0.0),
+                          "top_k": ([0] * T, 0), "top_p": ([1.0] * T, 1.0), "seeds": ([0] * T, 0),
+                          "draft_temperature": ([0.0] * T, 0.0), "draft_top_k": ([0] * T, 0),
+                          "draft_top_p": ([1.0] * T, 1.0), "draft_seeds": ([0] * T, 0)}
+
+                def spec():
+                    r.run(steps, all_logits=True, kind="spec", tokens=toks, inputs=inputs)
+                    for name in ("verified", "accepted", "draft_tokens", "draft_probs"):
+                        be.to_numpy(r.output(name))
+                self.costs.observe("spec", T, timed(spec))
+        finally:
+            for seq in seqs:
+                bm.release(seq)
+
+
+def _merge(outs: list) -> list:
+    """One RequestOutput per (request, choice) from a step's per-token outputs."""
+    merged, order = {}, []
+    for o in outs:
+        key = (o.request_id, o.index)
+        m = merged.get(key)
+        if m is None:
+            merged[key] = o
+            order.append(key)
+            continue
+        m.token_ids = m.token_ids + o.token_ids
+        m.text += o.text
+        m.logprobs = m.logprobs + o.logprobs
+        m.finished, m.finish_reason = o.finished, o.finish_reason
+        m.num_output_tokens = o.num_output_tokens
+    return [merged[k] for k in order]

@@ -1,0 +1,292 @@
+"""MTP speculative decoding (engine.speculative): lossless greedy and sampled output, the cache after
+rollback, the scheduler's decisions, config and CLI."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import deepinfer
+from deepinfer.engine import Engine, default_model_dir
+from deepinfer.engine.sampling import SamplingParams
+from deepinfer.engine.speculative import Calibration, SpecConfig, StepCosts, admit, survival
+from deepinfer.engine.model_runner import bucket
+from deepinfer.errors import ConfigError
+
+MODEL = default_model_dir()
+
+
+def _backends():
+    out = [pytest.param("reference", id="reference")]
+    cpu = [c for c in deepinfer.candidates() if c.ok and c.name == "cpu"]
+    out.append(pytest.param("cpu", id="cpu", marks=pytest.mark.skipif(not cpu, reason="libdeepinfer_cpu.so not built")))
+    return out
+
+
+def _engine(backend, spec=None, model=MODEL, **kw):
+    if backend == "cpu" and os.environ.get("DEEPINFER_CPU_LIB"):
+        backend = os.environ["DEEPINFER_CPU_LIB"]      # the library under test (conftest's rule)
+    cfg = {"backend": backend, "precision": "f32", "max_batch": 8, "max_seq_len": 512, **kw}
+    if spec is not None:
+        cfg["speculative"] = spec
+    return Engine.from_pretrained(model, config=cfg)
+
+
+def _prompts(n: int) -> list:
+    """n prompts cut from the embedded model's held-out text (different lengths and content)."""
+    text = (MODEL / "heldout.txt").read_text()
+    lines = [l for l in text.splitlines() if len(l.strip()) > 12]
+    step = max(len(lines) // n, 1)
+    return [lines[i * step][:20 + (i * 7) % 60] for i in range(n)]
+
+
+# ---------------------------------------------------------------------------- lossless greedy
+@pytest.fixture(scope="module", params=_backends())
+def greedy_runs(request):
+    """The same 50 prompts, 16 greedy tokens each: speculation off, and on with fixed K=2 and with
+    the confidence scheduler; each alone (batch 1) and all together (mixed batches of 8)."""
+    be = request.param
+    prompts = _prompts(50)
+    off = _engine(be)
+    ids = [off.tokenizer.encode(p) for p in prompts]
+    ref = off.generate_ids(ids, max_new_tokens=16)
+    runs = {}
+    for name, spec in (("fixed2", {"method": "mtp", "num_draft": 2, "confidence": 0.0}),
+                       ("fixed3", {"method": "mtp", "num_draft": 3, "confidence": 0.0}),
+                       ("auto", {"method": "mtp", "num_draft": 2, "confidence": "auto"})):
+        eng = _engine(be, spec)
+        runs[(name, "mixed")] = (eng.generate_ids(ids, max_new_tokens=16), eng.stats())
+        if name == "fixed2":
+            runs[(name, "alone")] = ([eng.generate_ids([i], max_new_tokens=16)[0] for i in ids], eng.stats())
+    return ref, runs
+
+
+@pytest.mark.parametrize("run", [("fixed2", "mixed"), ("fixed2", "alone"), ("fixed3", "mixed"), ("auto", "mixed")],
+                         ids=lambda r: "-".join(r))
+def test_greedy_output_is_identical_with_speculation(greedy_runs, run):
+    ref, runs = greedy_runs
+    got, stats = runs[run]
+    diff = [i for i, (a, b) in enumerate(zip(ref, got)) if a != b]
+    assert not diff, f"{len(diff)} of {len(ref)} prompts differ, first {diff[0]}: {ref[diff[0]]} != {got[diff[0]]}"
+    assert all(len(t) == 16 for t in got)
+    if run[0].startswith("fixed"):
+        # the drafts were really verified, and most of them accepted (the embedded model's MTP
+        # predicts the next-next token ~75% of the time)
+        assert stats["spec_steps"] > 0 and stats["spec_drafts_verified"] > 100
+        assert stats["spec_acceptance_per_position"][0] > 0.5
+        assert stats["spec_mean_accepted_length"] > 1.5
+
+
+# ---------------------------------------------------------------------------- lossless sampling
+def _kept(logits: np.ndarray, temperature: float, top_k: int) -> np.ndarray:
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    keep = np.argsort(-p, kind="stable")[:top_k]
+    q = np.zeros_like(p)
+    q[keep] = p[keep]
+    return q / q.sum()
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_sampling_with_speculation_keeps_the_distribution(backend, tiny_checkpoint, tmp_path):
+    """Seeded sampling (temperature 1, top_k 8) on the tiny V3 model, 2 tokens per request: the
+    second token, drawn by spec_verify from the MTP's sampled draft (exact rejection sampling),
+    follows the model's own two-step distribution (chi-square against the exact probabilities)."""
+    import shutil
+    import tiny_checkpoints
+
+    src, _, _ = tiny_checkpoint("v3")
+    model = tmp_path / "v3"
+    shutil.copytree(src, model)
+    tiny_checkpoints.add_tokenizer(model)
+    eng = _engine(backend, {"method": "mtp", "num_draft": 1, "confidence": 0.0}, model=model, max_batch=64,
+                  max_seq_len=64, max_queue=100000)
+    prompt = [5, 17, 42, 99, 7]
+    params = SamplingParams(max_new_tokens=2, temperature=1.0, top_k=8, seed=1234, ignore_eos=True)
+    N = 3000
+    rid = eng.add_request(prompt, params, n=N)
+    pairs = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            pairs.setdefault(o.index, []).extend(o.token_ids)
+    st = eng.stats()
+    assert st["spec_drafts_verified"] >= N * 0.9, st          # the second tokens came through verification
+    assert 0 < st["spec_drafts_accepted"] < st["spec_drafts_verified"]   # both branches ran
+    # the exact law of the second token: sum over first tokens t of p(t) p(. | t)
+    r = eng.runner
+    sid = r.new_sequence()
+    p1 = _kept(r.backend.to_numpy(r.forward([(sid, prompt, 0)]))[0], 1.0, 8)
+    p2 = np.zeros_like(p1)
+    for t in np.flatnonzero(p1):
+        row = r.backend.to_numpy(r.forward([(sid, [int(t)], len(prompt))]))[0]
+        p2 += p1[t] * _kept(row, 1.0, 8)
+    r.free(sid)
+    firsts = np.array([v[0] for v in pairs.values()])
+    seconds = np.array([v[1] for v in pairs.values()])
+    assert len(seconds) == N
+    for name, draws, law in (("first", firsts, p1), ("second", seconds, p2)):
+        support = np.flatnonzero(law > 0)
+        assert set(np.unique(draws)) <= set(support), name
+        cells = [c for c in support if law[c] * N >= 5]
+        obs = np.array([(draws == c).sum() for c in cells] + [np.isin(draws, cells, invert=True).sum()])
+        exp = np.array([law[c] * N for c in cells] + [N - sum(law[c] * N for c in cells)])
+        keep = exp > 0
+        obs, exp = obs[keep], exp[keep]
+        stat = float(((obs - exp) ** 2 / exp).sum())
+        assert stat < _chi2_critical(len(obs) - 1), (name, stat, obs, exp)
+
+
+def _chi2_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square quantile at 0.999 (z = its normal quantile), Wilson-Hilferty."""
+    a = 2.0 / (9 * df)
+    return df * (1 - a + z * math.sqrt(a)) ** 3
+
+
+# ---------------------------------------------------------------------------- rollback and the MTP cache
+@pytest.mark.parametrize("backend", _backends())
+def test_rollback_leaves_no_stale_cache_entries(backend):
+    """After speculative steps that rejected drafts, every cached position of the sequence -- the main
+    layers and the MTP layer -- holds what a plain recomputation of the accepted tokens writes there,
+    and the prefix cache registered only blocks of accepted tokens."""
+    eng = _engine(backend, {"method": "mtp", "num_draft": 3, "confidence": 0.0}, kv_block_size=4)
+    rid = eng.add_request(_prompts(3)[1], SamplingParams(max_new_tokens=40, ignore_eos=True))
+    seq = eng._requests[rid][0]
+    for _ in range(12):
+        eng.step()
+    st = eng.stats()
+    assert st["spec_drafts_verified"] > st["spec_drafts_accepted"] > 0, st    # rejections happened
+    r, bm = eng.runner, eng.block_manager
+    n = seq.num_computed
+    toks = list(seq.token_ids)
+    assert n == len(toks) - 1 and not seq.is_finished
+    kv = r.backend.to_numpy(r.kv.storage)                  # [layers, blocks, block_size, width]
+    slots = np.array(bm.slots(seq, 0, n))
+    got = kv[:, slots // bm.block_size, slots % bm.block_size]
+
+    # a plain recomputation: the main model over the accepted tokens, then the MTP layer with the
+    # tokens that follow them, on a fresh sequence
+    plain = _engine(backend)
+    pr = plain.runner
+    sid = pr.new_sequence()
+    pr.forward([(sid, toks[:n], 0)], keep_hidden=True)
+    pr.mtp_logits([(sid, toks[1:n + 1], 0)])
+    pseq = pr._offline[sid]
+    pslots = np.array(pr.block_manager.slots(pseq, 0, n))
+    pkv = pr.backend.to_numpy(pr.kv.storage)
+    want = pkv[:, pslots // pr.block_manager.block_size, pslots % pr.block_manager.block_size]
+    assert np.isfinite(got).all()
+    err = np.abs(got - want).max(axis=(1, 2)) / np.abs(want).max(axis=(1, 2))
+    assert (err < 1e-4).all(), err                          # every layer, the MTP layer (last) included
+    # the prefix cache holds only blocks of accepted positions, with their tokens
+    for i, h in enumerate(seq.block_hashes):
+        b = bm.blocks[seq.block_table[i]]
+        assert b.tokens == tuple(toks[i * bm.block_size:(i + 1) * bm.block_size])
+    assert len(seq.block_hashes) == n // bm.block_size
+
+
+def test_engine_runs_speculation_through_preemption_and_abort():
+    """A cache too small for every sequence's drafts: drafts shrink to what fits, sequences get
+    preempted and recomputed, and the output still equals plain decoding."""
+    prompts = _prompts(6)
+    off = _engine("reference", kv_cache_tokens=160, kv_block_size=4, max_batch=6)
+    ids = [off.tokenizer.encode(p) for p in prompts]
+    ref = off.generate_ids(ids, max_new_tokens=14)
+    on = _engine("reference", {"method": "mtp", "num_draft": 3, "confidence": 0.0}, kv_cache_tokens=160,
+                 kv_block_size=4, max_batch=6)
+    assert on.generate_ids(ids, max_new_tokens=14) == ref
+    rid = on.add_request(prompts[0], SamplingParams(max_new_tokens=30))
+    on.step()
+    on.step()
+    assert on.abort(rid)
+    assert on.block_manager.num_used_blocks == 0
+
+
+# ---------------------------------------------------------------------------- the scheduler
+def _costs(plain: dict, spec: dict) -> StepCosts:
+    c = StepCosts()
+    for k, v in plain.items():
+        c.observe("plain", k, v)
+    for k, v in spec.items():
+        c.observe("spec", k, v)
+    return c
+
+
+def test_scheduler_backs_off_when_verification_costs_more_than_it_gains():
+    # verifying costs as much per row as decoding: drafts can never pay, so the step runs plain
+    costly = _costs({b: b * 1e-3 for b in (1, 2, 4, 8, 16, 32)}, {b: b * 1.2e-3 for b in (1, 2, 4, 8, 16, 32, 64)})
+    surv = [[0.9, 0.8]] * 8
+    assert admit([2] * 8, surv, costly, bucket, None, True).counts is None
+    # verification nearly free (a launch-bound GPU): every likely draft is admitted
+    cheap = _costs({b: 1e-3 for b in (1, 2, 4, 8, 16)}, {b: 1.1e-3 for b in (1, 2, 4, 8, 16, 24, 32)})
+    a = admit([2] * 8, surv, cheap, bucket, None, True)
+    assert a.counts == [2] * 8 and a.expected_tokens == pytest.approx(8 + 8 * 1.7)
+    # in between: the most likely drafts first, until the next bucket's step time outweighs them
+    mid = _costs({1: 1e-3, 2: 1e-3, 4: 1e-3}, {1: 1.2e-3, 2: 1.25e-3, 4: 1.3e-3, 8: 2.6e-3})
+    a = admit([2, 2], [[0.9, 0.3], [0.6, 0.1]], mid, bucket, None, True)
+    assert a.counts == [1, 1]
+    # a fixed threshold admits exactly the drafts whose survival reaches it
+    assert admit([2, 2], [[0.9, 0.3], [0.6, 0.1]], mid, bucket, 0.5, True).counts == [1, 1]
+    assert admit([2, 2], [[0.9, 0.3], [0.6, 0.1]], mid, bucket, 0.0, True).counts == [2, 2]
+    assert admit([2, 2], [[0.9, 0.3], [0.6, 0.1]], mid, bucket, 0.0, False).counts is None
+
+
+def test_calibration_learns_measured_acceptance():
+    cal = Calibration(2)
+    assert cal(0, 0.95) == pytest.approx(0.95)           # no data: the draft probability
+    for _ in range(400):
+        cal.update(0, 0.95, False)                      # drafts this confident are always wrong
+    assert cal(0, 0.95) < 0.02
+    assert cal(0, 0.35) == pytest.approx(0.35)           # other bins untouched
+    assert survival([0.95, 0.35], cal)[1] < 0.01
+
+
+def test_step_costs_interpolate_and_average():
+    c = _costs({1: 1.0, 4: 4.0}, {})
+    assert c.get("plain", 2) == pytest.approx(2.0) and c.get("plain", 8) == pytest.approx(8.0)
+    c.observe("plain", 1, 2.0)
+    assert 1.0 < c.get("plain", 1) < 2.0
+
+
+# ---------------------------------------------------------------------------- config and CLI
+@pytest.mark.parametrize("spec, msg", [
+    ({"method": "eagle"}, "only \"mtp\""),
+    ({"method": "mtp", "num_draft": 0}, "num_draft"),
+    ({"method": "mtp", "num_draft": 9}, "num_draft"),
+    ({"method": "mtp", "num_draft": 2.0}, "num_draft"),
+    ({"method": "mtp", "confidence": 1.0}, "below 1"),
+    ({"method": "mtp", "confidence": "high"}, "auto"),
+    ({"method": "mtp", "confidence": float("nan")}, "finite"),
+    ({"method": "mtp", "mtp": False}, "needs the MTP head"),
+    ({"num_draft": 2}, "set \"method\""),
+    ({"method": "mtp", "draft": 2}, "unknown speculative"),
+])
+def test_bad_speculative_config_is_a_clear_error(spec, msg):
+    with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        SpecConfig.parse(spec)
+
+
+def test_speculation_needs_an_mtp_layer(tiny_copy):
+    import tiny_checkpoints
+
+    model = tiny_copy("v2")                      # V2 has no MTP module
+    tiny_checkpoints.add_tokenizer(model)
+    with pytest.raises(ConfigError, match="MTP layer"):
+        Engine.from_pretrained(model, config={"backend": "reference", "speculative": {"method": "mtp"}})
+
+
+def test_cli_run_speculative():
+    out = subprocess.run([sys.executable, "-m", "deepinfer.cli", "run", str(MODEL), "def fibonacci(n):", "--backend",
+                          "reference",
+                          "--precision", "f32", "--speculative", "mtp", "--num-draft", "2", "--spec-confidence", "0",
+                          "--max-new-tokens", "12", "-v"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    plain = subprocess.run([sys.executable, "-m", "deepinfer.cli", "run", str(MODEL), "def fibonacci(n):", "--backend",
+                            "reference",
+                            "--precision", "f32", "--max-new-tokens", "12"], capture_output=True, text=True, timeout=600)
+    assert out.stdout == plain.stdout and out.stdout.strip()
+    stats = json.loads(out.stderr.split("deepinfer: stats ", 1)[1].splitlines()[0])
+    assert stats["spec_steps"] > 0 and stats["spec_acceptance_per_position"][0] is not None
