@@ -23,7 +23,8 @@ def test_config_from_dict_and_file(tmp_path):
     ({"max_batch": 0}, "max_batch"),
     ({"group_size": 48}, "group_size"),
     ({"speculative": {"mtp": True, "draft": 2}}, "speculative"),
-    ({"speculative": {"num_draft": 2}}, "not implemented yet"),
+    ({"speculative": {"num_draft": 2}}, "set \"method\": \"mtp\""),
+    ({"speculative": {"method": "mtp", "num_draft": 0}}, "num_draft"),
 ])
 def test_config_rejects(bad, msg):
     with pytest.raises(ConfigError, match=msg):

@@ -272,3 +272,27 @@ def test_metrics_with_an_expert_cache():
         assert vals["deepinfer_expert_cache_bytes_streamed"] > 0 and 0 < vals["deepinfer_expert_cache_hit_ratio"] <= 1
     finally:
         s.stop()
+
+
+def test_completions_with_speculative_decoding():
+    """The server with speculation on: the same greedy text as without, and /metrics carries its counters."""
+    plain = LiveServer({**_config(), "max_batch": 2})
+    try:
+        want = httpx.post(plain.url + "/v1/completions", json={"model": NAME, "prompt": "def f(x):", "max_tokens": 12,
+                                                               "temperature": 0}, timeout=60).json()
+    finally:
+        plain.stop()
+    s = LiveServer({**_config(), "max_batch": 2, "speculative": {"method": "mtp", "num_draft": 2, "confidence": 0.0}})
+    try:
+        r = httpx.post(s.url + "/v1/completions", json={"model": NAME, "prompt": "def f(x):", "max_tokens": 12,
+                                                        "temperature": 0}, timeout=60)
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["text"] == want["choices"][0]["text"]
+        assert r.json()["usage"]["completion_tokens"] == want["usage"]["completion_tokens"]
+        text = httpx.get(s.url + "/metrics").text
+        vals = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                if line.startswith("deepinfer_spec_")}
+        assert vals["deepinfer_spec_steps"] > 0 and vals["deepinfer_spec_drafts_verified"] > 0
+        assert 0 < vals['deepinfer_spec_acceptance{position="1"}'] <= 1
+    finally:
+        s.stop()

@@ -23,12 +23,14 @@ def _backends():
     out = [pytest.param("reference", id="reference")]
     cpu = [c for c in deepinfer.candidates() if c.ok and c.name == "cpu"]
     out.append(pytest.param("cpu", id="cpu", marks=pytest.mark.skipif(not cpu, reason="libdeepinfer_cpu.so not built")))
+    if os.environ.get("DEEPINFER_CUDA_LIB"):           # backends/cuda/device_speculative.sh on the GPU
+        out.append(pytest.param("cuda", id="cuda"))
     return out
 
 
 def _engine(backend, spec=None, model=MODEL, **kw):
-    if backend == "cpu" and os.environ.get("DEEPINFER_CPU_LIB"):
-        backend = os.environ["DEEPINFER_CPU_LIB"]      # the library under test (conftest's rule)
+    if backend in ("cpu", "cuda") and os.environ.get(f"DEEPINFER_{backend.upper()}_LIB"):
+        backend = os.environ[f"DEEPINFER_{backend.upper()}_LIB"]   # the library under test (conftest's rule)
     cfg = {"backend": backend, "precision": "f32", "max_batch": 8, "max_seq_len": 512, **kw}
     if spec is not None:
         cfg["speculative"] = spec

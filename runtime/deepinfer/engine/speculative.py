@@ -274,6 +274,8 @@ class Speculator:
         self.costs = StepCosts()
         self.stats = SpecStats(self.K)
         self.slots: dict = {}           # seq_id -> row of the draft store
+        # the scheduler's back-off after drafts that did not pay (see decode_step)
+        self.bootstrap_wait, self.bootstrap_backoff, self._bootstrapped = 0, 1, False
         self.backend = self.runner.backend
 
     # ------------------------------------------------------------------ sequence state
@@ -456,13 +458,29 @@ class Speculator:
         surv = [survival(seq.draft_probs[:len(d)], self.cal) if d else [] for seq, d in zip(seqs, drafts)]
         # speculate or not: sequences without drafts (new after a plain step) count as if they had
         # K drafts of the measured mean acceptance -- this step's MTP run gives them real ones
+        if not any(drafts) and self.bootstrap_wait > 0:
+            self.bootstrap_wait -= 1          # recent drafts did not pay: stay plain a while
+            return None
         virt = [len(d) if d else self.K for d in drafts]
         vsurv = [sv if d else self._expected_survival() for d, sv in zip(drafts, surv)]
-        if admit(virt, vsurv, self.costs, self._bucket, self.threshold, spec_ready=True).counts is None:
+        counts = admit(virt, vsurv, self.costs, self._bucket, self.threshold, spec_ready=True).counts
+        if counts is not None and any(drafts):
+            counts = admit([len(d) for d in drafts], surv, self.costs, self._bucket, self.threshold,
+                           spec_ready=True).counts
+        if self.threshold is None and any(drafts):
+            # a step that started drafting (bootstrap) should lead to verified drafts; when the real
+            # drafts are not worth verifying, wait twice as long before drafting again
+            if counts is None or not any(counts):
+                if self._bootstrapped:
+                    self.bootstrap_backoff = min(2 * self.bootstrap_backoff, 64)
+                    self.bootstrap_wait = self.bootstrap_backoff
+            else:
+                self.bootstrap_backoff = 1
+            self._bootstrapped = False
+        if counts is None:
             return None
-        counts = admit([len(d) for d in drafts], surv, self.costs, self._bucket, self.threshold, spec_ready=True,
-                       allow_plain=False).counts
-        if self.threshold is not None and not any(counts) and not any(drafts):
+        if not any(drafts):
+            self._bootstrapped = True
             counts = [0] * len(seqs)
         for i, seq in enumerate(seqs):       # drafts never take a block another sequence needs
             while counts[i] and not bm.can_grow(seq, len(seq) + counts[i]):

@@ -1,7 +1,8 @@
 """Prometheus metrics of the server (prometheus_client, one registry per server).
 
 Counters and histograms are updated on the engine thread as outputs arrive; gauges (running and
-waiting requests, KV blocks, tokens/s over the last 10 s, the expert cache's counters) are read from
+waiting requests, KV blocks, tokens/s over the last 10 s, the expert cache's and speculative
+decoding's counters) are read from
 the engine when /metrics is scraped."""
 from __future__ import annotations
 
@@ -50,6 +51,16 @@ class ServerMetrics:
             ("bytes_streamed", "expert bytes copied into the cache"),
             ("wait_seconds", "time steps waited for expert loads"))}
         self.expert_hit_ratio = Gauge("deepinfer_expert_cache_hit_ratio", "hits / needed experts", registry=r)
+        # speculative decoding (engine config speculative), present only when it is on
+        self.spec = {k: Gauge(f"deepinfer_spec_{k}", help_, registry=r) for k, help_ in (
+            ("steps", "speculative steps (drafts verified)"),
+            ("plain_steps", "decode steps the scheduler ran without speculation"),
+            ("drafts_verified", "draft tokens verified"),
+            ("drafts_accepted", "draft tokens accepted"),
+            ("mean_accepted_length", "tokens a sequence gains per speculative step"),
+            ("verify_tokens_per_step", "rows of a speculative step"))}
+        self.spec_acceptance = Gauge("deepinfer_spec_acceptance", "acceptance rate of a draft position",
+                                     ["position"], registry=r)
         self._recent: deque = deque()
         self._lock = threading.Lock()
 
@@ -72,6 +83,11 @@ class ServerMetrics:
             for k, g in self.experts.items():
                 g.set(snapshot[f"expert_{k}"])
             self.expert_hit_ratio.set(snapshot["expert_hit_rate"] or 0.0)
+        if "spec_steps" in snapshot:
+            for k, g in self.spec.items():
+                g.set(snapshot[f"spec_{k}"] or 0.0)
+            for i, a in enumerate(snapshot["spec_acceptance_per_position"]):
+                self.spec_acceptance.labels(position=str(i + 1)).set(a or 0.0)
         now = time.monotonic()
         with self._lock:
             while self._recent and self._recent[0][0] < now - 10.0:
