@@ -1,5 +1,5 @@
 /*
- * deepinfer kernel ABI, version 1.1 (abi/CHANGELOG.md lists what each minor version added).
+ * deepinfer kernel ABI, version 1.2 (abi/CHANGELOG.md lists what each minor version added).
  *
  * A vendor library (libdeepinfer_<name>.so) is built against this header alone. It exports one
  * frozen symbol, deepinfer_plugin_info(), which returns a DI_PluginInfo. The host asks that struct
@@ -10,7 +10,8 @@
  *  - DI_PluginInfo is frozen forever: fields are never added, removed or reordered.
  *  - DI_Api and every args struct are append-only within a major version. Each begins with
  *    struct_size (the size the *writer* of the struct was compiled with); readers never touch
- *    bytes past it. A NULL function pointer means "unsupported".
+ *    bytes past it. A NULL function pointer means "unsupported". A field appended to an args
+ *    struct after its op is listed in DI_ARGS_SINCE (op table) and is absent for an older caller.
  *  - Every failure is a DI_Status plus a message from last_error(ctx). Nothing aborts, exits or
  *    throws across this boundary.
  *  - The host allocates outputs and workspaces; all work goes onto the stream in the args.
@@ -39,7 +40,7 @@ extern "C" {
 /* DI_CDEF_BEGIN */
 
 #define DI_ABI_MAJOR 1
-#define DI_ABI_MINOR 1
+#define DI_ABI_MINOR 2
 #define DI_MAX_DIMS 6
 
 /* ---------------------------------------------------------------- status codes */
@@ -208,7 +209,9 @@ enum DI_OpId {
     DI_OP_CONCAT          = 14,
     DI_OP_SAMPLE          = 15,
     DI_OP_COUNT_V1_0      = 16,
-    DI_OP_COUNT_V1_1      = 16   /* 1.1 added no ops */
+    DI_OP_COUNT_V1_1      = 16,  /* 1.1 added no ops */
+    DI_OP_SPEC_VERIFY     = 16,  /* 1.2 */
+    DI_OP_COUNT_V1_2      = 17
 };
 
 /* ---------------------------------------------------------------- op args (README: semantics) */
@@ -376,7 +379,23 @@ typedef struct DI_SampleArgs {
     DI_Tensor top_p;         /* [B] f32, 1 = off */
     DI_Tensor seeds;         /* [B] uint64 */
     DI_Tensor out;           /* [B] int32 */
+    /* ---- v1.2 (DI_ARGS_SINCE): absent when struct_size ends before it ---- */
+    DI_Tensor probs;         /* [B] f32 or absent: the probability out[b] had when drawn */
 } DI_SampleArgs;
+
+/* speculative sampling: accept or replace each draft token so that out[t] ~ the target's p (v1.2) */
+typedef struct DI_SpecVerifyArgs {
+    DI_ArgsHeader header;
+    DI_Tensor logits;        /* [T, V] f32: the target model's logits, one row per verified position */
+    DI_Tensor draft_logits;  /* [T, V] f32 or absent (absent: greedy drafts, q one-hot at draft_ids) */
+    DI_Tensor draft_ids;     /* [T] int32: the draft token judged at row t; < 0 = none (bonus row) */
+    DI_Tensor temperature;   /* [T] f32 */
+    DI_Tensor top_k;         /* [T] int32, 0 = off */
+    DI_Tensor top_p;         /* [T] f32, 1 = off */
+    DI_Tensor seeds;         /* [T] uint64 */
+    DI_Tensor out;           /* [T] int32: the token at row t */
+    DI_Tensor accepted;      /* [T] int32: 1 = out[t] is draft_ids[t] and was accepted */
+} DI_SpecVerifyArgs;
 
 /* ---------------------------------------------------------------- the function table */
 typedef struct DI_Api {
@@ -447,7 +466,11 @@ typedef struct DI_Api {
                                 int32_t kind, DI_Stream stream);
     /* devices of this library's kind on this machine (no context needed; errors: last_error(NULL)) */
     DI_Status (*device_count)(int32_t* out);
-    /* v1.2 and later append here */
+
+    /* ---- v1.2 (present when abi_minor >= 2 and the offset is below struct_size) ---- */
+    /* ops appended after 1.0's, in DI_OpId order from DI_OP_SPEC_VERIFY; NULL = unsupported */
+    DI_Status (*spec_verify)(DI_Context* ctx, const DI_SpecVerifyArgs* args);
+    /* v1.3 and later append here */
 } DI_Api;
 
 /*
@@ -479,6 +502,8 @@ const DI_PluginInfo* deepinfer_plugin_info(void);
  * Python runtime parses this block, so keep each entry on one line in exactly this form.
  *
  * DI_OPS(X): X(op id, name (= the DI_Api entry), args struct, minor version that added it)
+ *   The op entries of DI_Api are in id order: ids 0..15 (1.0) follow `embedding`, ids from 16
+ *   (1.2 on) follow the 1.1 entries, starting at `spec_verify`.
  * DI_ARGS_<name>(T, A, S): one row per DI_Tensor field of the args struct S, in field order:
  *   T(S, field, role, presence, ndim_lo, ndim_hi, plain dtypes, quantized storage dtypes)
  *   A(S, field, role, presence, ndim_lo, ndim_hi, plain dtypes, quantized storage dtypes, count field)
@@ -523,7 +548,8 @@ const DI_PluginInfo* deepinfer_plugin_info(void);
     X(DI_OP_MUL, mul, DI_BinaryArgs, 0) \
     X(DI_OP_SILU_MUL, silu_mul, DI_SiluMulArgs, 0) \
     X(DI_OP_CONCAT, concat, DI_ConcatArgs, 0) \
-    X(DI_OP_SAMPLE, sample, DI_SampleArgs, 0)
+    X(DI_OP_SAMPLE, sample, DI_SampleArgs, 0) \
+    X(DI_OP_SPEC_VERIFY, spec_verify, DI_SpecVerifyArgs, 2)
 
 #define DI_ARGS_embedding(T, A, S) \
     T(S, ids, IN, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
@@ -604,7 +630,32 @@ const DI_PluginInfo* deepinfer_plugin_info(void);
     T(S, top_k, IN, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
     T(S, top_p, IN, REQ, 1, 1, DI_DTS_F32, DI_DTS_NONE) \
     T(S, seeds, IN, REQ, 1, 1, DI_DTS_SEED, DI_DTS_NONE) \
-    T(S, out, OUT, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE)
+    T(S, out, OUT, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, probs, OUT, OPT, 1, 1, DI_DTS_F32, DI_DTS_NONE)
+#define DI_ARGS_spec_verify(T, A, S) \
+    T(S, logits, IN, REQ, 2, 2, DI_DTS_F32, DI_DTS_NONE) \
+    T(S, draft_logits, IN, OPT, 2, 2, DI_DTS_F32, DI_DTS_NONE) \
+    T(S, draft_ids, IN, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, temperature, IN, REQ, 1, 1, DI_DTS_F32, DI_DTS_NONE) \
+    T(S, top_k, IN, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, top_p, IN, REQ, 1, 1, DI_DTS_F32, DI_DTS_NONE) \
+    T(S, seeds, IN, REQ, 1, 1, DI_DTS_SEED, DI_DTS_NONE) \
+    T(S, out, OUT, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, accepted, OUT, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE)
+
+/*
+ * DI_ARGS_SINCE(F): F(op name, args struct, field, minor) for every field appended to an op's args
+ * struct in a minor version after the op's own (fields not listed arrived with their op). Rows are
+ * in field order; an appended field is always optional and all fields of one minor come after all
+ * fields of earlier minors. A caller whose header.struct_size ends at or before such a field's offset
+ * does not know the field: the library treats it as absent (zero) and never reads those bytes. It
+ * accepts the older minors' sizes (the offset of each minor's first appended field) and any size from
+ * its own on; another size below its own is DI_INVALID_ARGUMENT (deepinfer_abi_check.h does this).
+ * A host must not set a field for a library whose abi_minor is below the field's minor (that library
+ * would answer DI_UNIMPLEMENTED for the non-zero bytes past its struct, section 2).
+ */
+#define DI_ARGS_SINCE(F) \
+    F(sample, DI_SampleArgs, probs, 2)
 
 /*
  * The quantization formats of section 5 (abi/README.md), one row each:

@@ -58,6 +58,14 @@ typedef struct DI_OpInfo {
     int32_t           n_args;
 } DI_OpInfo;
 
+/* One row of DI_ARGS_SINCE: a field appended to an op's args struct after the op (1.2 on). */
+typedef struct DI_FieldSince {
+    const char* op;
+    const char* field;
+    uint32_t    offset;        /* in the args struct: a caller's struct_size <= offset lacks the field */
+    uint32_t    minor;
+} DI_FieldSince;
+
 #define DI_ROW_T_(S, f, r, p, lo, hi, pl, q) \
     {#f, (uint32_t)offsetof(S, f), DI_ROLE_##r, DI_ARG_##p, lo, hi, pl, q, -1},
 #define DI_ROW_A_(S, f, r, p, lo, hi, pl, q, n) \
@@ -68,15 +76,33 @@ typedef struct DI_OpInfo {
     {id, #name, #S, (uint32_t)sizeof(S), minor, di_argtab_##name, (int32_t)(sizeof(di_argtab_##name) / sizeof(DI_ArgInfo))},
 
 /* Compile-time agreement of the op table with DI_Api: each op's entry sits at its id's position
- * and takes the table's args struct (a mismatch fails to compile, wherever this is included). */
+ * (ids 0..15 from `embedding`, ids from 16 from `spec_verify`, after the 1.1 entries) and takes the
+ * table's args struct (a mismatch fails to compile, wherever this is included). */
 #define DI_STATIC_CHECK_(name, cond) typedef char di_static_check_##name[(cond) ? 1 : -1]
 #define DI_APIPOS_(id, name, S, minor)                                                                     \
-    DI_STATIC_CHECK_(position_##name, offsetof(DI_Api, name) == offsetof(DI_Api, embedding) +             \
-                                          (size_t)(id) * sizeof(void*));                                  \
-    DI_STATIC_CHECK_(args_##name, sizeof(((DI_Api*)0)->name((DI_Context*)0, (const S*)0)) == sizeof(DI_Status));
+    DI_STATIC_CHECK_(position_##name,                                                                     \
+                     (id) < DI_OP_COUNT_V1_0                                                              \
+                         ? offsetof(DI_Api, name) == offsetof(DI_Api, embedding) + (size_t)(id) * sizeof(void*) \
+                         : offsetof(DI_Api, name) == offsetof(DI_Api, spec_verify) +                      \
+                                                         (size_t)((id) - DI_OP_SPEC_VERIFY) * sizeof(void*)); \
+    DI_STATIC_CHECK_(args_##name, sizeof(((DI_Api*)0)->name((DI_Context*)0, (const S*)0)) == sizeof(DI_Status)); \
+    DI_STATIC_CHECK_(minor_##name, ((id) < DI_OP_COUNT_V1_0) == ((minor) == 0) && (minor) <= DI_ABI_MINOR);
 DI_OPS(DI_APIPOS_)
 enum { DI_OPS(DI_OPCOUNT_) di_op_table_count_ };
-DI_STATIC_CHECK_(op_count, (int)di_op_table_count_ == (int)DI_OP_COUNT_V1_1);
+DI_STATIC_CHECK_(op_count, (int)di_op_table_count_ == (int)DI_OP_COUNT_V1_2);
+/* each DI_ARGS_SINCE row names a field of its op's args struct */
+#define DI_SINCEPOS_(op, S, f, minor)                                                                      \
+    DI_STATIC_CHECK_(since_##op##_##f, sizeof(((DI_Api*)0)->op((DI_Context*)0, (const S*)0)) == sizeof(DI_Status) && \
+                                           offsetof(S, f) > 0);
+DI_ARGS_SINCE(DI_SINCEPOS_)
+#define DI_SINCEROW_(op, S, f, minor) {#op, #f, (uint32_t)offsetof(S, f), minor},
+
+/* The fields appended to args structs after their ops (DI_ARGS_SINCE); *n gets the row count. */
+static inline const DI_FieldSince* di_fields_since(int32_t* n) {
+    static const DI_FieldSince rows[] = {DI_ARGS_SINCE(DI_SINCEROW_)};
+    *n = (int32_t)(sizeof(rows) / sizeof(rows[0]));
+    return rows;
+}
 
 /* The facts of op `op` (a DI_OpId), or NULL for an id this header does not know. */
 static inline const DI_OpInfo* di_op_info(int32_t op) {
@@ -84,6 +110,36 @@ static inline const DI_OpInfo* di_op_info(int32_t op) {
     static const DI_OpInfo infos[] = {DI_OPS(DI_OPINFO_)};
     if (op < 0 || op >= (int32_t)(sizeof(infos) / sizeof(infos[0]))) return NULL;
     return &infos[op];
+}
+
+/* The smallest header.struct_size a library accepts for op `op`: the size of its args struct in
+ * the minor version that added the op (before any DI_ARGS_SINCE field). 0 for an unknown op. */
+static inline uint32_t di_args_min_size(int32_t op) {
+    const DI_OpInfo* info = di_op_info(op);
+    if (!info) return 0;
+    int32_t n;
+    const DI_FieldSince* rows = di_fields_since(&n);
+    uint32_t size = info->struct_size;
+    for (int32_t i = 0; i < n; i++)
+        if (!strcmp(rows[i].op, info->name) && rows[i].offset < size) size = rows[i].offset;
+    return size;
+}
+
+/* Whether `size` (< this header's size) is the size of op's args struct in an earlier minor version:
+ * the offset of a DI_ARGS_SINCE field that is the first field of its minor. */
+static inline int di_args_older_size(int32_t op, uint32_t size) {
+    const DI_OpInfo* info = di_op_info(op);
+    if (!info) return 0;
+    int32_t n, found = 0;
+    const DI_FieldSince* rows = di_fields_since(&n);
+    for (int32_t i = 0; i < n; i++)
+        if (!strcmp(rows[i].op, info->name) && rows[i].offset == size) {
+            found = 1;
+            for (int32_t j = 0; j < n; j++)
+                if (!strcmp(rows[j].op, info->name) && rows[j].offset < size && rows[j].minor >= rows[i].minor)
+                    found = 0;
+        }
+    return found;
 }
 
 /* ---------------------------------------------------------------- dtypes */
@@ -143,6 +199,41 @@ static inline DI_Status di_check_struct_size(const char* what, const char* struc
                      "bytes (a newer ABI field it cannot honour)", what, struct_name, given, i, own);
             return DI_UNIMPLEMENTED;
         }
+    return DI_OK;
+}
+
+/*
+ * The header.struct_size rule of an op's args (section 2, with DI_ARGS_SINCE): at least the op's
+ * first size, and any bytes past this header's size zero. Then `copy` (this header's size, e.g. a
+ * local of the op's args struct) receives the caller's struct with every field the caller does not
+ * know zeroed (absent), so the op reads only fields the caller wrote; its struct_size becomes this
+ * header's. copy may be NULL (check only).
+ */
+static inline DI_Status di_check_args_size(int32_t op, const void* args, void* copy, char* msg, size_t n) {
+    const DI_OpInfo* info = di_op_info(op);
+    if (!info) {
+        snprintf(msg, n, "op id %d is not in this header's op table", op);
+        return DI_UNIMPLEMENTED;
+    }
+    uint32_t given = ((const DI_ArgsHeader*)args)->struct_size, lo = di_args_min_size(op);
+    if (given < lo) {
+        snprintf(msg, n, "%s: struct_size %u < %u for %s", info->name, given, lo, info->struct_name);
+        return DI_INVALID_ARGUMENT;
+    }
+    if (given < info->struct_size && !di_args_older_size(op, given)) {
+        snprintf(msg, n, "%s: struct_size %u is no version's size of %s (%u in this header)", info->name, given,
+                 info->struct_name, info->struct_size);
+        return DI_INVALID_ARGUMENT;
+    }
+    DI_Status st = di_check_struct_size(info->name, info->struct_name, args, given < info->struct_size ? given
+                                        : info->struct_size, msg, n);
+    if (st) return st;
+    if (copy) {
+        uint32_t known = given < info->struct_size ? given : info->struct_size;
+        memcpy(copy, args, known);
+        memset((char*)copy + known, 0, info->struct_size - known);
+        ((DI_ArgsHeader*)copy)->struct_size = info->struct_size;
+    }
     return DI_OK;
 }
 
@@ -292,8 +383,11 @@ static inline DI_Status di_check_op_args(int32_t op, const void* args, int32_t d
     const DI_OpInfo* info = di_op_info(op);
     if (!info) DI_CHK_FAIL_(DI_UNIMPLEMENTED, "op id %d is not in this header's op table", op);
     const char* base = (const char*)args;
+    uint32_t given = ((const DI_ArgsHeader*)args)->struct_size;
     for (int32_t i = 0; i < info->n_args; i++) {
         const DI_ArgInfo* a = &info->args[i];
+        uint32_t end = a->offset + (uint32_t)((a->flags & DI_ARG_ARRAY) ? sizeof(void*) : sizeof(DI_Tensor));
+        if (end > given) continue;   /* a field the caller's struct_size leaves out: absent */
         if (a->flags & DI_ARG_ARRAY) {
             if (flags & DI_CHECK_SKIP_ARRAYS) continue;
             const DI_Tensor* arr = *(const DI_Tensor* const*)(base + a->offset);

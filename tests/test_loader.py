@@ -26,7 +26,8 @@ from deepinfer.errors import BackendLoadError, UnsupportedOpError  # noqa: E402
 from deepinfer.tensor import Tensor  # noqa: E402
 
 LAYOUT_JSON = Path(__file__).resolve().parent / "conformance" / "abi_layout_v1.json"        # 1.0, frozen
-LAYOUT_JSON_CURRENT = Path(__file__).resolve().parent / "conformance" / "abi_layout_v1_1.json"
+LAYOUT_JSON_V1_1 = Path(__file__).resolve().parent / "conformance" / "abi_layout_v1_1.json"   # 1.1, frozen
+LAYOUT_JSON_CURRENT = Path(__file__).resolve().parent / "conformance" / "abi_layout_v1_2.json"
 ffi = abi.ffi
 
 
@@ -285,8 +286,9 @@ def layout_from_c(cc: str, tmp_path: Path, names: dict) -> dict:
 
 def test_abi_layout_is_pinned(cc, tmp_path):
     """The compiler and cffi agree on every struct, the current version matches its pinned table, and
-    it extends 1.0 compatibly: every 1.0 struct keeps its size, alignment and field offsets, DI_Api
-    only grows at the end, and no 1.0 enum value moves."""
+    it extends 1.0 and 1.1 compatibly: every struct of theirs keeps its field offsets and its size (an
+    args struct may grow only by DI_ARGS_SINCE fields, and its old size stays a valid struct_size),
+    DI_Api only grows at the end, and no enum value moves."""
     if ffi.sizeof("void*") != 8:
         pytest.skip("the pinned layouts are LP64 (64-bit Linux / macOS)")
     from_cffi = layout_from_cffi()
@@ -299,22 +301,36 @@ def test_abi_layout_is_pinned(cc, tmp_path):
     assert pinned["abi_version"] == f"{abi.ABI_MAJOR}.{abi.ABI_MINOR}", \
         "a new ABI minor needs its own pinned table (DEEPINFER_UPDATE_ABI_LAYOUT=1, reviewed)"
     assert from_cffi == pinned, "the layout changed without a new ABI version"
-    v10 = json.loads(LAYOUT_JSON.read_text())
-    assert v10["abi_version"] == "1.0"
-    for name, old in v10["structs"].items():
-        new = from_cffi["structs"][name]
-        assert (new["size"], new["align"]) == (old["size"], old["align"]) or name == "DI_Api", \
-            f"{name} changed size: {old['size']} -> {new['size']} (1.0 libraries would reject or misread it)"
-        for f, off in old["fields"].items():
-            assert new["fields"].get(f) == off, f"{name}.{f} moved or vanished"
-        added = [f for f in new["fields"] if f not in old["fields"]]
-        assert all(new["fields"][f] >= max(old["fields"].values()) for f in added), f"{name}: a field was inserted"
-        if name != "DI_Api":
-            assert all(f.startswith("reserved") for f in added), f"{name}: 1.1 may only name its padding"
-    for enum, values in v10["enums"].items():
-        for k, v in values.items():
-            assert from_cffi["enums"][enum][k] == v, f"{enum}.{k} changed"
-    assert from_cffi["max_dims"] == v10["max_dims"]
+    # args structs that gained fields after their op (DI_ARGS_SINCE), by C name
+    appended = {abi.OP_SPECS[op].struct: abi.OP_SPECS[op] for op in abi.OP_NAMES if abi.OP_SPECS[op].appended}
+    for path, version in ((LAYOUT_JSON, "1.0"), (LAYOUT_JSON_V1_1, "1.1")):
+        old_pin = json.loads(path.read_text())
+        assert old_pin["abi_version"] == version
+        minor = int(version.split(".")[1])
+        for name, old in old_pin["structs"].items():
+            new = from_cffi["structs"][name]
+            for f, off in old["fields"].items():
+                assert new["fields"].get(f) == off, f"{name}.{f} moved or vanished since {version}"
+            added = [f for f in new["fields"] if f not in old["fields"]]
+            assert all(new["fields"][f] >= max(old["fields"].values()) for f in added), f"{name}: a field was inserted"
+            if name == "DI_Api":
+                continue
+            spec = appended.get(name)
+            if spec is None:
+                assert (new["size"], new["align"]) == (old["size"], old["align"]), \
+                    f"{name} changed size since {version}: {old['size']} -> {new['size']} (its libraries would reject it)"
+            else:
+                # the struct grew by DI_ARGS_SINCE fields only: a caller of `version` still sends its old size,
+                # which the library accepts (fields past it are absent)
+                assert abi.args_struct_size(spec.name, minor) == old["size"], name
+                assert all(spec.field_since(f) > minor or f.startswith("reserved") for f in added), name
+            if version == "1.0":
+                assert all(f.startswith("reserved") or (spec and spec.field_since(f) > 1) for f in added), \
+                    f"{name}: 1.1 may only name its padding"
+        for enum, values in old_pin["enums"].items():
+            for k, v in values.items():
+                assert from_cffi["enums"][enum][k] == v, f"{enum}.{k} changed since {version}"
+        assert from_cffi["max_dims"] == old_pin["max_dims"]
 
 
 def test_no_struct_has_padding():

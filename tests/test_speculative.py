@@ -207,6 +207,19 @@ def test_engine_runs_speculation_through_preemption_and_abort():
     assert on.block_manager.num_used_blocks == 0
 
 
+def test_speculation_with_an_expert_cache():
+    """Speculative steps pause at every MoE layer (the MTP layer's too) for the expert cache; the
+    output is still plain decoding's."""
+    prompts = _prompts(6)
+    off = _engine("reference", max_batch=4)
+    ids = [off.tokenizer.encode(p) for p in prompts]
+    on = _engine("reference", {"method": "mtp", "num_draft": 2, "confidence": 0.0}, max_batch=4,
+                 expert_cache={"capacity": 0.5})
+    assert on.generate_ids(ids, max_new_tokens=12) == off.generate_ids(ids, max_new_tokens=12)
+    st = on.stats()
+    assert st["spec_drafts_accepted"] > 0 and st["expert_misses"] > 0
+
+
 # ---------------------------------------------------------------------------- the scheduler
 def _costs(plain: dict, spec: dict) -> StepCosts:
     c = StepCosts()

@@ -19,7 +19,7 @@ from .moe import moe_experts, moe_router
 from .norm import rmsnorm
 from .quant import dequantize, dequantize_array, quantize, quantize_array
 from .rope import inv_freq, rope
-from .sampling import sample, splitmix64
+from .sampling import sample, spec_verify, splitmix64
 
 # op name -> function, in DI_OpId order
 OPS = {
@@ -39,6 +39,7 @@ OPS = {
     "silu_mul": silu_mul,
     "concat": concat,
     "sample": sample,
+    "spec_verify": spec_verify,
 }
 
 if list(OPS) != abi.OP_NAMES:  # the header is the source of truth for the op set
@@ -46,7 +47,7 @@ if list(OPS) != abi.OP_NAMES:  # the header is the source of truth for the op se
 
 
 class ReferenceBackend(Backend):
-    """Runs every op of ABI v1.0 on host tensors with NumPy."""
+    """Runs every op of the ABI (this header's version) on host tensors with NumPy."""
 
     info = BackendInfo(name="reference", version=__version__, device="cpu")
 

@@ -92,6 +92,7 @@ class ArgSpec:
     plain: frozenset        # dtype names without a quant descriptor (empty: must be quantized)
     quant: frozenset        # storage dtype names with one (empty: plain values only)
     count: Optional[str] = None   # arrays: the int field holding the number of descriptors
+    since_minor: int = 0    # the minor version that added the field (DI_ARGS_SINCE; else its op's)
 
     @property
     def is_array(self) -> bool:
@@ -109,12 +110,17 @@ class OpSpec:
     struct: str
     since_minor: int
     args: tuple             # ArgSpec rows in field order
+    appended: tuple = ()    # (field, minor) of DI_ARGS_SINCE: fields added after the op, in field order
 
     def arg(self, name: str) -> ArgSpec:
         for a in self.args:
             if a.name == name:
                 return a
         raise KeyError(f"{self.name} has no tensor argument {name!r}")
+
+    def field_since(self, field: str) -> int:
+        """The minor version that added `field` (any field of the args struct) to this op."""
+        return dict(self.appended).get(field, self.since_minor)
 
 
 @dataclass(frozen=True)
@@ -147,17 +153,31 @@ def _dtype_sets(block: str) -> dict[str, frozenset]:
 def _parse_optable(text: str):
     block = _optable_text(text)
     sets = _dtype_sets(block)
+    since: dict[str, list] = {}
+    m = re.search(r"#define DI_ARGS_SINCE\(F\)((?:\s*\\\n\s*F\([^)]*\))+)", block)
+    for op, struct, field, minor in re.findall(r"F\((\w+), (\w+), (\w+), (\d+)\)", m.group(1) if m else ""):
+        since.setdefault(op, []).append((struct, field, int(minor)))
     ops = []
     for enum, name, struct, minor in re.findall(r"^\s*X\((DI_OP_\w+), (\w+), (\w+), (\d+)\)", block, re.M):
         m = re.search(rf"#define DI_ARGS_{name}\(T, A, S\)((?:\s*\\\n\s*[TA]\(S,[^)]*\))+)", block)
         if not m:
             raise RuntimeError(f"deepinfer_abi.h: no DI_ARGS_{name}(T, A, S) rows")
+        appended = []
+        for s_struct, field, fminor in since.pop(name, []):
+            if s_struct != struct or fminor <= int(minor):
+                raise RuntimeError(f"deepinfer_abi.h: DI_ARGS_SINCE row ({name}, {s_struct}, {field}, {fminor}) "
+                                   f"does not fit DI_OPS ({struct}, minor {minor})")
+            appended.append((field, fminor))
+        added = dict(appended)
         rows = []
         for kind, body in re.findall(r"([TA])\(S, ([^)]*)\)", m.group(1)):
             f = [x.strip() for x in body.split(",")]
             rows.append(ArgSpec(name=f[0], role=f[1].lower(), optional=f[2] == "OPT", ndim=(int(f[3]), int(f[4])),
-                                plain=sets[f[5]], quant=sets[f[6]], count=f[7] if kind == "A" else None))
-        ops.append(OpSpec(const(enum), name, struct, int(minor), tuple(rows)))
+                                plain=sets[f[5]], quant=sets[f[6]], count=f[7] if kind == "A" else None,
+                                since_minor=added.get(f[0], int(minor))))
+        ops.append(OpSpec(const(enum), name, struct, int(minor), tuple(rows), tuple(appended)))
+    if since:
+        raise RuntimeError(f"deepinfer_abi.h: DI_ARGS_SINCE names ops not in DI_OPS: {sorted(since)}")
     formats = []
     for row in re.findall(r"^\s*F\((\w+), DI_DT_(\w+), (-?\d+), (-?\d+), (DI_DTS_\w+), ([01]), ([WA])\)", block, re.M):
         formats.append(QuantFormat(row[0], DT_ID_NAMES[row[1]], int(row[2]), int(row[3]), sets[row[4]],
@@ -172,19 +192,29 @@ OP_SPECS: dict[str, OpSpec] = {o.name: o for o in _OPSPECS}
 
 def bind_ops(the_ffi, specs: list) -> dict:
     """op name -> (op id, args struct C name, [(field, ctype), ...]) from DI_Api, checked row by row
-    against the op table: same order, same ids, same args structs, and one table row per DI_Tensor
-    field of each struct. Any disagreement raises (the header is inconsistent)."""
-    api_fields = [name for name, _ in the_ffi.typeof("DI_Api").fields]
+    against the op table: every op has its DI_Api entry, the entries are in id order (the ops of one
+    minor version side by side; 1.0's from `embedding`), the args structs agree, one table row per
+    DI_Tensor field of each struct, and fields appended in a later minor (DI_ARGS_SINCE) are optional
+    and come last in minor order. Any disagreement raises (the header is inconsistent)."""
+    api = the_ffi.typeof("DI_Api")
+    api_fields = [name for name, _ in api.fields]
     first = api_fields.index("embedding")
-    entries = the_ffi.typeof("DI_Api").fields[first:first + len(specs)]
-    if len(entries) != len(specs):
-        raise RuntimeError(f"deepinfer_abi.h: DI_OPS has {len(specs)} rows but DI_Api only {len(entries)} op entries")
     ops = {}
-    for i, (name, field) in enumerate(entries):
-        spec = specs[i]
-        if spec.name != name or spec.id != i:
-            raise RuntimeError(f"deepinfer_abi.h: DI_OPS row {i} is {spec.name} (id {spec.id}) but DI_Api entry "
-                               f"{first + i} is {name}")
+    prev_pos = prev_minor = None
+    for i, spec in enumerate(specs):
+        if spec.id != i:
+            raise RuntimeError(f"deepinfer_abi.h: DI_OPS row {i} is {spec.name} with id {spec.id}")
+        if spec.name not in api_fields:
+            raise RuntimeError(f"deepinfer_abi.h: DI_OPS names {spec.name} but DI_Api has no such entry")
+        pos = api_fields.index(spec.name)
+        in_order = (pos == first + i) if spec.since_minor == 0 else (
+            prev_pos is not None and (pos == prev_pos + 1 if spec.since_minor == prev_minor else pos > prev_pos))
+        if not in_order:
+            raise RuntimeError(f"deepinfer_abi.h: DI_Api entry {spec.name} (op {i}, minor {spec.since_minor}) is out "
+                               f"of place (position {pos}; ops of one minor sit side by side in id order)")
+        prev_pos, prev_minor = pos, spec.since_minor
+        field = dict(api.fields)[spec.name]
+        name = spec.name
         struct = field.type.args[1].item
         if struct.cname != spec.struct:
             raise RuntimeError(f"deepinfer_abi.h: DI_OPS says {name} takes {spec.struct}, DI_Api says {struct.cname}")
@@ -200,6 +230,17 @@ def bind_ops(the_ffi, specs: list) -> dict:
             if is_array != a.is_array:
                 raise RuntimeError(f"deepinfer_abi.h: DI_ARGS_{name}: {a.name} is {'an array' if is_array else 'a tensor'}"
                                    f" in {struct.cname} but a{'n A' if a.is_array else ' T'} row in the table")
+        names = [fn for fn, _ in fields]
+        minors = [spec.field_since(fn) for fn in names]
+        if minors != sorted(minors):
+            raise RuntimeError(f"deepinfer_abi.h: the fields of {struct.cname} are not in DI_ARGS_SINCE minor order "
+                               f"{list(zip(names, minors))}")
+        for fn, _minor in spec.appended:
+            if fn not in names:
+                raise RuntimeError(f"deepinfer_abi.h: DI_ARGS_SINCE names {struct.cname}.{fn}, which does not exist")
+            if fn in tensor_fields and not spec.arg(fn).optional:
+                raise RuntimeError(f"deepinfer_abi.h: {struct.cname}.{fn} was appended in a minor version, so it must "
+                                   f"be OPT")
         ops[name] = (i, struct.cname, fields)
     return ops
 
@@ -209,13 +250,39 @@ for _name, (_i, _s, _f) in OPS.items():
     if const("DI_OP_" + _name.upper()) != _i:
         raise RuntimeError(f"DI_OP_{_name.upper()} does not match the order of DI_Api in deepinfer_abi.h")
 _API_FIELDS = [name for name, _ in ffi.typeof("DI_Api").fields]
-_FIRST_OP = _API_FIELDS.index("embedding")
-_LAST_OP = _FIRST_OP + len(_OPSPECS)
+
+
+def _api_since(text: str) -> dict:
+    """DI_Api entry -> the minor version that added it, from the `---- v1.N` section markers."""
+    body = re.search(r"typedef struct DI_Api \{(.*?)\} DI_Api;", text, re.S).group(1)
+    minor, since = 0, {}
+    for line in body.splitlines():
+        m = re.search(r"---- v\d+\.(\d+)", line)
+        if m:
+            minor = int(m.group(1))
+        for entry in re.findall(r"\(\*(\w+)\)", line):
+            since[entry] = minor
+    return since
+
 
 OP_NAMES = list(OPS)
-API_NON_OP_FIELDS = _API_FIELDS[4:_FIRST_OP] + _API_FIELDS[_LAST_OP:]
-# entries appended in 1.1 (a 1.0 library's table ends before them)
-API_V1_1_FIELDS = _API_FIELDS[_LAST_OP:]
+API_ENTRY_SINCE: dict[str, int] = _api_since(_cdef_text(HEADER_TEXT))
+for _op in _OPSPECS:
+    if API_ENTRY_SINCE.get(_op.name) != _op.since_minor:
+        raise RuntimeError(f"deepinfer_abi.h: {_op.name} sits in the v1.{API_ENTRY_SINCE.get(_op.name)} section of "
+                           f"DI_Api but DI_OPS says minor {_op.since_minor}")
+API_NON_OP_FIELDS = [f for f in _API_FIELDS[4:] if f not in OPS]
+# entries appended in 1.1 (a 1.0 library's table ends before them), in 1.2, ...
+API_V1_1_FIELDS = [f for f in _API_FIELDS if API_ENTRY_SINCE.get(f) == 1]
+API_V1_2_FIELDS = [f for f in _API_FIELDS if API_ENTRY_SINCE.get(f) == 2]
+
+
+def args_struct_size(op: str, minor: int = ABI_MINOR) -> int:
+    """The size of op's args struct as a caller of ABI 1.`minor` compiles it (fields appended in a
+    later minor left out); the smallest struct_size a library accepts is args_struct_size(op, 0)."""
+    spec = OP_SPECS[op]
+    later = [ffi.offsetof(spec.struct, f) for f, m in spec.appended if m > minor]
+    return min(later) if later else ffi.sizeof(spec.struct)
 
 
 def output_fields(op: str) -> list[str]:

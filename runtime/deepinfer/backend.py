@@ -58,6 +58,11 @@ class Backend:
     def has_op(self, op: str) -> bool:
         return op in self.ops()
 
+    @property
+    def abi_minor(self) -> int:
+        """The ABI minor version this backend implements: fields of later minors (DI_ARGS_SINCE) are refused."""
+        return abi.ABI_MINOR
+
     def query(self, op: str, **kwargs) -> tuple[int, int]:
         """(support, workspace bytes) for this concrete call; support is abi.SUPPORT_*."""
         return (abi.SUPPORT_YES if self.has_op(op) else abi.SUPPORT_NO), 0
@@ -598,8 +603,21 @@ class NativeBackend(Backend):
                 self._fill_new(q.zeros, t.quant.zeros, keep, what + ".zeros")
             c.quant = q
 
+    @property
+    def abi_minor(self) -> int:
+        return int(self._api.abi_minor) if self._api.abi_major == abi.ABI_MAJOR else 0
+
     def _marshal(self, op: str, kwargs: dict):
         _, struct, fields = abi.OPS[op]
+        spec = abi.OP_SPECS[op]
+        minor = self.abi_minor
+        for name, _minor in spec.appended:
+            # a library of an older minor knows its struct only up to that minor's size: it would
+            # answer UNIMPLEMENTED for the bytes past it (or, if careless, ignore them); refuse here
+            if _minor > minor and kwargs.get(name) is not None:
+                raise UnsupportedOpError(op, abi.UNIMPLEMENTED, "UNIMPLEMENTED",
+                                         f"{op}: `{name}` is ABI 1.{_minor}; backend {self.name!r} implements ABI "
+                                         f"1.{minor} and cannot write it (leave {name} out)")
         args = ffi.new(struct + "*")
         keep: list = [args]
         args.header.struct_size = ffi.sizeof(struct)

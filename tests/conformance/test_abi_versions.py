@@ -1,6 +1,8 @@
-"""ABI 1.0 and 1.1 side by side: a 1.0 library keeps loading and passing under this runtime, a 1.1
-library still serves a runtime that only knows 1.0, and the padding rule that made 1.0 unsafe to
-grow is gone (the check is shown to catch it in the frozen 1.0 header)."""
+"""ABI 1.0, 1.1 and 1.2 side by side: 1.0 and 1.1 libraries keep loading and passing under this
+runtime, the current library still serves runtimes that only know 1.0 or 1.1 (a 1.1 host sends the
+smaller 1.1 DI_SampleArgs), the runtime refuses a 1.2 field for an older library instead of letting it
+be ignored, and the padding rule that made 1.0 unsafe to grow is gone (the check is shown to catch
+it in the frozen 1.0 header)."""
 from __future__ import annotations
 
 import cffi
@@ -10,9 +12,10 @@ import pytest
 from deepinfer import abi
 from deepinfer.conformance import run_conformance, summary
 from deepinfer.loader import probe
-from plugin_build import ABI_V1_0_DIR, PROFILE
+from plugin_build import ABI_V1_0_DIR, ABI_V1_1_DIR, PROFILE
 
 V1_0_TEXT = (ABI_V1_0_DIR / "deepinfer_abi.h").read_text()
+V1_1_TEXT = (ABI_V1_1_DIR / "deepinfer_abi.h").read_text()
 
 
 def _padded_structs(f: cffi.FFI) -> dict:
@@ -41,14 +44,22 @@ def test_padding_check_catches_the_1_0_structs_and_passes_1_1():
     assert _padded_structs(abi.ffi) == {}
 
 
-def test_1_1_structs_keep_the_1_0_sizes():
-    """Named reserved fields took the padding's place: a 1.0 library sees the struct_size it knows."""
-    old = _ffi(V1_0_TEXT)
+@pytest.mark.parametrize("minor", [0, 1])
+def test_older_structs_keep_their_sizes(minor):
+    """Named reserved fields took the padding's place (1.1) and 1.2 only appended DI_ARGS_SINCE fields:
+    the current header's struct, cut at version 1.<minor>, has exactly that version's size and offsets,
+    so a 1.<minor> library sees a struct_size it knows and a 1.<minor> host sends one the library takes."""
+    old = _ffi(V1_0_TEXT if minor == 0 else V1_1_TEXT)
+    by_struct = {abi.OP_SPECS[op].struct: op for op in abi.OP_NAMES}
     typedefs, _, _ = old.list_types()
     for name in typedefs:
         if old.typeof(name).kind == "struct" and name not in ("DI_Context", "DI_Graph", "DI_Api"):
-            assert old.sizeof(name) == abi.ffi.sizeof(name), name
-    assert abi.ffi.offsetof("DI_Api", "sample") == old.offsetof("DI_Api", "sample")
+            size = abi.args_struct_size(by_struct[name], minor) if name in by_struct else abi.ffi.sizeof(name)
+            assert old.sizeof(name) == size, name
+            for f, _ in old.typeof(name).fields:
+                assert old.offsetof(name, f) == abi.ffi.offsetof(name, f), (name, f)
+    for f, _ in old.typeof("DI_Api").fields:
+        assert abi.ffi.offsetof("DI_Api", f) == old.offsetof("DI_Api", f), f
     assert abi.ffi.sizeof("DI_Api") > old.sizeof("DI_Api")
 
 
@@ -93,9 +104,9 @@ def test_a_1_0_runtime_runs_a_1_1_library(cpu_lib):
         api.context_destroy(ctx[0])
 
 
-def test_a_1_1_build_of_the_tiny_plugin_loads_and_passes(plugin_factory):
-    """The sample third-party plugin rebuilt against the 1.1 header (it fills no 1.1 entry: they are
-    optional) says 1.1 and still passes; the suite notes what it lacks instead of failing it."""
+def test_a_current_build_of_the_tiny_plugin_loads_and_passes(plugin_factory):
+    """The sample third-party plugin rebuilt against the current header (it fills no 1.1 or 1.2 entry:
+    they are optional) says 1.<current> and still passes; the suite notes what it lacks instead of failing it."""
     lib = plugin_factory("libdeepinfer_tiny11.so", abi="current", TEST_NAME='"tiny11"')
     c = probe(lib)
     assert c.ok and c.abi_version == f"1.{abi.ABI_MINOR}", c.reason
@@ -127,5 +138,110 @@ def test_a_1_0_library_says_what_it_lacks(tiny_lib):
         with pytest.raises(UnsupportedOpError, match="lacks host_alloc"):
             be.host_empty((4,), "f32")
         assert be.device_count() == 1     # 1.0 had no device_count: the one device it runs on
+    finally:
+        be.close()
+
+
+def _host_tensor(f, t, arr, code):
+    t.data = f.cast("void*", arr.ctypes.data)
+    t.device_type, t.ndim = 1, arr.ndim
+    t.dtype.code, t.dtype.bits, t.dtype.lanes = code, arr.dtype.itemsize * 8, 1
+    for i, n in enumerate(arr.shape):
+        t.shape[i], t.strides[i] = n, arr.strides[i] // arr.dtype.itemsize
+
+
+def test_a_1_1_runtime_runs_sample_on_the_current_library(cpu_lib):
+    """A host with the 1.1 header sends the 1.1 DI_SampleArgs (no probs). The current library takes that
+    struct_size and never reads past it: the bytes after it here hold a complete, valid probs descriptor,
+    which must be ignored (not written, no UNIMPLEMENTED)."""
+    f = _ffi(V1_1_TEXT)
+    lib = f.dlopen(str(cpu_lib))
+    info = lib.deepinfer_plugin_info()
+    assert (info.abi_major, info.abi_minor) == (1, abi.ABI_MINOR)
+    api = info.get_api(1)
+    opts = f.new("DI_ContextOptions*", {"struct_size": f.sizeof("DI_ContextOptions")})
+    ctx = f.new("DI_Context**")
+    assert api.context_create(opts, ctx) == 0
+    try:
+        rng = np.random.default_rng(3)
+        B, V = 5, 40
+        logits = rng.standard_normal((B, V)).astype(np.float32)
+        temp = np.array([0, 1, 0.7, 0, 1.3], np.float32)
+        top_k, top_p = np.zeros(B, np.int32), np.ones(B, np.float32)
+        seeds = rng.integers(0, 2**63, B).astype(np.uint64)
+        out = np.full(B, -1, np.int32)
+        probs = np.full(B, np.nan, np.float32)
+        n11 = f.sizeof("DI_SampleArgs")
+        assert n11 == abi.args_struct_size("sample", 1) < abi.ffi.sizeof("DI_SampleArgs")
+        # the 1.1 struct followed by what a 1.2 caller would have put in `probs`
+        buf = abi.ffi.new("DI_SampleArgs*")
+        full = buf
+        _host_tensor(abi.ffi, full.probs, probs, 2)
+        a = f.cast("DI_SampleArgs*", abi.ffi.cast("void*", buf))
+        a.header.struct_size = n11
+        for name, arr, code in (("logits", logits, 2), ("temperature", temp, 2), ("top_k", top_k, 0),
+                                ("top_p", top_p, 2), ("seeds", seeds, 1), ("out", out, 0)):
+            _host_tensor(f, getattr(a, name), arr, code)
+        st = api.sample(ctx[0], a)
+        assert st == 0, f.string(api.last_error(ctx[0]))
+        assert np.all(np.isnan(probs)), "a field past the caller's struct_size was written"
+        from deepinfer.reference.sampling import sample_row
+        want = [sample_row(logits[b].astype(np.float64), float(temp[b]), 0, 1.0, int(seeds[b])) for b in range(B)]
+        np.testing.assert_array_equal(out, want)
+        # a struct_size between two versions' sizes is no caller's: refused
+        a.header.struct_size = n11 + 8
+        assert api.sample(ctx[0], a) == abi.INVALID_ARGUMENT
+    finally:
+        api.context_destroy(ctx[0])
+
+
+def test_a_1_1_build_of_the_tiny_plugin_loads_and_passes_under_1_2(plugin_factory):
+    """The tiny plugin built against the frozen 1.1 header says 1.1 and passes L0 under this runtime;
+    spec_verify is simply not in its table."""
+    from deepinfer.errors import UnsupportedOpError
+    from deepinfer.tensor import Tensor
+
+    lib = plugin_factory("libdeepinfer_tiny11f.so", abi="1.1", TEST_NAME='"tiny11f"')
+    c = probe(lib)
+    assert c.ok and c.abi_version == "1.1", c.reason
+    assert "spec_verify" not in c.ops
+    cert = run_conformance(str(lib), levels=("L0",), profile=PROFILE, isolate=False)
+    assert cert["passed"], summary(cert)
+    from deepinfer.loader import load_library
+    be = load_library(lib)
+    try:
+        with pytest.raises(UnsupportedOpError, match="does not implement spec_verify"):
+            be.spec_verify(logits=Tensor.from_numpy(np.zeros((1, 4), np.float32)))
+    finally:
+        be.close()
+
+
+def test_the_runtime_refuses_a_1_2_field_for_a_1_1_table(cpu_lib):
+    """The CPU library's table presented as a 1.1 library's (abi_minor 1, the 1.1 struct_size): the
+    runtime refuses sample's `probs` with a message that says why, and still runs sample without it."""
+    from deepinfer.backend import BackendInfo, NativeBackend
+    from deepinfer.errors import UnsupportedOpError
+    from deepinfer.tensor import Tensor
+
+    ffi = abi.ffi
+    lib = ffi.dlopen(str(cpu_lib))
+    real = lib.deepinfer_plugin_info().get_api(1)
+    api = ffi.new("DI_Api*")
+    ffi.memmove(api, real, ffi.sizeof("DI_Api"))
+    api.abi_minor = 1
+    api.struct_size = ffi.offsetof("DI_Api", "spec_verify")
+    be = NativeBackend(lib, api, BackendInfo("cpu11", "test", "cpu", str(cpu_lib), "1.1"))
+    try:
+        assert "spec_verify" not in be.ops() and "sample" in be.ops()
+        logits = np.array([[0.0, 2.0, 1.0, -1.0]], np.float32)
+        kw = dict(logits=Tensor.from_numpy(logits), temperature=Tensor.from_numpy(np.zeros(1, np.float32)),
+                  top_k=Tensor.from_numpy(np.zeros(1, np.int32)), top_p=Tensor.from_numpy(np.ones(1, np.float32)),
+                  seeds=Tensor.from_numpy(np.zeros(1, np.uint64)), out=Tensor.empty((1,), "int32", fill=-1))
+        for call in (lambda: be.sample(probs=Tensor.empty((1,), "f32"), **kw),
+                     lambda: be.prepare("sample", probs=Tensor.empty((1,), "f32"), **kw)):
+            with pytest.raises(UnsupportedOpError, match=r"`probs` is ABI 1\.2; backend 'cpu11' implements ABI 1\.1"):
+                call()
+        be.sample(**kw)
+        assert kw["out"].numpy()[0] == 1
     finally:
         be.close()

@@ -35,11 +35,12 @@ C_DUMP = r"""
 #include <stdio.h>
 #include "deepinfer_abi_check.h"
 int main(void) {
-    printf("[");
-    for (int32_t op = 0; op < DI_OP_COUNT_V1_1; op++) {
+    printf("[[");   /* [ops, DI_ARGS_SINCE rows] */
+    for (int32_t op = 0; op < DI_OP_COUNT_V1_2; op++) {
         const DI_OpInfo* o = di_op_info(op);
-        printf("%s{\"id\": %d, \"name\": \"%s\", \"struct\": \"%s\", \"size\": %u, \"minor\": %u, \"args\": [",
-               op ? ", " : "", o->id, o->name, o->struct_name, o->struct_size, o->since_minor);
+        printf("%s{\"id\": %d, \"name\": \"%s\", \"struct\": \"%s\", \"size\": %u, \"minor\": %u, "
+               "\"min_size\": %u, \"args\": [", op ? ", " : "", o->id, o->name, o->struct_name, o->struct_size,
+               o->since_minor, di_args_min_size(op));
         for (int32_t i = 0; i < o->n_args; i++) {
             const DI_ArgInfo* a = &o->args[i];
             printf("%s[\"%s\", %u, %d, %u, %d, %d, %u, %u, %d]", i ? ", " : "", a->name, a->offset, a->role,
@@ -47,8 +48,14 @@ int main(void) {
         }
         printf("]}");
     }
-    printf("]\n");
-    return di_op_info(DI_OP_COUNT_V1_1) == NULL ? 0 : 1;
+    int32_t n;
+    const DI_FieldSince* since = di_fields_since(&n);
+    printf("], [");
+    for (int32_t i = 0; i < n; i++)
+        printf("%s[\"%s\", \"%s\", %u, %u]", i ? ", " : "", since[i].op, since[i].field, since[i].offset,
+               since[i].minor);
+    printf("]]\n");
+    return di_op_info(DI_OP_COUNT_V1_2) == NULL ? 0 : 1;
 }
 """
 
@@ -64,13 +71,17 @@ def _compile(cc, tmp_path, source: str, include_dir, name="prog") -> subprocess.
 def test_c_and_python_read_the_same_table(cc, tmp_path):
     p = _compile(cc, tmp_path, C_DUMP, ABI_DIR)
     assert p.returncode == 0, p.stderr
-    dump = json.loads(subprocess.run([str(tmp_path / "prog")], capture_output=True, text=True, check=True).stdout)
+    dump, since = json.loads(subprocess.run([str(tmp_path / "prog")], capture_output=True, text=True,
+                                            check=True).stdout)
     roles = {1: "in", 2: "out", 3: "inout"}
     assert [o["name"] for o in dump] == abi.OP_NAMES
+    assert since == [[op, f, ffi.offsetof(abi.OP_SPECS[op].struct, f), m] for op in abi.OP_NAMES
+                     for f, m in abi.OP_SPECS[op].appended]
     for o in dump:
         spec = abi.OP_SPECS[o["name"]]
         assert (o["id"], o["struct"], o["size"], o["minor"]) == (spec.id, spec.struct, ffi.sizeof(spec.struct),
                                                                  spec.since_minor)
+        assert o["min_size"] == abi.args_struct_size(o["name"], spec.since_minor)
         assert [a[0] for a in o["args"]] == [a.name for a in spec.args]
         for (name, off, role, flags, lo, hi, plain, quant, count_off), a in zip(o["args"], spec.args):
             assert off == ffi.offsetof(spec.struct, name)
@@ -99,6 +110,11 @@ MUTATIONS = {
                     "    X(DI_OP_ADD, mul, DI_BinaryArgs, 0) \\\n    X(DI_OP_MUL, add, DI_BinaryArgs, 0) \\"),
     # an op whose row says the wrong args struct
     "wrong struct": ("X(DI_OP_SILU_MUL, silu_mul, DI_SiluMulArgs, 0)", "X(DI_OP_SILU_MUL, silu_mul, DI_ConcatArgs, 0)"),
+    # an appended field named on the wrong struct (DI_ARGS_SINCE)
+    "since names a field the struct lacks": ("F(sample, DI_SampleArgs, probs, 2)", "F(sample, DI_SampleArgs, prob, 2)"),
+    # a 1.2 op claimed by 1.0 (its DI_Api entry sits after the 1.1 entries)
+    "1.2 op said to be 1.0": ("X(DI_OP_SPEC_VERIFY, spec_verify, DI_SpecVerifyArgs, 2)",
+                              "X(DI_OP_SPEC_VERIFY, spec_verify, DI_SpecVerifyArgs, 0)"),
 }
 
 
@@ -193,7 +209,7 @@ def test_reference_and_cpu_reject_every_dtype_outside_the_table(op, cpu_lib):
         for a in abi.OP_SPECS[op].args:
             if a.is_array:
                 continue
-            case = C.a_valid_case(op)
+            case = C.a_full_case(op)   # with the fields appended after the op (sample's probs)
             if a.name not in case.tensors or not isinstance(case.tensors[a.name], C.TSpec):
                 continue
             if case.tensors[a.name].quant is not None or any(

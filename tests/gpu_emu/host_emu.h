@@ -1,5 +1,5 @@
-// A host emulation of the few GPU runtime pieces that backends/cuda/src/device.cuh and sort_rows.cuh
-// use, so their block-level algorithms (lane groups, shuffles, scans, the portable sort) run on a CPU
+// A host emulation of the few GPU runtime pieces that backends/cuda/src/device.cuh, sort_rows.cuh and
+// sample_rows.cuh use, so their block-level algorithms (lane groups, shuffles, scans, the portable sort) run on a CPU
 // in CI. gpu_runtime.cuh includes it when the test build defines DI_GPU_HOST_EMU="host_emu.h".
 //
 // A block is blockDim.x std::threads. __syncthreads is a barrier over all of them. A shuffle is an
@@ -106,6 +106,16 @@ inline T di_shfl_up(T v, unsigned delta, int width) {
 }
 
 inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+inline int atomicMin(int* p, int v) {
+    int old = __atomic_load_n(p, __ATOMIC_RELAXED);
+    while (v < old && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {}
+    return old;
+}
+inline int atomicMax(int* p, int v) {
+    int old = __atomic_load_n(p, __ATOMIC_RELAXED);
+    while (v > old && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {}
+    return old;
+}
 inline float __uint_as_float(uint32_t u) {
     float f;
     memcpy(&f, &u, 4);

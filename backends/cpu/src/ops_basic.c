@@ -1,5 +1,5 @@
 /* The small ops: embedding, rmsnorm, rope, add, mul, silu_mul, concat, mla_cache_write,
- * moe_router and sample. All math in f32 (double where a long sum would drift), one rounding to
+ * moe_router, sample and spec_verify. All math in f32 (double where a long sum would drift), one rounding to
  * the output dtype at the end. Inputs are read into f32 row buffers before any output of that
  * row is written, which is what makes the allowed aliasing (out == x, residual_out == residual)
  * safe. */
@@ -474,13 +474,19 @@ DI_Status op_moe_router(DI_Context* ctx, const DI_MoERouterArgs* a, int query) {
     return DI_OK;
 }
 
-/* ------------------------------------------------------------------ sample */
+/* ------------------------------------------------------------------ sample and spec_verify */
 static uint64_t splitmix64(uint64_t x) {
     uint64_t z = x + 0x9E3779B97F4A7C15ull;
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return z ^ (z >> 31);
 }
+
+/* u = (splitmix64(seed) >> 11) * 2^-53, in [0, 1) */
+static double uniform01(uint64_t seed) { return (double)(splitmix64(seed) >> 11) * 0x1p-53; }
+
+/* spec_verify's second draw uses seed + this (mod 2^64) */
+#define SPEC_SEED_STEP 0x9E3779B97F4A7C15ull
 
 typedef struct { float p; int32_t i; } PI;
 static int cmp_pi(const void* x, const void* y) {
@@ -490,72 +496,268 @@ static int cmp_pi(const void* x, const void* y) {
     return (a->i > b->i) - (a->i < b->i);
 }
 
+/* argmax of a row (lowest index on ties); *prob (if not NULL) = its softmax probability at
+ * temperature 1, the model's own confidence */
+static int32_t row_argmax(const float* lg, int64_t V, float* prob) {
+    int32_t tok = 0;
+    for (int64_t i = 1; i < V; i++) if (lg[i] > lg[tok]) tok = (int32_t)i;
+    if (prob) {
+        double sum = 0.0;
+        for (int64_t i = 0; i < V; i++) sum += expf(lg[i] - lg[tok]);
+        *prob = (float)(1.0 / sum);
+    }
+    return tok;
+}
+
+/*
+ * The distribution `sample` draws a row from (temperature T > 0), shared by sample and spec_verify
+ * so the two can never disagree: pi[0..keep) = the kept tokens in draw order (softmax probability
+ * descending, ties to the lower index) with their softmax probabilities over all V (f32); returns
+ * keep and sets *ksum to their sum (f64). The kept set renormalized is pi[i].p / *ksum.
+ */
+static int64_t kept_set(const float* lg, int64_t V, float T, int32_t k, float p_top, PI* pi, double* ksum) {
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < V; i++) mx = fmaxf(mx, lg[i] / T);
+    double sum = 0.0;
+    for (int64_t i = 0; i < V; i++) {
+        pi[i].p = expf(lg[i] / T - mx);
+        pi[i].i = (int32_t)i;
+        sum += pi[i].p;
+    }
+    for (int64_t i = 0; i < V; i++) pi[i].p = (float)(pi[i].p / sum);
+    qsort(pi, (size_t)V, sizeof(PI), cmp_pi);
+    int64_t keep = V;
+    if (k > 0 && k < keep) keep = k;
+    double run = 0.0;
+    int64_t n = 0;
+    while (n < keep) {
+        run += pi[n].p;
+        n++;
+        if (run >= (double)p_top) break;
+    }
+    keep = n;  /* shortest prefix reaching top_p, at least one */
+    double ks = 0.0;
+    for (int64_t i = 0; i < keep; i++) ks += pi[i].p;
+    *ksum = ks;
+    return keep;
+}
+
+/* the position in pi[0..keep) of sample's draw with `seed`: the first whose running sum exceeds u * ksum */
+static int64_t draw_kept(const PI* pi, int64_t keep, double ksum, uint64_t seed) {
+    double target = uniform01(seed) * ksum, acc = 0.0;
+    for (int64_t i = 0; i < keep; i++) {
+        acc += pi[i].p;
+        if (acc > target) return i;
+    }
+    return keep - 1;
+}
+
+/* NaN or +inf anywhere, or a row that is all -inf: INVALID_ARGUMENT (rows where `use` is not NULL
+ * and use[r] is 0 are skipped) */
+static DI_Status check_logit_values(VC* v, const DI_Tensor* t, const char* name, const uint8_t* use) {
+    int64_t R = t->shape[0], V = t->shape[1];
+    for (int64_t r = 0; r < R; r++) {
+        if (use && !use[r]) continue;
+        const float* lg = (const float*)t_row(t, DT_F32, r);
+        int64_t finite = 0;
+        for (int64_t i = 0; i < V; i++) {
+            if (isnan(lg[i]) || lg[i] == INFINITY)
+                return di_fail(v->ctx, DI_INVALID_ARGUMENT, "%s: %s[%lld, %lld] is %s", v->op, name, (long long)r,
+                               (long long)i, isnan(lg[i]) ? "NaN" : "+inf");
+            finite += lg[i] != -INFINITY;
+        }
+        if (V > 0 && !finite)
+            return di_fail(v->ctx, DI_INVALID_ARGUMENT, "%s: row %lld of %s is all -inf", v->op, (long long)r, name);
+    }
+    return DI_OK;
+}
+
+/* the per-row controls both ops take, checked against B rows */
+static DI_Status check_controls(VC* v, const DI_Tensor* temp, const DI_Tensor* tk, const DI_Tensor* tp,
+                                const DI_Tensor* seeds, int64_t B) {
+    DI_Status st;
+    if ((st = check_tensor(v, temp, "temperature", 1, 1, DTM(DT_F32), 0))) return st;
+    if ((st = check_tensor(v, tk, "top_k", 1, 1, DTM(DT_I32), 0))) return st;
+    if ((st = check_tensor(v, tp, "top_p", 1, 1, DTM(DT_F32), 0))) return st;
+    if ((st = check_tensor(v, seeds, "seeds", 1, 1, DTM(DT_U64) | DTM(DT_I64), 0))) return st;
+    if ((st = check_dim(v, temp, "temperature", 0, B))) return st;
+    if ((st = check_dim(v, tk, "top_k", 0, B))) return st;
+    if ((st = check_dim(v, tp, "top_p", 0, B))) return st;
+    return check_dim(v, seeds, "seeds", 0, B);
+}
+
+static DI_Status check_top_k(VC* v, const DI_Tensor* tk, int64_t B) {
+    for (int64_t b = 0; b < B; b++) {
+        int32_t k = ((const int32_t*)t_base(tk))[b * tk->strides[0]];
+        if (k < 0) return di_fail(v->ctx, DI_INVALID_ARGUMENT, "%s: top_k[%lld]=%d is negative (0 = off)", v->op,
+                                  (long long)b, k);
+    }
+    return DI_OK;
+}
+
+#define AT(t, type, i) (((type*)t_base(&(t)))[(i) * (t).strides[0]])
+
+/* one row per task; worker w owns scratch + w * per (PI entries for the target and the draft, then
+ * two dense f64 rows) */
+typedef struct {
+    const DI_SampleArgs*     s;     /* sample, or */
+    const DI_SpecVerifyArgs* sv;    /* spec_verify */
+    int64_t V;
+    char*   scratch;
+    size_t  per;
+} SampleJob;
+
+static void sample_task(void* arg, int64_t b, int worker) {
+    const SampleJob* j = (const SampleJob*)arg;
+    const DI_SampleArgs* a = j->s;
+    const float* lg = (const float*)t_row(&a->logits, DT_F32, b);
+    float T = AT(a->temperature, const float, b), prob = 0.0f;
+    int want_prob = a->probs.data != NULL;
+    int32_t tok;
+    if (!(T > 0.0f)) {
+        tok = row_argmax(lg, j->V, want_prob ? &prob : NULL);
+    } else {
+        PI* pi = (PI*)(j->scratch + (size_t)worker * j->per);
+        double ksum;
+        int64_t keep = kept_set(lg, j->V, T, AT(a->top_k, const int32_t, b), AT(a->top_p, const float, b), pi, &ksum);
+        int64_t i = draw_kept(pi, keep, ksum, AT(a->seeds, const uint64_t, b));
+        tok = pi[i].i;
+        prob = (float)(pi[i].p / ksum);
+    }
+    AT(a->out, int32_t, b) = tok;
+    if (want_prob) AT(a->probs, float, b) = prob;
+}
+
+static size_t sample_scratch_per(int64_t V) {
+    size_t per = (size_t)V * (2 * sizeof(PI) + 2 * sizeof(double));
+    return (per + 63) & ~(size_t)63;
+}
+
 DI_Status op_sample(DI_Context* ctx, const DI_SampleArgs* a, int query) {
     VC v = {ctx, "sample", query};
     DI_Status st;
     if ((st = check_tensor(&v, &a->logits, "logits", 2, 2, DTM(DT_F32), 0))) return st;
     int64_t B = a->logits.shape[0], V = a->logits.shape[1];
-    if ((st = check_tensor(&v, &a->temperature, "temperature", 1, 1, DTM(DT_F32), 0))) return st;
-    if ((st = check_tensor(&v, &a->top_k, "top_k", 1, 1, DTM(DT_I32), 0))) return st;
-    if ((st = check_tensor(&v, &a->top_p, "top_p", 1, 1, DTM(DT_F32), 0))) return st;
-    if ((st = check_tensor(&v, &a->seeds, "seeds", 1, 1, DTM(DT_U64) | DTM(DT_I64), 0))) return st;
+    if ((st = check_controls(&v, &a->temperature, &a->top_k, &a->top_p, &a->seeds, B))) return st;
     if ((st = check_tensor(&v, &a->out, "out", 1, 1, DTM(DT_I32), 0))) return st;
-    if ((st = check_dim(&v, &a->temperature, "temperature", 0, B))) return st;
-    if ((st = check_dim(&v, &a->top_k, "top_k", 0, B))) return st;
-    if ((st = check_dim(&v, &a->top_p, "top_p", 0, B))) return st;
-    if ((st = check_dim(&v, &a->seeds, "seeds", 0, B))) return st;
     if ((st = check_dim(&v, &a->out, "out", 0, B))) return st;
+    if (tensor_present(&v, &a->probs)) {   /* 1.2; zero when the caller's struct ends before it */
+        if ((st = check_tensor(&v, &a->probs, "probs", 1, 1, DTM(DT_F32), 0))) return st;
+        if ((st = check_dim(&v, &a->probs, "probs", 0, B))) return st;
+    }
     if (B > 0 && V == 0) return di_fail(ctx, DI_INVALID_ARGUMENT, "sample: logits has V=0 columns");
     if (query) return DI_OK;
-    const float* temp = (const float*)t_base(&a->temperature);
-    const int32_t* tk = (const int32_t*)t_base(&a->top_k);
-    const float* tp = (const float*)t_base(&a->top_p);
-    const uint64_t* seeds = (const uint64_t*)t_base(&a->seeds);
-    int32_t* out = (int32_t*)t_base(&a->out);
-    PI* pi = NULL;
-    for (int64_t b = 0; b < B; b++) {
-        const float* lg = (const float*)t_row(&a->logits, DT_F32, b);
-        float T = temp[b * a->temperature.strides[0]];
-        int32_t tok = 0;
-        if (!(T > 0.0f)) {
-            for (int64_t i = 1; i < V; i++) if (lg[i] > lg[tok]) tok = (int32_t)i;
-            out[b * a->out.strides[0]] = tok;
-            continue;
-        }
-        if (!pi && !(pi = di_malloc((size_t)V * sizeof(PI)))) return DI_OOM(ctx, "sample");
-        float mx = -INFINITY;
-        for (int64_t i = 0; i < V; i++) mx = fmaxf(mx, lg[i] / T);
-        double sum = 0.0;
-        for (int64_t i = 0; i < V; i++) {
-            pi[i].p = expf(lg[i] / T - mx);
-            pi[i].i = (int32_t)i;
-            sum += pi[i].p;
-        }
-        for (int64_t i = 0; i < V; i++) pi[i].p = (float)(pi[i].p / sum);
-        qsort(pi, (size_t)V, sizeof(PI), cmp_pi);
-        int64_t keep = V;
-        int32_t k = tk[b * a->top_k.strides[0]];
-        if (k > 0 && k < keep) keep = k;
-        float p_top = tp[b * a->top_p.strides[0]];
-        double run = 0.0;
-        int64_t n = 0;
-        while (n < keep) {
-            run += pi[n].p;
-            n++;
-            if (run >= (double)p_top) break;
-        }
-        keep = n;  /* shortest prefix reaching top_p, at least one */
-        double ksum = 0.0;
-        for (int64_t i = 0; i < keep; i++) ksum += pi[i].p;
-        double u = (double)(splitmix64(seeds[b * a->seeds.strides[0]]) >> 11) * 0x1p-53;
-        double target = u * ksum, acc = 0.0;
-        tok = pi[keep - 1].i;
-        for (int64_t i = 0; i < keep; i++) {
-            acc += pi[i].p;
-            if (acc > target) { tok = pi[i].i; break; }
-        }
-        out[b * a->out.strides[0]] = tok;
-    }
-    free(pi);
+    if ((st = check_top_k(&v, &a->top_k, B))) return st;
+    if ((st = check_logit_values(&v, &a->logits, "logits", NULL))) return st;
+    SampleJob j = {a, NULL, V, NULL, sample_scratch_per(V)};
+    if (B > 0 && !(j.scratch = di_malloc((size_t)pool_size(ctx->pool) * j.per))) return DI_OOM(ctx, "sample");
+    pool_run(ctx->pool, B, sample_task, &j, B * V * 16);
+    free(j.scratch);
     return DI_OK;
 }
+
+/* spec_verify, one row (README section 8) */
+static void verify_task(void* arg, int64_t t, int worker) {
+    const SampleJob* j = (const SampleJob*)arg;
+    const DI_SpecVerifyArgs* a = j->sv;
+    const int64_t V = j->V;
+    const float* lg = (const float*)t_row(&a->logits, DT_F32, t);
+    float T = AT(a->temperature, const float, t);
+    int32_t d = AT(a->draft_ids, const int32_t, t), k = AT(a->top_k, const int32_t, t);
+    float top_p = AT(a->top_p, const float, t);
+    uint64_t seed = AT(a->seeds, const uint64_t, t);
+    int32_t tok, acc = 0;
+    if (!(T > 0.0f)) {                        /* greedy: the argmax, accepted when it is the draft */
+        tok = row_argmax(lg, V, NULL);
+        acc = d >= 0 && tok == d;
+    } else {
+        char* mem = j->scratch + (size_t)worker * j->per;
+        PI* pi = (PI*)mem;                    /* the target's kept set */
+        double ksum;
+        int64_t keep = kept_set(lg, V, T, k, top_p, pi, &ksum);
+        if (d < 0) {                          /* the bonus position: a plain draw */
+            tok = pi[draw_kept(pi, keep, ksum, seed)].i;
+        } else {
+            PI* pj = pi + V;                  /* the draft's kept set */
+            double* p = (double*)(pj + V);    /* dense target distribution */
+            double* q = p + V;                /* dense draft distribution */
+            for (int64_t x = 0; x < V; x++) p[x] = q[x] = 0.0;
+            for (int64_t i = 0; i < keep; i++) p[pi[i].i] = pi[i].p / ksum;
+            if (a->draft_logits.data) {
+                double qsum;
+                int64_t qkeep = kept_set((const float*)t_row(&a->draft_logits, DT_F32, t), V, T, k, top_p, pj, &qsum);
+                for (int64_t i = 0; i < qkeep; i++) q[pj[i].i] = pj[i].p / qsum;
+            } else {
+                q[d] = 1.0;                   /* greedy drafting: q is one-hot at the draft */
+            }
+            if (uniform01(seed) * q[d] < p[d]) {
+                tok = d;
+                acc = 1;
+            } else {                          /* rejected: draw from r = max(p - q, 0), index order */
+                double rsum = 0.0;
+                for (int64_t x = 0; x < V; x++) rsum += p[x] > q[x] ? p[x] - q[x] : 0.0;
+                uint64_t seed2 = seed + SPEC_SEED_STEP;
+                if (rsum > 0.0) {
+                    double target = uniform01(seed2) * rsum, run = 0.0;
+                    tok = -1;
+                    for (int64_t x = 0; x < V; x++) {
+                        if (!(p[x] > q[x])) continue;
+                        tok = (int32_t)x;     /* the last token with r > 0, should rounding run out */
+                        run += p[x] - q[x];
+                        if (run > target) break;
+                    }
+                } else {
+                    tok = pi[draw_kept(pi, keep, ksum, seed2)].i;
+                }
+            }
+        }
+    }
+    AT(a->out, int32_t, t) = tok;
+    AT(a->accepted, int32_t, t) = acc;
+}
+
+DI_Status op_spec_verify(DI_Context* ctx, const DI_SpecVerifyArgs* a, int query) {
+    VC v = {ctx, "spec_verify", query};
+    DI_Status st;
+    if ((st = check_tensor(&v, &a->logits, "logits", 2, 2, DTM(DT_F32), 0))) return st;
+    int64_t T = a->logits.shape[0], V = a->logits.shape[1];
+    int draft = tensor_present(&v, &a->draft_logits);
+    if (draft) {
+        if ((st = check_tensor(&v, &a->draft_logits, "draft_logits", 2, 2, DTM(DT_F32), 0))) return st;
+        if (a->draft_logits.shape[0] != T || a->draft_logits.shape[1] != V)
+            return di_fail(ctx, DI_INVALID_ARGUMENT, "spec_verify: draft_logits.shape=[%lld, %lld] != logits.shape="
+                           "[%lld, %lld]", (long long)a->draft_logits.shape[0], (long long)a->draft_logits.shape[1],
+                           (long long)T, (long long)V);
+    }
+    if ((st = check_tensor(&v, &a->draft_ids, "draft_ids", 1, 1, DTM(DT_I32), 0))) return st;
+    if ((st = check_dim(&v, &a->draft_ids, "draft_ids", 0, T))) return st;
+    if ((st = check_controls(&v, &a->temperature, &a->top_k, &a->top_p, &a->seeds, T))) return st;
+    if ((st = check_tensor(&v, &a->out, "out", 1, 1, DTM(DT_I32), 0))) return st;
+    if ((st = check_dim(&v, &a->out, "out", 0, T))) return st;
+    if ((st = check_tensor(&v, &a->accepted, "accepted", 1, 1, DTM(DT_I32), 0))) return st;
+    if ((st = check_dim(&v, &a->accepted, "accepted", 0, T))) return st;
+    if (T > 0 && V == 0) return di_fail(ctx, DI_INVALID_ARGUMENT, "spec_verify: logits has V=0 columns");
+    if (query) return DI_OK;
+    if ((st = check_top_k(&v, &a->top_k, T))) return st;
+    uint8_t* judged = draft && T > 0 ? di_malloc((size_t)T) : NULL;   /* rows that read draft_logits */
+    if (draft && T > 0 && !judged) return DI_OOM(ctx, "spec_verify");
+    for (int64_t t = 0; t < T; t++) {
+        int32_t d = AT(a->draft_ids, const int32_t, t);
+        if (d >= V) {
+            free(judged);
+            return di_fail(ctx, DI_INVALID_ARGUMENT, "spec_verify: draft_ids[%lld]=%d >= V=%lld", (long long)t, d,
+                           (long long)V);
+        }
+        if (judged) judged[t] = AT(a->temperature, const float, t) > 0.0f && d >= 0;
+    }
+    st = check_logit_values(&v, &a->logits, "logits", NULL);
+    if (!st && judged) st = check_logit_values(&v, &a->draft_logits, "draft_logits", judged);
+    free(judged);
+    if (st) return st;
+    SampleJob j = {NULL, a, V, NULL, sample_scratch_per(V)};
+    if (T > 0 && !(j.scratch = di_malloc((size_t)pool_size(ctx->pool) * j.per))) return DI_OOM(ctx, "spec_verify");
+    pool_run(ctx->pool, T, verify_task, &j, T * V * 32);
+    free(j.scratch);
+    return DI_OK;
+}
+#undef AT

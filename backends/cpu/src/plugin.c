@@ -23,7 +23,7 @@
  *                     with GCC target attributes so one binary runs on any x86-64 (and the files
  *                     compile to nothing elsewhere).
  *   ops_basic.c       embedding, rmsnorm, rope, add, mul, silu_mul, concat, mla_cache_write,
- *                     moe_router, sample.
+ *                     moe_router, sample, spec_verify.
  *   attention.c       mla_prefill and mla_decode.
  *   graph.c           graph capture: ops issued on a captured stream are recorded (args deep-copied)
  *                     and replayed natively by graph_launch, so a decode step is one call.
@@ -519,24 +519,42 @@ static DI_Status api_device_count(int32_t* out) {
 /* ------------------------------------------------------------------ op dispatch */
 /* One row per op of the header's op table (DI_OPS): name, args struct, its size and the body. */
 typedef DI_Status (*op_impl)(DI_Context*, const void*, int);
-static const struct { const char* name; const char* sname; uint32_t size; op_impl fn; } k_ops[DI_OP_COUNT_V1_1] = {
+static const struct { const char* name; const char* sname; uint32_t size; op_impl fn; } k_ops[DI_OP_COUNT_V1_2] = {
 #define E(id, name, T, minor) [id] = {#name, #T, (uint32_t)sizeof(T), (op_impl)op_##name},
     DI_OPS(E)
 #undef E
 };
+
+/* room for any op's args struct as this header has it */
+typedef union {
+#define U(id, name, T, minor) T name;
+    DI_OPS(U)
+#undef U
+} AnyArgs;
+
+/* The caller's args struct as this header's: struct_size checked (DI_ARGS_SINCE: an older caller's
+ * smaller struct is fine) and the fields it does not know zeroed, so the op bodies never look at
+ * struct_size and never read past the caller's bytes. */
+static DI_Status normalize_args(DI_Context* ctx, int op, const void* args, AnyArgs* local) {
+    DI_Status st = di_check_args_size(op, args, local, g_err, sizeof g_err);
+    if (st) return st;
+    if (((const DI_ArgsHeader*)args)->ext)
+        return di_fail(ctx, DI_UNIMPLEMENTED, "%s: header.ext is set; no extensions are known", k_ops[op].name);
+    return DI_OK;
+}
 
 DI_Status di_run_op(DI_Context* ctx, int op, const void* args, int query) {
     const char* name = k_ops[op].name;
     if (!ctx_ok(ctx)) return di_fail(NULL, DI_INVALID_ARGUMENT, "%s: ctx is NULL or not a CPU backend context", name);
     di_clear(ctx);
     if (!args) return di_fail(ctx, DI_INVALID_ARGUMENT, "%s: args is NULL", name);
-    VC v = {ctx, name, query};
-    DI_Status st = check_header(&v, args, k_ops[op].size, k_ops[op].sname);
+    AnyArgs local;
+    DI_Status st = normalize_args(ctx, op, args, &local);
     if (st) return st;
     /* every tensor argument against the op table first: the op bodies add the shape relations */
-    st = di_check_op_args(op, args, DI_DEVICE_CPU, query, 0, g_err, sizeof g_err);
+    st = di_check_op_args(op, &local, DI_DEVICE_CPU, query, 0, g_err, sizeof g_err);
     if (st) return st;
-    return k_ops[op].fn(ctx, args, query);
+    return k_ops[op].fn(ctx, &local, query);
 }
 
 static DI_Status api_op_query(DI_Context* ctx, int32_t op, const void* args, DI_OpQuery* out) {
@@ -546,7 +564,7 @@ static DI_Status api_op_query(DI_Context* ctx, int32_t op, const void* args, DI_
     if (st) return st;
     out->support = DI_SUPPORT_NO;
     out->workspace_size = 0;
-    if (op < 0 || op >= DI_OP_COUNT_V1_1) {
+    if (op < 0 || op >= DI_OP_COUNT_V1_2) {
         di_fail(ctx, DI_OK, "op_query: op %d is not an op of ABI 1.%d", op, DI_ABI_MINOR);
         return DI_OK;
     }
@@ -567,7 +585,9 @@ static DI_Status api_op_query(DI_Context* ctx, int32_t op, const void* args, DI_
     static DI_Status api_##name(DI_Context* ctx, const T* args) {                                \
         if (ctx_ok(ctx) && ctx->capture && args && graph_capturing(ctx, args->header.stream)) {  \
             di_clear(ctx);                                                                       \
-            return graph_capture_op(ctx, id, args, (uint32_t)sizeof(T));                         \
+            AnyArgs local;  /* the node records this header's struct, unknown fields zeroed */   \
+            DI_Status st = normalize_args(ctx, id, args, &local);                                \
+            return st ? st : graph_capture_op(ctx, id, &local, (uint32_t)sizeof(T));             \
         }                                                                                        \
         return di_run_op(ctx, id, args, 0);                                                      \
     }
@@ -645,6 +665,7 @@ static const DI_Api k_api = {
     .host_unregister = api_host_unregister,
     .mem_copy_async = api_mem_copy_async,
     .device_count = api_device_count,
+    .spec_verify = api_spec_verify,
 };
 
 static const DI_Api* get_api(uint32_t major) { return major == DI_ABI_MAJOR ? &k_api : NULL; }

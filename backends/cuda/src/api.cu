@@ -262,6 +262,23 @@ static DI_Status check_args(DI_Context* ctx, int32_t op, const void* a, bool que
     return DI_OK;
 }
 
+// room for any op's args struct as this header has it
+union AnyArgs {
+#define U(id, name, Args, minor) Args name;
+    DI_OPS(U)
+#undef U
+};
+
+// The caller's args struct as this header's (abi/README.md section 2, DI_ARGS_SINCE): an older
+// caller's smaller struct_size is accepted and the fields it does not know are zeroed (absent), so
+// the ops read only what the caller wrote and never look past its struct.
+static DI_Status normalize_args(DI_Context* ctx, int32_t op, const void* a, AnyArgs* local) {
+    char msg[512];
+    DI_Status st = di_check_args_size(op, a, local, msg, sizeof(msg));
+    if (st != DI_OK) return set_error(ctx, st, "%s", msg);
+    return DI_OK;
+}
+
 // Each op entry: context and device checks, the table check, then the shared implementation.
 #define DI_OP_ENTRY(id, name, Args, minor)                                          \
     static DI_Status api_##name(DI_Context* ctx, const Args* a) {                   \
@@ -269,9 +286,11 @@ static DI_Status check_args(DI_Context* ctx, int32_t op, const void* a, bool que
         if (!a) return set_error(ctx, DI_INVALID_ARGUMENT, #name ": args is NULL"); \
         DI_GUARD_BEGIN                                                              \
         DI_TRY(use_device(ctx));                                                    \
-        DI_TRY(check_args(ctx, id, a, false));                                      \
+        AnyArgs local;                                                              \
+        DI_TRY(normalize_args(ctx, id, a, &local));                                 \
+        DI_TRY(check_args(ctx, id, &local.name, false));                            \
         OpMode m{true, true, DI_SUPPORT_YES, 0};                                    \
-        return op_##name(ctx, a, &m);                                               \
+        return op_##name(ctx, &local.name, &m);                                     \
         DI_GUARD_END(ctx)                                                           \
     }
 DI_OPS(DI_OP_ENTRY)
@@ -283,15 +302,17 @@ static DI_Status op_query(DI_Context* ctx, int32_t op, const void* args, DI_OpQu
     out->support = DI_SUPPORT_NO;
     out->workspace_size = 0;
     if (op < 0) return set_error(ctx, DI_INVALID_ARGUMENT, "op_query: op id %d is negative", op);
-    if (op >= DI_OP_COUNT_V1_1) return DI_OK;  // an op from a newer ABI: not supported here
+    if (op >= DI_OP_COUNT_V1_2) return DI_OK;  // an op from a newer ABI: not supported here
     if (!args) return set_error(ctx, DI_INVALID_ARGUMENT, "op_query: args is NULL");
     DI_GUARD_BEGIN
     OpMode m{false, false, DI_SUPPORT_YES, 0};
-    DI_Status st = check_args(ctx, op, args, true);
+    AnyArgs local;
+    DI_Status st = normalize_args(ctx, op, args, &local);
+    if (st == DI_OK) st = check_args(ctx, op, &local, true);
     if (st == DI_OK) {
         switch (op) {
 #define Q(id, name, Args, minor) \
-    case id: st = op_##name(ctx, static_cast<const Args*>(args), &m); break;
+    case id: st = op_##name(ctx, &local.name, &m); break;
             DI_OPS(Q)
 #undef Q
             default: st = DI_UNIMPLEMENTED;

@@ -1,6 +1,7 @@
-// moe_router and sample.
+// moe_router, sample and spec_verify.
 //
-// sample sorts each row's probabilities and scans their running sum. On CUDA that is CUB's segmented
+// sample sorts each row's probabilities and scans their running sum; spec_verify does the same for
+// the target's rows and the draft's (both through the row functions of sample_rows.cuh). On CUDA that is CUB's segmented
 // radix sort and BlockScan. The HIP build has no CUB (Debian's HIP 5.2 ships no hipCUB/rocPRIM), so
 // it uses the portable block radix sort and block scan below, which give the same order (stable,
 // descending) and the same prefix sums up to double rounding. -DDI_NO_CUB selects them on CUDA too,
@@ -14,38 +15,12 @@
 #include "gpu_runtime.cuh"
 
 #include "device.cuh"
+#include "sample_rows.cuh"
 #if !DI_SAMPLE_CUB
 #include "sort_rows.cuh"
 #endif
 
 using namespace di;
-
-// (value, index) order of both ops: larger value first, ties to the lower index.
-__device__ __forceinline__ bool better(float v1, int i1, float v2, int i2) {
-    return v1 > v2 || (v1 == v2 && i1 < i2);
-}
-
-// Block-wide best (value, index); redv and redi need MAX_WARPS elements of shared memory each.
-__device__ void block_best(float& v, int& i, float* redv, int* redi) {
-    const int lane = lane_id(), w = warp_id(), nw = blockDim.x / LANES;
-#pragma unroll
-    for (int o = LANES / 2; o > 0; o >>= 1) {
-        float v2 = shfl_xor(v, o);
-        int i2 = shfl_xor(i, o);
-        if (better(v2, i2, v, i)) { v = v2; i = i2; }
-    }
-    __syncthreads();
-    if (lane == 0) { redv[w] = v; redi[w] = i; }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int k = 1; k < nw; ++k)
-            if (better(redv[k], redi[k], redv[0], redi[0])) { redv[0] = redv[k]; redi[0] = redi[k]; }
-    }
-    __syncthreads();
-    v = redv[0];
-    i = redi[0];
-    __syncthreads();
-}
 
 // ---------------------------------------------------------------------------------------- moe_router
 struct RouterP {
@@ -201,138 +176,33 @@ DI_Status op_moe_router(DI_Context* ctx, const DI_MoERouterArgs* a, OpMode* mode
 }
 
 // ---------------------------------------------------------------------------------------- sample
-struct SampleP {
-    int64_t B, V;
-};
-
-// p = softmax(logits / temperature) per row, with the index as the sort payload.
-__global__ __launch_bounds__(1024) void k_sample_probs(DTensor lg, DTensor temp, float* keys, int* vals, int* offs,
-                                                       SampleP p) {
+// The row bodies (sample_rows.cuh) in grid-stride loops, one block per row.
+__global__ __launch_bounds__(1024) void k_sample_probs(DTensor lg, DTensor lg2, DTensor temp, float* keys, int* vals,
+                                                       int* offs, SampleP p) {
     __shared__ float red[MAX_WARPS];
-    for (int64_t b = blockIdx.x; b < p.B; b += gridDim.x) {
-        if (threadIdx.x == 0) {
-            offs[b] = (int)(b * p.V);
-            if (b == p.B - 1) offs[p.B] = (int)(p.B * p.V);
-        }
-        const float T = load_f(temp.dt, temp.base, b * temp.strides[0]);
-        const int64_t ro = b * lg.strides[0];
-        float* kr = keys + b * p.V;
-        int* vr = vals + b * p.V;
-        if (!(T > 0.f)) {  // greedy row: the sort only has to be harmless
-            for (int64_t i = threadIdx.x; i < p.V; i += blockDim.x) { kr[i] = 0.f; vr[i] = (int)i; }
-            continue;
-        }
-        float mx = -INFINITY;
-        for (int64_t i = threadIdx.x; i < p.V; i += blockDim.x) mx = fmaxf(mx, load_f(lg.dt, lg.base, ro + i) / T);
-        mx = block_max(mx, red);
-        float sum = 0.f;
-        for (int64_t i = threadIdx.x; i < p.V; i += blockDim.x) {
-            float e = expf(load_f(lg.dt, lg.base, ro + i) / T - mx);
-            kr[i] = e;
-            vr[i] = (int)i;
-            sum += e;
-        }
-        sum = block_sum(sum, red);
-        for (int64_t i = threadIdx.x; i < p.V; i += blockDim.x) kr[i] = kr[i] / sum;
-        __syncthreads();
-    }
-}
-
-__device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
-    uint64_t z = x + 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-// First index i < limit (in chunks of the block) whose inclusive running sum satisfies cmp; -1 if none.
-// total receives the sum over [0, limit) when nothing matched earlier.
-template <class Cmp>
-__device__ int64_t scan_find(const float* ps, int64_t limit, Cmp cmp, double* sum_before_out) {
-#if DI_SAMPLE_CUB
-    typedef cub::BlockScan<double, 1024> Scan;
-    __shared__ typename Scan::TempStorage tmp;
-#else
-    __shared__ double scan_red[MAX_WARPS];
-#endif
-    __shared__ int found;
-    __shared__ double carry;
-    if (threadIdx.x == 0) { found = 0x7fffffff; carry = 0.0; }
-    __syncthreads();
-    for (int64_t c0 = 0; c0 < limit; c0 += blockDim.x) {
-        int64_t i = c0 + threadIdx.x;
-        double v = i < limit ? (double)ps[i] : 0.0, inc, total;
-#if DI_SAMPLE_CUB
-        Scan(tmp).InclusiveSum(v, inc, total);
-#else
-        inc = block_scan_incl(v, &total, scan_red);
-#endif
-        double cum = carry + inc;
-        if (i < limit && cmp(cum)) atomicMin(&found, (int)threadIdx.x);
-        __syncthreads();
-        if (found != 0x7fffffff) {
-            int64_t r = c0 + found;
-            __syncthreads();
-            return r;
-        }
-        if (threadIdx.x == 0) carry += total;
-        __syncthreads();
-    }
-    if (sum_before_out) *sum_before_out = carry;
-    return -1;
+    for (int64_t r = blockIdx.x; r < p.R; r += gridDim.x) probs_row(lg, lg2, temp, keys, vals, offs, p, r, red);
 }
 
 __global__ __launch_bounds__(1024) void k_sample_pick(DTensor lg, DTensor temp, DTensor topk, DTensor topp,
                                                       DTensor seeds, const float* ks, const int* vs, DTensor out,
+                                                      DTensor probs, SampleP p) {
+    for (int64_t b = blockIdx.x; b < p.R; b += gridDim.x)
+        sample_pick_row(lg, temp, topk, topp, seeds, ks, vs, out, probs, p, b);
+}
+
+__global__ __launch_bounds__(1024) void k_verify_pick(DTensor lg, DTensor ids, DTensor temp, DTensor topk,
+                                                      DTensor topp, DTensor seeds, const float* ks, const int* vs,
+                                                      float* dense, DTensor out, DTensor acc, int has_draft,
                                                       SampleP p) {
-    __shared__ float redv[MAX_WARPS];
-    __shared__ int redi[MAX_WARPS];
-    __shared__ double kept_sum;
-    for (int64_t b = blockIdx.x; b < p.B; b += gridDim.x) {
-        const float T = load_f(temp.dt, temp.base, b * temp.strides[0]);
-        int32_t* o = reinterpret_cast<int32_t*>(out.base) + b * out.strides[0];
-        if (!(T > 0.f)) {
-            float bv = -INFINITY;
-            int bi = 0x7fffffff;
-            for (int64_t i = threadIdx.x; i < p.V; i += blockDim.x) {
-                float v = load_f(lg.dt, lg.base, b * lg.strides[0] + i);
-                if (better(v, (int)i, bv, bi)) { bv = v; bi = (int)i; }
-            }
-            block_best(bv, bi, redv, redi);
-            if (threadIdx.x == 0) *o = bi == 0x7fffffff ? 0 : bi;
-            __syncthreads();
-            continue;
-        }
-        const float* ps = ks + b * p.V;
-        const int* is = vs + b * p.V;
-        int64_t k = load_i(topk.dt, topk.base, b * topk.strides[0]);
-        int64_t kk = (k > 0 && k < p.V) ? k : p.V;
-        const float tp = load_f(topp.dt, topp.base, b * topp.strides[0]);
-        int64_t n_keep = kk;
-        {
-            int64_t f = scan_find(ps, kk, [&](double cum) { return cum >= (double)tp; }, nullptr);
-            if (f >= 0) n_keep = f + 1;
-        }
-        // sum of the kept probabilities, then the draw
-        double tot = 0.0;
-        scan_find(ps, n_keep, [](double) { return false; }, &tot);
-        if (threadIdx.x == 0) kept_sum = tot;
-        __syncthreads();
-        const uint64_t seed = (uint64_t)load_i(seeds.dt, seeds.base, b * seeds.strides[0]);
-        const double u = (double)(splitmix64(seed) >> 11) * (1.0 / 9007199254740992.0);
-        const double target = u * kept_sum;
-        int64_t f = scan_find(ps, n_keep, [&](double cum) { return cum > target; }, nullptr);
-        if (f < 0) f = n_keep - 1;
-        if (threadIdx.x == 0) *o = is[f];
-        __syncthreads();
-    }
+    for (int64_t t = blockIdx.x; t < p.nt; t += gridDim.x)
+        verify_pick_row(lg, ids, temp, topk, topp, seeds, ks, vs, dense, out, acc, has_draft, p, t);
 }
 
 #if DI_SAMPLE_CUB
-static uint64_t sample_temp_bytes(int64_t B, int64_t V) {
+static uint64_t sample_temp_bytes(int64_t R, int64_t V) {
     size_t bytes = 0;
     cub::DeviceSegmentedRadixSort::SortPairsDescending(nullptr, bytes, (const float*)nullptr, (float*)nullptr,
-                                                       (const int*)nullptr, (int*)nullptr, (int)(B * V), (int)B,
+                                                       (const int*)nullptr, (int*)nullptr, (int)(R * V), (int)R,
                                                        (const int*)nullptr, (const int*)nullptr, 0, 32, nullptr);
     return bytes;
 }
@@ -341,77 +211,161 @@ static uint64_t sample_temp_bytes(int64_t, int64_t) { return 0; }
 
 __global__ __launch_bounds__(SORT_THREADS) void k_sort_rows(DTensor temp, float* k0, int* v0, float* k1, int* v1,
                                                             SampleP p) {
-    for (int64_t b = blockIdx.x; b < p.B; b += gridDim.x) {
-        if (!(load_f(temp.dt, temp.base, b * temp.strides[0]) > 0.f)) continue;  // greedy: no order needed
-        sort_row_desc(k0 + b * p.V, v0 + b * p.V, k1 + b * p.V, v1 + b * p.V, p.V);
+    for (int64_t r = blockIdx.x; r < p.R; r += gridDim.x) {
+        if (!(load_f(temp.dt, temp.base, (r % p.nt) * temp.strides[0]) > 0.f)) continue;  // greedy: no order needed
+        sort_row_desc(k0 + r * p.V, v0 + r * p.V, k1 + r * p.V, v1 + r * p.V, p.V);
     }
 }
 #endif
 
+// The workspace of R sorted rows of V: keys, values, their sort buffers, the segment offsets, the
+// sort's scratch, then `extra` bytes for the op.
+struct SortLayout {
+    uint64_t keys, keys2, vals, vals2, offs, tmp, extra, total;
+    SortLayout(int64_t R, int64_t V, uint64_t extra_bytes) {
+        const uint64_t n = (uint64_t)(R * V);
+        keys = 0;
+        keys2 = align256(n * 4);
+        vals = keys2 + align256(n * 4);
+        vals2 = vals + align256(n * 4);
+        offs = vals2 + align256(n * 4);
+        tmp = offs + align256((uint64_t)(R + 1) * 4);
+        extra = tmp + align256(R > 0 ? sample_temp_bytes(R, V) : 0);
+        total = extra + align256(extra_bytes);
+    }
+};
+
+// softmax and sort of p.R rows into the workspace w; *sk, *sv: where the sorted rows end up.
+static DI_Status sort_rows(DI_Context* ctx, const char* op, cudaStream_t s, const DTensor& lg, const DTensor& lg2,
+                           const DTensor& temp, char* w, const SortLayout& L, const SampleP& p, const float** sk,
+                           const int** sv) {
+    float* keys = reinterpret_cast<float*>(w + L.keys);
+    float* keys2 = reinterpret_cast<float*>(w + L.keys2);
+    int* vals = reinterpret_cast<int*>(w + L.vals);
+    int* vals2 = reinterpret_cast<int*>(w + L.vals2);
+    int* offs = reinterpret_cast<int*>(w + L.offs);
+    k_sample_probs<<<grid_for(p.R, 1, 65535), 1024, 0, s>>>(lg, lg2, temp, keys, vals, offs, p);
+    DI_TRY(launch_status(ctx, op));
+#if DI_SAMPLE_CUB
+    size_t tb = (size_t)(L.extra - L.tmp);
+    cudaError_t e = cub::DeviceSegmentedRadixSort::SortPairsDescending(
+        w + L.tmp, tb, keys, keys2, vals, vals2, (int)(p.R * p.V), (int)p.R, offs, offs + 1, 0, 32, s);
+    DI_TRY(cuda_status(ctx, e, "segmented sort"));
+    *sk = keys2;
+    *sv = vals2;
+#else
+    k_sort_rows<<<grid_for(p.R, 1, 65535), SORT_THREADS, 0, s>>>(temp, keys, vals, keys2, vals2, p);
+    DI_TRY(launch_status(ctx, op));
+    *sk = keys;  // an even number of passes ends where it started
+    *sv = vals;
+#endif
+    return DI_OK;
+}
+
+// the per-row controls of sample and spec_verify: dtypes and shapes against n rows
+static DI_Status take_controls(DI_Context* ctx, OpMode* mode, const char* op, const DI_Tensor& t_temp,
+                               const DI_Tensor& t_topk, const DI_Tensor& t_topp, const DI_Tensor& t_seeds, int64_t n,
+                               QTensor* temp, QTensor* topk, QTensor* topp, QTensor* seeds) {
+    DI_TRY(take_tensor(ctx, mode, op, "temperature", t_temp, 1, 0, temp));
+    DI_TRY(take_tensor(ctx, mode, op, "top_k", t_topk, 1, 0, topk));
+    DI_TRY(take_tensor(ctx, mode, op, "top_p", t_topp, 1, 0, topp));
+    DI_TRY(take_tensor(ctx, mode, op, "seeds", t_seeds, 1, 0, seeds));
+    DI_NEED_DT(ctx, op, "temperature", temp->q.dt, DT_F32);
+    DI_NEED_DT(ctx, op, "top_k", topk->q.dt, DT_I32);
+    DI_NEED_DT(ctx, op, "top_p", topp->q.dt, DT_F32);
+    DI_NEED_DT(ctx, op, "seeds", seeds->q.dt, DT_U64);
+    DI_TRY(need_shape(ctx, op, "temperature", temp->q, 0, n, "logits.shape[0]"));
+    DI_TRY(need_shape(ctx, op, "top_k", topk->q, 0, n, "logits.shape[0]"));
+    DI_TRY(need_shape(ctx, op, "top_p", topp->q, 0, n, "logits.shape[0]"));
+    return need_shape(ctx, op, "seeds", seeds->q, 0, n, "logits.shape[0]");
+}
+
 DI_Status op_sample(DI_Context* ctx, const DI_SampleArgs* a, OpMode* mode) {
     const char* op = "sample";
     DI_TRY(check_header(ctx, op, a, sizeof(*a), "DI_SampleArgs"));
-    QTensor lg, temp, topk, topp, seeds, out;
+    QTensor lg, temp, topk, topp, seeds, out, probs;
     DI_TRY(take_tensor(ctx, mode, op, "logits", a->logits, 2, 0, &lg));
-    DI_TRY(take_tensor(ctx, mode, op, "temperature", a->temperature, 1, 0, &temp));
-    DI_TRY(take_tensor(ctx, mode, op, "top_k", a->top_k, 1, 0, &topk));
-    DI_TRY(take_tensor(ctx, mode, op, "top_p", a->top_p, 1, 0, &topp));
-    DI_TRY(take_tensor(ctx, mode, op, "seeds", a->seeds, 1, 0, &seeds));
-    DI_TRY(take_tensor(ctx, mode, op, "out", a->out, 1, 0, &out));
     DI_NEED_DT(ctx, op, "logits", lg.q.dt, DT_F32);
-    DI_NEED_DT(ctx, op, "temperature", temp.q.dt, DT_F32);
-    DI_NEED_DT(ctx, op, "top_k", topk.q.dt, DT_I32);
-    DI_NEED_DT(ctx, op, "top_p", topp.q.dt, DT_F32);
-    DI_NEED_DT(ctx, op, "seeds", seeds.q.dt, DT_U64);
+    const int64_t B = lg.q.shape[0], V = lg.q.shape[1];
+    DI_TRY(take_controls(ctx, mode, op, a->temperature, a->top_k, a->top_p, a->seeds, B, &temp, &topk, &topp,
+                         &seeds));
+    DI_TRY(take_tensor(ctx, mode, op, "out", a->out, 1, 0, &out));
     DI_NEED_DT(ctx, op, "out", out.q.dt, DT_I32);
-    SampleP p{lg.q.shape[0], lg.q.shape[1]};
-    DI_TRY(need_shape(ctx, op, "temperature", temp.q, 0, p.B, "logits.shape[0]"));
-    DI_TRY(need_shape(ctx, op, "top_k", topk.q, 0, p.B, "logits.shape[0]"));
-    DI_TRY(need_shape(ctx, op, "top_p", topp.q, 0, p.B, "logits.shape[0]"));
-    DI_TRY(need_shape(ctx, op, "seeds", seeds.q, 0, p.B, "logits.shape[0]"));
-    DI_TRY(need_shape(ctx, op, "out", out.q, 0, p.B, "logits.shape[0]"));
-    if (p.V < 1) return set_error(ctx, DI_INVALID_ARGUMENT, "%s: vocabulary size V=0", op);
-    if (p.B * p.V >= (1ll << 31))
-        return set_error(ctx, DI_UNIMPLEMENTED, "%s: B*V=%lld exceeds 2^31", op, (long long)(p.B * p.V));
-    const uint64_t n = (uint64_t)(p.B * p.V);
-    const uint64_t sort_bytes = p.B > 0 ? sample_temp_bytes(p.B, p.V) : 0;
-    const uint64_t o_keys = 0, o_keys2 = align256(n * 4), o_vals = o_keys2 + align256(n * 4),
-                   o_vals2 = o_vals + align256(n * 4), o_offs = o_vals2 + align256(n * 4),
-                   o_tmp = o_offs + align256((uint64_t)(p.B + 1) * 4);
-    mode->workspace = o_tmp + align256(sort_bytes);
-    if (!mode->launch || p.B == 0) return DI_OK;
+    DI_TRY(need_shape(ctx, op, "out", out.q, 0, B, "logits.shape[0]"));
+    // probs (1.2): absent when data is NULL (always, for a 1.1 caller: api.cu zeroes what it does not know)
+    DI_TRY(take_tensor(ctx, mode, op, "probs", a->probs, 1, T_OPTIONAL, &probs));
+    if (a->probs.data || a->probs.ndim > 0) {
+        DI_NEED_DT(ctx, op, "probs", probs.q.dt, DT_F32);
+        DI_TRY(need_shape(ctx, op, "probs", probs.q, 0, B, "logits.shape[0]"));
+    }
+    if (V < 1) return set_error(ctx, DI_INVALID_ARGUMENT, "%s: vocabulary size V=0", op);
+    if (B * V >= (1ll << 31))
+        return set_error(ctx, DI_UNIMPLEMENTED, "%s: B*V=%lld exceeds 2^31", op, (long long)(B * V));
+    const SampleP p{B, V, B};
+    const SortLayout L(B, V, 0);
+    mode->workspace = L.total;
+    if (!mode->launch || B == 0) return DI_OK;
     cudaStream_t s = (cudaStream_t)a->header.stream;
     Workspace ws;
     DI_TRY(ws.acquire(ctx, a->header, mode->workspace));
     char* w = static_cast<char*>(ws.ptr);
-    float* keys = reinterpret_cast<float*>(w + o_keys);
-    float* keys2 = reinterpret_cast<float*>(w + o_keys2);
-    int* vals = reinterpret_cast<int*>(w + o_vals);
-    int* vals2 = reinterpret_cast<int*>(w + o_vals2);
-    int* offs = reinterpret_cast<int*>(w + o_offs);
-    DI_Status st = DI_OK;
-    k_sample_probs<<<grid_for(p.B, 1, 65535), 1024, 0, s>>>(lg.q, temp.q, keys, vals, offs, p);
-    st = launch_status(ctx, op);
-#if DI_SAMPLE_CUB
+    const float* sk = nullptr;
+    const int* sv = nullptr;
+    DI_Status st = sort_rows(ctx, op, s, lg.q, lg.q, temp.q, w, L, p, &sk, &sv);
     if (st == DI_OK) {
-        size_t tb = sort_bytes;
-        cudaError_t e = cub::DeviceSegmentedRadixSort::SortPairsDescending(
-            w + o_tmp, tb, keys, keys2, vals, vals2, (int)n, (int)p.B, offs, offs + 1, 0, 32, s);
-        st = cuda_status(ctx, e, "sample: segmented sort");
-    }
-    const float* sorted_k = keys2;
-    const int* sorted_v = vals2;
-#else
-    if (st == DI_OK) {
-        k_sort_rows<<<grid_for(p.B, 1, 65535), SORT_THREADS, 0, s>>>(temp.q, keys, vals, keys2, vals2, p);
+        k_sample_pick<<<grid_for(B, 1, 65535), 1024, 0, s>>>(lg.q, temp.q, topk.q, topp.q, seeds.q, sk, sv, out.q,
+                                                             probs.q, p);
         st = launch_status(ctx, op);
     }
-    const float* sorted_k = keys;  // an even number of passes ends where it started
-    const int* sorted_v = vals;
-#endif
+    ws.release();
+    return st;
+}
+
+DI_Status op_spec_verify(DI_Context* ctx, const DI_SpecVerifyArgs* a, OpMode* mode) {
+    const char* op = "spec_verify";
+    DI_TRY(check_header(ctx, op, a, sizeof(*a), "DI_SpecVerifyArgs"));
+    QTensor lg, dlg, ids, temp, topk, topp, seeds, out, acc;
+    DI_TRY(take_tensor(ctx, mode, op, "logits", a->logits, 2, 0, &lg));
+    DI_NEED_DT(ctx, op, "logits", lg.q.dt, DT_F32);
+    const int64_t T = lg.q.shape[0], V = lg.q.shape[1];
+    DI_TRY(take_tensor(ctx, mode, op, "draft_logits", a->draft_logits, 2, T_OPTIONAL, &dlg));
+    const bool has_draft = a->draft_logits.data || a->draft_logits.ndim > 0;   // (op_query: data may be NULL)
+    if (has_draft) {
+        DI_NEED_DT(ctx, op, "draft_logits", dlg.q.dt, DT_F32);
+        DI_TRY(need_shape(ctx, op, "draft_logits", dlg.q, 0, T, "logits.shape[0]"));
+        DI_TRY(need_shape(ctx, op, "draft_logits", dlg.q, 1, V, "logits.shape[1]"));
+    }
+    DI_TRY(take_tensor(ctx, mode, op, "draft_ids", a->draft_ids, 1, 0, &ids));
+    DI_NEED_DT(ctx, op, "draft_ids", ids.q.dt, DT_I32);
+    DI_TRY(need_shape(ctx, op, "draft_ids", ids.q, 0, T, "logits.shape[0]"));
+    DI_TRY(take_controls(ctx, mode, op, a->temperature, a->top_k, a->top_p, a->seeds, T, &temp, &topk, &topp,
+                         &seeds));
+    DI_TRY(take_tensor(ctx, mode, op, "out", a->out, 1, 0, &out));
+    DI_NEED_DT(ctx, op, "out", out.q.dt, DT_I32);
+    DI_TRY(need_shape(ctx, op, "out", out.q, 0, T, "logits.shape[0]"));
+    DI_TRY(take_tensor(ctx, mode, op, "accepted", a->accepted, 1, 0, &acc));
+    DI_NEED_DT(ctx, op, "accepted", acc.q.dt, DT_I32);
+    DI_TRY(need_shape(ctx, op, "accepted", acc.q, 0, T, "logits.shape[0]"));
+    if (V < 1) return set_error(ctx, DI_INVALID_ARGUMENT, "%s: vocabulary size V=0", op);
+    const int64_t R = has_draft ? 2 * T : T;
+    if (R * V >= (1ll << 31))
+        return set_error(ctx, DI_UNIMPLEMENTED, "%s: %lld sorted rows of V=%lld exceed 2^31 elements", op,
+                         (long long)R, (long long)V);
+    const SampleP p{R, V, T};
+    const SortLayout L(R, V, (uint64_t)(R * V) * sizeof(float));   // + the dense p (and q) rows
+    mode->workspace = L.total;
+    if (!mode->launch || T == 0) return DI_OK;
+    cudaStream_t s = (cudaStream_t)a->header.stream;
+    Workspace ws;
+    DI_TRY(ws.acquire(ctx, a->header, mode->workspace));
+    char* w = static_cast<char*>(ws.ptr);
+    const float* sk = nullptr;
+    const int* sv = nullptr;
+    DI_Status st = sort_rows(ctx, op, s, lg.q, has_draft ? dlg.q : lg.q, temp.q, w, L, p, &sk, &sv);
     if (st == DI_OK) {
-        k_sample_pick<<<grid_for(p.B, 1, 65535), 1024, 0, s>>>(lg.q, temp.q, topk.q, topp.q, seeds.q, sorted_k,
-                                                              sorted_v, out.q, p);
+        k_verify_pick<<<grid_for(T, 1, 65535), 1024, 0, s>>>(lg.q, ids.q, temp.q, topk.q, topp.q, seeds.q, sk, sv,
+                                                             reinterpret_cast<float*>(w + L.extra), out.q, acc.q,
+                                                             has_draft ? 1 : 0, p);
         st = launch_status(ctx, op);
     }
     ws.release();

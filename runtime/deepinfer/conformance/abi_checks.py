@@ -592,7 +592,8 @@ class L0:
 
     def op_checks(self, op: str):
         _, struct, _ = abi.OPS[op]
-        size = ffi.sizeof(struct)
+        # the args struct as this library knows it (a 1.1 library's DI_SampleArgs ends before probs)
+        size = abi.args_struct_size(op, min(self.info.abi_minor, abi.ABI_MINOR))
         ctx = self.be._ctx
         case0 = C.a_valid_case(op)
         x = self._first_input(case0)
@@ -616,6 +617,14 @@ class L0:
         self.check(op, "struct_size smaller than v1 -> INVALID_ARGUMENT",
                    lambda: (self._expect_rejected(op, set_size(size - 4), INVALID, f"struct_size={size - 4} < {size}"),
                             self._expect_rejected(op, set_size(0), INVALID, "struct_size=0"))[0])
+
+        # DI_ARGS_SINCE: a caller of an older minor sends that minor's (smaller) struct_size; the library
+        # must accept it and treat the fields past it as absent, never writing an output it names there
+        spec = abi.OP_SPECS[op]
+        for minor in sorted({m for _, m in spec.appended if m <= self.info.abi_minor}):
+            older = abi.args_struct_size(op, minor - 1)
+            self.check(op, f"struct_size of ABI 1.{minor - 1} ({older}) -> accepted, fields of 1.{minor} ignored",
+                       lambda older=older, minor=minor: self._older_struct(op, older, minor))
 
         def larger(nonzero: bool):
             case, m, args, keep = self._fresh(op)
@@ -683,6 +692,15 @@ class L0:
             self.check(op, "a slot past the cache -> INVALID_ARGUMENT, never a write out of bounds",
                        lambda: self._expect_rejected(op, far_slot, INVALID if self.device == "cpu" else (INVALID, abi.OK),
                                                      "slot 1000000 >= NB*BS"))
+        if op == "spec_verify":
+            def far_draft(args, keep, case):
+                ids = np.array([args.logits.shape[1], 0], np.int32)[: args.draft_ids.shape[0]]
+                keep.append(ids)
+                args.draft_ids.data = ffi.cast("void*", ids.ctypes.data)
+            # the host sees the ids on a CPU library; a device library treats the row as draftless (README)
+            self.check(op, "a draft id >= V -> INVALID_ARGUMENT, never a read out of bounds",
+                       lambda: self._expect_rejected(op, far_draft, INVALID if self.device == "cpu" else (INVALID, abi.OK),
+                                                     "draft_ids[0] = V"))
         # a quantized input's storage dtype is checked by quant_checks; plain inputs and every output here
         wrong = [] if case0.tensors[x].quant is not None else [(x, self._wrong_dtype(case0.tensors[x].dtype, False))]
         wrong.append((o, self._wrong_dtype(case0.tensors[o].dtype, True)))
@@ -691,6 +709,22 @@ class L0:
                        lambda name=name, dt=dt: self._expect_rejected(
                            op, tensor_mut(name, lambda t: (setattr(t.dtype, "code", dt[1]), setattr(t.dtype, "bits", dt[2]))),
                            (INVALID, UNIMPL), f"{name} of dtype {dt[0]}"))
+
+    def _older_struct(self, op: str, size: int, minor: int):
+        case = C.a_full_case(op)
+        m = Materialized(self.be, case)
+        args, keep = self.be._marshal(op, m.kwargs)
+        args.header.struct_size = size
+        self.expect(self._call_raw(op, args), abi.OK, f"{op} with struct_size {size} (ABI 1.{minor - 1}'s)",
+                    self.be._ctx)
+        for name, m_ in abi.OP_SPECS[op].appended:
+            spec = case.tensors.get(name)
+            if m_ >= minor and isinstance(spec, C.TSpec) and spec.out:
+                got = np.ascontiguousarray(m.read(name))
+                poisoned = np.all(np.isnan(got)) if got.dtype.kind == "f" else np.all(got.view(np.uint8) == 0x7F)
+                if not poisoned:
+                    raise CheckFailed(f"{op}: {name} lies past struct_size {size} (a 1.{minor - 1} caller does not "
+                                      f"know it) but was written")
 
     @staticmethod
     def _attach_quant(name: str):

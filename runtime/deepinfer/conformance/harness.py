@@ -324,6 +324,40 @@ def _splitmix64(x: int) -> int:
     return z ^ (z >> 31)
 
 
+def _uniform(seed: int) -> float:
+    return (_splitmix64(seed) >> 11) * 2.0 ** -53
+
+
+def _softmax64(logits_row, temp: float) -> np.ndarray:
+    z = np.asarray(logits_row, np.float64) / temp
+    p = np.exp(z - z.max())
+    return p / p.sum()
+
+
+def _sample_row_tie(logits_row, temp: float, k: int, top_p: float, seed: int, got: int, want: int) -> Optional[str]:
+    """None if `sample` drawing `got` instead of `want` (temperature > 0) is explained by a near-tie the
+    spec cannot resolve in f32 (recomputed in f64); else why not."""
+    p = _softmax64(logits_row, temp)
+    V = len(p)
+    eps = TOL.SAMPLE_BOUNDARY_EPS
+    near_equal_p = abs(p[got] - p[want]) <= eps * max(p[want], 1e-30) + eps * 1e-3
+    order = sorted(range(V), key=lambda i: (-p[i], i))
+    k = k or V
+    kept = order[:k]
+    c = np.cumsum(p[kept])
+    n = int(np.searchsorted(c, top_p - 1e-12)) + 1
+    kept = kept[: max(1, min(n, len(kept)))]
+    pk = p[kept]
+    total = pk.sum()
+    bounds = np.concatenate([[0.0], np.cumsum(pk)])
+    near_boundary = np.min(np.abs(bounds - _uniform(seed) * total)) <= eps * total
+    near_cutoff = abs(p[got] - pk[-1]) <= eps * pk[-1]
+    if near_equal_p or near_boundary or near_cutoff:
+        return None
+    return (f"temperature {temp}, top_k {k if k != V else 0}, top_p {top_p}: got token {got} (p={p[got]:.6g}), "
+            f"want {want} (p={p[want]:.6g}); not a tie")
+
+
 def _cmp_sample(case: Case, got: np.ndarray, want: np.ndarray) -> Optional[str]:
     got, want = got.astype(np.int64), want.astype(np.int64)
     if got.shape != want.shape:
@@ -336,27 +370,94 @@ def _cmp_sample(case: Case, got: np.ndarray, want: np.ndarray) -> Optional[str]:
         if temp <= 0:
             return f"row {b} (greedy): got {got[b]}, want {want[b]} (argmax, lowest index on ties)"
         # recompute the spec in f64 and accept the difference only at a near-tie
-        logits = np.asarray(case.tensors["logits"].values[b], np.float64) / temp
-        p = np.exp(logits - logits.max())
-        p /= p.sum()
-        eps = TOL.SAMPLE_BOUNDARY_EPS
-        near_equal_p = abs(p[got[b]] - p[want[b]]) <= eps * max(p[want[b]], 1e-30) + eps * 1e-3
-        order = sorted(range(V), key=lambda i: (-p[i], i))
-        k = int(case.tensors["top_k"].values[b]) or V
-        kept = order[:k]
-        top_p = float(case.tensors["top_p"].values[b])
-        c = np.cumsum(p[kept])
-        n = int(np.searchsorted(c, top_p - 1e-12)) + 1
-        kept = kept[: max(1, min(n, len(kept)))]
-        pk = p[kept]
-        total = pk.sum()
-        u = (_splitmix64(int(case.tensors["seeds"].values[b])) >> 11) * 2.0 ** -53
-        bounds = np.concatenate([[0.0], np.cumsum(pk)])
-        near_boundary = np.min(np.abs(bounds - u * total)) <= eps * total
-        near_cutoff = abs(p[got[b]] - pk[-1]) <= eps * pk[-1]
-        if not (near_equal_p or near_boundary or near_cutoff):
-            return (f"row {b} (temperature {temp}, top_k {k if k != V else 0}, top_p {top_p}): got token {got[b]} "
-                    f"(p={p[got[b]]:.6g}), want {want[b]} (p={p[want[b]]:.6g}); not a tie")
+        why = _sample_row_tie(case.tensors["logits"].values[b], temp, int(case.tensors["top_k"].values[b]),
+                              float(case.tensors["top_p"].values[b]), int(case.tensors["seeds"].values[b]),
+                              int(got[b]), int(want[b]))
+        if why:
+            return f"row {b} ({why})"
+    return None
+
+
+def _near(a: float, b: float, eps: float) -> bool:
+    return abs(a - b) <= eps * max(abs(a), abs(b)) + eps * 1e-3
+
+
+def _kept_set_unstable(logits_row, temp: float, k: int, top_p: float, eps: float) -> bool:
+    """Whether sample's kept set of a row is within eps of changing in f32: a near-tie across the
+    top_k cut, or a prefix sum of the sorted probabilities within eps of top_p."""
+    s = np.sort(_softmax64(logits_row, temp))[::-1]
+    kk = k if 0 < k < len(s) else len(s)
+    if kk < len(s) and _near(s[kk - 1], s[kk], eps):
+        return True
+    c = np.cumsum(s[:kk])[:-1]
+    return bool(np.any(np.abs(c - top_p) <= eps))
+
+
+def _verify_row_ambiguous(case: Case, t: int, d: int, temp: float, k: int, top_p: float, seed: int) -> bool:
+    """Whether a sampled row with a draft is within SAMPLE_BOUNDARY_EPS (recomputed in f64) of one of
+    spec_verify's decisions: the kept sets of p and q, the acceptance test u * q(d) < p(d), which
+    tokens have p > q, and the residual draw's boundaries."""
+    from ..reference.sampling import SPEC_SEED_STEP, distribution
+
+    eps = TOL.SAMPLE_BOUNDARY_EPS
+    x = np.asarray(case.tensors["logits"].values[t], np.float64)
+    dl = case.tensors.get("draft_logits")
+    if _kept_set_unstable(x, temp, k, top_p, eps):
+        return True
+    p = distribution(x, temp, k, top_p)
+    if dl is not None:
+        dx = np.asarray(dl.values[t], np.float64)
+        if _kept_set_unstable(dx, temp, k, top_p, eps):
+            return True
+        q = distribution(dx, temp, k, top_p)
+    else:
+        q = np.zeros_like(p)
+        q[d] = 1.0
+    if _near(_uniform(seed) * q[d], p[d], eps):
+        return True
+    both = (p > 0) & (q > 0)
+    if np.any(np.abs(p[both] - q[both]) <= eps * np.maximum(p[both], q[both])):
+        return True
+    r = np.maximum(p - q, 0.0)
+    total = r.sum()
+    if total <= eps:
+        return True
+    target = _uniform((seed + SPEC_SEED_STEP) % 2**64) * total
+    return bool(np.min(np.abs(np.concatenate([[0.0], np.cumsum(r)]) - target)) <= eps * total)
+
+
+def _cmp_spec_verify(case: Case, got: dict, want: dict) -> Optional[str]:
+    go, wo = got["out"].astype(np.int64), want["out"].astype(np.int64)
+    ga, wa = got["accepted"].astype(np.int64), want["accepted"].astype(np.int64)
+    if go.shape != wo.shape or ga.shape != wa.shape:
+        return f"out/accepted: shapes {go.shape}/{ga.shape} != {wo.shape}/{wa.shape}"
+    V = case.tensors["logits"].shape[1]
+    ds = case.tensors["draft_ids"].values.astype(np.int64)
+    for t in np.nonzero((go != wo) | (ga != wa))[0]:
+        d = int(ds[t])
+        if not 0 <= go[t] < V:
+            return f"row {t}: token {go[t]} out of [0, {V}) (poison = never written?)"
+        if ga[t] not in (0, 1):
+            return f"row {t}: accepted={ga[t]}, not 0 or 1 (poison = never written?)"
+        if ga[t] == 1 and go[t] != d:
+            return f"row {t}: accepted=1 but out={go[t]} is not the draft {d}"
+        temp = float(case.tensors["temperature"].values[t])
+        k, top_p = int(case.tensors["top_k"].values[t]), float(case.tensors["top_p"].values[t])
+        seed = int(case.tensors["seeds"].values[t])
+        what = f"row {t} (draft {d}, temperature {temp}, top_k {k}, top_p {top_p})"
+        if temp <= 0:
+            return (f"{what}, greedy: got out={go[t]} accepted={ga[t]}, want out={wo[t]} accepted={wa[t]} (argmax, "
+                    f"lowest index on ties; accepted when it is the draft)")
+        if d < 0:   # the bonus row: exactly sample's draw
+            if ga[t]:
+                return f"{what}, a row without a draft: accepted must be 0"
+            why = _sample_row_tie(case.tensors["logits"].values[t], temp, k, top_p, seed, int(go[t]), int(wo[t]))
+            if why:
+                return f"{what}, a row without a draft: {why}"
+            continue
+        if not _verify_row_ambiguous(case, t, d, temp, k, top_p, seed):
+            return (f"{what}: got out={go[t]} accepted={ga[t]}, want out={wo[t]} accepted={wa[t]}; no decision of "
+                    f"the spec is within {TOL.SAMPLE_BOUNDARY_EPS} of its threshold")
     return None
 
 
@@ -424,13 +525,22 @@ def _check_case(target, case, ref, tolerances, o: Outcome) -> None:
     if not target.has_op(case.op):
         o.status, o.message = "unsupported", f"{case.op} not in the library's table"
         return
+    minor = getattr(target, "abi_minor", abi.ABI_MINOR)
+    newer = [f for f, m in abi.OP_SPECS[case.op].appended if m > minor and f in case.tensors]
+    if newer:   # e.g. sample's probs (1.2) for a 1.1 library: the runtime never passes it
+        o.status, o.message = "unsupported", (f"{', '.join(newer)}: newer than the library's ABI 1.{minor} "
+                                              f"(DI_ARGS_SINCE)")
+        return
     m = Materialized(target, case)
     try:
         support, _ws = target.query(case.op, **m.kwargs)
     except BackendCallError as e:
         o.message = f"op_query failed instead of answering: {e}"
         return
-    m, err = run_on(target, case, m)
+    try:
+        m, err = run_on(target, case, m)
+    except (ValueError, TypeError) as e:   # the reference (self-check) says INVALID_ARGUMENT this way
+        err = BackendCallError(case.op, abi.INVALID_ARGUMENT, "INVALID_ARGUMENT", str(e))
     if case.expect != "OK":
         if err is None:
             o.message = f"expected {case.expect}, the call returned OK"
@@ -470,6 +580,17 @@ def _check_case(target, case, ref, tolerances, o: Outcome) -> None:
             problems.append(msg)
     elif case.compare == "sample":
         msg = _cmp_sample(case, got["out"], want["out"])
+        if msg:
+            problems.append(msg)
+        elif "probs" in case.check:   # 1.2: the drawn token's probability, where the tokens agree
+            same = got["out"] == want["out"]
+            table = tolerances or TOL.CURRENT
+            msg, o.max_err, o.nmse = compare_close(got["probs"][same], want["probs"][same],
+                                                   TOL.lookup("sample", "probs", table), "probs")
+            if msg:
+                problems.append(msg)
+    elif case.compare == "spec_verify":
+        msg = _cmp_spec_verify(case, got, want)
         if msg:
             problems.append(msg)
     else:

@@ -323,10 +323,13 @@ class Speculator:
         """The sample op with probs on [n, V] logits: (tokens, probabilities) as lists."""
         be, n = self.backend, logits.shape[0]
         out, probs = be.empty((n,), "int32"), be.empty((n,), "f32")
-        be.call("sample", logits=logits, temperature=be.upload(np.asarray(temp, np.float32)),
-                top_k=be.upload(np.asarray(top_k, np.int32)), top_p=be.upload(np.asarray(top_p, np.float32)),
-                seeds=be.upload(np.asarray(seeds, np.uint64)), out=out, probs=probs)
-        return be.to_numpy(out).tolist(), be.to_numpy(probs).tolist()
+        # named: the parameter buffers must live until the op has run (to_numpy synchronizes)
+        params = dict(temperature=be.upload(np.asarray(temp, np.float32)), top_k=be.upload(np.asarray(top_k, np.int32)),
+                      top_p=be.upload(np.asarray(top_p, np.float32)), seeds=be.upload(np.asarray(seeds, np.uint64)))
+        be.call("sample", logits=logits, out=out, probs=probs, **params)
+        res = be.to_numpy(out).tolist(), be.to_numpy(probs).tolist()
+        del params
+        return res
 
     def _set_drafts(self, seq, tokens: list, probs: list, sampled: bool) -> None:
         seq.drafts, seq.draft_probs, seq.draft_q, seq.draft_len = list(tokens), list(probs), sampled, len(seq)
