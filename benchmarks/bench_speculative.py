@@ -3,9 +3,9 @@
     python benchmarks/bench_speculative.py [--backend cpu] [--threads 2] [--batches 1 4 16]
         [--tokens 64] [--temps 0 0.7] [--configs off k1 k2 k3 auto] [--repeats 3] [--tag NAME]
 
-For each batch size and temperature: the same prompts (lines of the embedded model's held-out
-text, which it never trained on), `--tokens` new tokens per sequence with EOS ignored, through the
-engine's own step loop. Decode tokens/s counts the tokens generated after each sequence's first
+For each batch size B and temperature: the same prompts (lines of the embedded model's held-out
+text, which it never trained on; max(B, --prompts) of them, run B at a time), `--tokens` new
+tokens per sequence with EOS ignored, through the engine's own step loop. Decode tokens/s counts the tokens generated after each sequence's first
 one over the time of the steps that made them (the prefill step that makes the first is left
 out). Configurations: speculation off; fixed K = 1, 2, 3 drafts (confidence 0: every draft
 verified); the confidence scheduler ("auto", K = 3: drafts admitted while expected throughput
@@ -49,23 +49,26 @@ def prompts(model: Path, n: int) -> list:
     return [lines[i * step][:48] for i in range(n)]
 
 
-def run_once(eng: Engine, ids: list, params: SamplingParams) -> tuple:
-    """(decode tokens/s, outputs): one request per prompt, all added before the first step."""
-    rids = [eng.add_request(p, params) for p in ids]
-    outs = {r: [] for r in rids}
-    decode_tokens, decode_s = 0, 0.0
-    while eng.has_unfinished():
-        started = all(outs[r] for r in rids)
-        t0 = time.perf_counter()
-        res = eng.step()
-        dt_ = time.perf_counter() - t0
-        n = sum(len(o.token_ids) for o in res)
-        for o in res:
-            outs[o.request_id] += o.token_ids
-        if started:
-            decode_tokens += n
-            decode_s += dt_
-    return decode_tokens / decode_s, [outs[r] for r in rids]
+def run_once(eng: Engine, ids: list, params: SamplingParams, batch: int) -> tuple:
+    """(decode tokens/s, outputs): the prompts in groups of `batch` requests, each group added
+    before its first step and run to the end."""
+    decode_tokens, decode_s, all_outs = 0, 0.0, []
+    for g in range(0, len(ids), batch):
+        rids = [eng.add_request(p, params) for p in ids[g:g + batch]]
+        outs = {r: [] for r in rids}
+        while eng.has_unfinished():
+            started = all(outs[r] for r in rids)
+            t0 = time.perf_counter()
+            res = eng.step()
+            dt_ = time.perf_counter() - t0
+            n = sum(len(o.token_ids) for o in res)
+            for o in res:
+                outs[o.request_id] += o.token_ids
+            if started:
+                decode_tokens += n
+                decode_s += dt_
+        all_outs += [outs[r] for r in rids]
+    return decode_tokens / decode_s, all_outs
 
 
 def main() -> None:
@@ -79,6 +82,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per run (at least the batch size), run in groups of "
+                    "the batch size: acceptance depends on the text")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
@@ -96,24 +101,24 @@ def main() -> None:
             cfg["speculative"] = CONFIGS[name]
         engines[name] = Engine.from_pretrained(args.model, config=cfg)
     eng0 = engines[args.configs[0]]
-    texts = prompts(args.model, maxb)
+    texts = prompts(args.model, max(maxb, args.prompts))
     ids_all = [eng0.tokenizer.encode(t) for t in texts]
     rows = []
     for B in args.batches:
-        ids = ids_all[:B]
+        ids = ids_all[:max(B, args.prompts)]
         for temp in args.temps:
             params = SamplingParams(max_new_tokens=args.tokens, temperature=temp, top_p=0.95 if temp else 1.0,
                                     seed=7, ignore_eos=True)
             base_out, base_tps = None, None
             for name in args.configs:
                 eng = engines[name]
-                run_once(eng, ids, params)                 # warm-up: plans traced, graphs captured
+                run_once(eng, ids[:B], params, B)          # warm-up: plans traced, graphs captured
                 snap = lambda: None if eng.spec is None else (
                     eng.spec.cal.accepted.copy(), eng.spec.cal.tested.copy(), vars(eng.spec.stats).copy())
                 before = snap()
                 tps, outs = [], None
                 for _ in range(args.repeats):
-                    t, outs = run_once(eng, ids, params)
+                    t, outs = run_once(eng, ids, params, B)
                     tps.append(t)
                 after = snap()
                 row = {"batch": B, "temperature": temp, "config": name, "decode_tok_s": statistics.median(tps),
@@ -143,7 +148,7 @@ def main() -> None:
     meta = {"date": dt.date.today().isoformat(), "commit": commit + ("+dirty" if dirty else ""),
             "backend": eng0.backend.name, "threads": args.threads, "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(), "model": args.model.name, "precision": eng0.runner.precision_note,
-            "tokens": args.tokens, "repeats": args.repeats,
+            "tokens": args.tokens, "repeats": args.repeats, "prompts": args.prompts,
             "command": "python benchmarks/bench_speculative.py " + " ".join(sys.argv[1:])}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"speculative_{eng0.backend.name}_{meta['date'].replace('-', '')}_{commit}" + (f"_{args.tag}" if args.tag else "")
@@ -156,7 +161,8 @@ def markdown(meta: dict, rows: list) -> str:
     out = [f"# MTP speculative decoding, {meta['model']} on {meta['backend']} ({meta['date']})", "",
            f"- commit {meta['commit']}; {meta['cpu']}, {meta['cores']} logical CPUs, {meta['threads']} threads; "
            f"{meta['precision']}",
-           f"- {meta['tokens']} new tokens per sequence (EOS ignored), median of {meta['repeats']} runs after a warm-up; "
+           f"- {meta['tokens']} new tokens per sequence (EOS ignored), max(batch, {meta['prompts']}) prompts run batch at "
+           f"a time, median of {meta['repeats']} runs after a warm-up; "
            f"decode tok/s excludes the prefill step",
            f"- command: `{meta['command']}`", "",
            "| batch | temp | config | decode tok/s (range) | speed-up | acceptance per position | mean accepted length "

@@ -276,6 +276,7 @@ class Speculator:
         self.slots: dict = {}           # seq_id -> row of the draft store
         # the scheduler's back-off after drafts that did not pay (see decode_step)
         self.bootstrap_wait, self.bootstrap_backoff, self._bootstrapped = 0, 1, False
+        self.expect = [0.8] * self.K    # recent calibrated acceptance of proposed drafts, per position
         self.backend = self.runner.backend
 
     # ------------------------------------------------------------------ sequence state
@@ -334,6 +335,8 @@ class Speculator:
     def _set_drafts(self, seq, tokens: list, probs: list, sampled: bool) -> None:
         seq.drafts, seq.draft_probs, seq.draft_q, seq.draft_len = list(tokens), list(probs), sampled, len(seq)
         self.stats.drafts_proposed += len(tokens)
+        for j, pr in enumerate(probs):
+            self._note_proposed(j, pr)
 
     # ------------------------------------------------------------------ after a prefill step
     def after_prefill(self, batch: list, samples: list) -> None:
@@ -416,6 +419,7 @@ class Speculator:
                 seq.drafts.append(tok)
                 seq.draft_probs.append(pr)
                 self.stats.drafts_proposed += 1
+                self._note_proposed(depth, pr)
             cand = list(range(len(sub)))
             seqs = sub
             rows = list(range(len(sub)))
@@ -578,14 +582,17 @@ class Speculator:
         return outs
 
     def _expected_survival(self) -> list:
-        """Survival of K drafts at the measured mean acceptance per position (0.8 until measured:
-        speculation has to be tried to be measured)."""
+        """Survival of K drafts a sequence without drafts would get: per position, the recent
+        average of the calibrated acceptance of the drafts proposed there (0.8 before any: it
+        has to be tried to be measured)."""
         out, p = [], 1.0
         for j in range(self.K):
-            t = int(self.cal.tested[j])
-            p *= self.cal.accepted[j] / t if t >= 20 else 0.8
+            p *= self.expect[j]
             out.append(p)
         return out
+
+    def _note_proposed(self, pos: int, prob: float) -> None:
+        self.expect[pos] += 0.1 * (self.cal(pos, prob) - self.expect[pos])
 
     def observe_plain(self, batch_size: int, seconds: float) -> None:
         self.costs.observe("plain", self._bucket(batch_size), seconds)
