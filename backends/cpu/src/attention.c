@@ -139,9 +139,16 @@ DI_Status op_mla_prefill(DI_Context* ctx, const DI_MLAPrefillArgs* a, int query)
 
 /* ------------------------------------------------------------------ decode */
 #define DEC_CHUNK 64
+/* Consecutive tokens of one sequence (the draft tokens a speculative step verifies) go through a
+ * task together, up to this many: the absorbed projections' bf16 rows are then decoded once for
+ * all of them. Each token's arithmetic stays what it is alone, so its output does not depend on
+ * the others. */
+#define DEC_GROUP 8
 typedef struct {
     const DI_MLADecodeArgs* a;
     int64_t T, H, Dn, Dr, Dv, Dc, BS, hb, nhb;
+    const int64_t* g0;     /* g0[g]: first token of group g; g0[ng]: T */
+    int64_t ng;
     int qd, wd, cd, od;
     float scale;
     const Kernels* k;
@@ -165,99 +172,128 @@ static void decode_task(void* arg, int64_t task, int worker) {
     (void)worker;
     DecodeJob* j = (DecodeJob*)arg;
     const DI_MLADecodeArgs* a = j->a;
-    int64_t t = task / j->nhb, h0 = (task % j->nhb) * j->hb;
+    int64_t g = task / j->nhb, h0 = (task % j->nhb) * j->hb;
     int64_t nh = h0 + j->hb < j->H ? j->hb : j->H - h0;
     int64_t Dc = j->Dc, Dr = j->Dr, Dn = j->Dn, Dv = j->Dv, Dw = Dc + Dr;
-    int32_t seq = ((const int32_t*)t_base(&a->token_seq))[t * a->token_seq.strides[0]];
-    int64_t L = ((const int32_t*)t_base(&a->kv_len))[t * a->kv_len.strides[0]];
-    float* o = NULL;
-    if (L == 0) {
-        float* z = calloc((size_t)(Dv ? Dv : 1), sizeof(float));
-        if (!z) { j->oom = 1; return; }
-        for (int64_t h = h0; h < h0 + nh; h++) store_row(j->od, t_row2(&a->out, j->od, t, h), z, Dv);
-        free(z);
-        return;
+    int64_t t0 = j->g0[g], nt = j->g0[g + 1] - t0;
+    int32_t seq = ((const int32_t*)t_base(&a->token_seq))[t0 * a->token_seq.strides[0]];
+    int64_t L[DEC_GROUP], Lmax = 0;
+    for (int64_t u = 0; u < nt; u++) {
+        L[u] = ((const int32_t*)t_base(&a->kv_len))[(t0 + u) * a->kv_len.strides[0]];
+        if (L[u] > Lmax) Lmax = L[u];
     }
-    size_t need = (size_t)(nh * Dw + nh * L + DEC_CHUNK * Dw + nh * Dc + Dc + Dn + Dr + Dv + 16);
+    size_t need = (size_t)(nt * nh * Dw + nt * nh * Lmax + DEC_CHUNK * Dw + nh * nt * Dc + nt * Dn + Dc + Dn + Dr +
+                           nt * Dv + 16);
     float* mem = di_malloc(need * sizeof(float));
     if (!mem) { j->oom = 1; return; }
-    /* per head [q_lat (Dc), q_pe (Dr)]: the layout of a cache row, so a score is one dot product */
-    float* qcat = mem;
-    float* sc = qcat + nh * Dw;
-    float* chunk = sc + nh * L;
-    float* olat = chunk + DEC_CHUNK * Dw;
-    float* wrow = olat + nh * Dc;
+    /* per token and head [q_lat (Dc), q_pe (Dr)]: the layout of a cache row, so a score is one dot
+     * product; o_lat per head and token, so a head's tokens are the x rows of one rowdot4x call */
+    float* qcat = mem;                       /* [nt][nh][Dw] */
+    float* sc = qcat + nt * nh * Dw;         /* [nt][nh][Lmax] */
+    float* chunk = sc + nt * nh * Lmax;
+    float* olat = chunk + DEC_CHUNK * Dw;    /* [nh][nt][Dc] */
+    float* qn = olat + nh * nt * Dc;         /* [nt][Dn]: one head's q_nope of every token */
+    float* wrow = qn + nt * Dn;
     float* qrow = wrow + Dc;
-    o = qrow + Dn + Dr;
+    float* o = qrow + Dn + Dr;               /* [nt][Dv] */
     const DI_Tensor* W = &a->wkv_b;
     const Kernels* K = j->k;
     /* q_lat[h] = q_nope[h] @ W_uk[h]: rows of W_uk scaled and summed (bf16 rows decoded in registers) */
     for (int64_t i = 0; i < nh; i++) {
         int64_t h = h0 + i;
-        load_row(j->qd, t_row2(&a->q, j->qd, t, h), 0, Dn + Dr, qrow);
-        float* ql = qcat + i * Dw;
-        memcpy(ql + Dc, qrow + Dn, (size_t)Dr * sizeof(float));
-        for (int64_t c = 0; c < Dc; c++) ql[c] = 0.0f;
-        int64_t d = 0;
+        for (int64_t u = 0; u < nt; u++) {
+            load_row(j->qd, t_row2(&a->q, j->qd, t0 + u, h), 0, Dn + Dr, qrow);
+            float* ql = qcat + (u * nh + i) * Dw;
+            memcpy(qn + u * Dn, qrow, (size_t)Dn * sizeof(float));
+            memcpy(ql + Dc, qrow + Dn, (size_t)Dr * sizeof(float));
+            for (int64_t c = 0; c < Dc; c++) ql[c] = 0.0f;
+        }
+        float* ql0 = qcat + i * Dw;
+        int64_t ldq = nh * Dw, d = 0;
         if (j->wd == DT_BF16 && K->axpy4_bf16)
-            for (; d + 4 <= Dn; d += 4)
-                K->axpy4_bf16(qrow + d, (const uint16_t*)t_row(W, j->wd, h * (Dn + Dv) + d), W->strides[0], ql, Dc);
+            for (; d + 4 <= Dn; d += 4) {
+                const uint16_t* wr = (const uint16_t*)t_row(W, j->wd, h * (Dn + Dv) + d);
+                if (nt > 1 && K->axpy4x_bf16) K->axpy4x_bf16(qn + d, Dn, (int)nt, wr, W->strides[0], ql0, ldq, Dc);
+                else
+                    for (int64_t u = 0; u < nt; u++) K->axpy4_bf16(qn + u * Dn + d, wr, W->strides[0], ql0 + u * ldq, Dc);
+            }
         for (; d < Dn; d++) {
             const char* wr = t_row(W, j->wd, h * (Dn + Dv) + d);
-            if (j->wd == DT_BF16) K->axpy_bf16(qrow[d], (const uint16_t*)wr, ql, Dc);
-            else if (j->wd == DT_F32) K->axpy(qrow[d], (const float*)wr, ql, Dc);
-            else { load_row(j->wd, wr, 0, Dc, wrow); K->axpy(qrow[d], wrow, ql, Dc); }
+            if (j->wd != DT_BF16 && j->wd != DT_F32) load_row(j->wd, wr, 0, Dc, wrow);
+            for (int64_t u = 0; u < nt; u++) {
+                float c = qn[u * Dn + d], *ql = ql0 + u * ldq;
+                if (j->wd == DT_BF16) K->axpy_bf16(c, (const uint16_t*)wr, ql, Dc);
+                else if (j->wd == DT_F32) K->axpy(c, (const float*)wr, ql, Dc);
+                else K->axpy(c, wrow, ql, Dc);
+            }
         }
     }
     const int32_t* bt = (const int32_t*)t_row(&a->block_table, DT_I32, seq);
     /* an f32 cache is read in place, one cache block at a time (its rows are contiguous);
      * other dtypes are converted DEC_CHUNK rows at a time */
     int64_t step = j->cd == DT_F32 ? j->BS : DEC_CHUNK, crs = j->cd == DT_F32 ? a->cache.strides[1] : Dw;
-    /* pass 1: scores, one dot of [q_lat, q_pe] with each cache row [latent, k_pe] */
-    for (int64_t p0 = 0; p0 < L; p0 += step) {
-        int n = (int)(L - p0 < step ? L - p0 : step);
-        const float* rows = cache_rows(j, bt, p0, n, Dw, chunk);
-        for (int64_t i = 0; i < nh; i++) K->dot_rows(qcat + i * Dw, rows, crs, n, Dw, sc + i * L + p0);
+    /* pass 1: scores, one dot of [q_lat, q_pe] with each cache row [latent, k_pe]; each token
+     * takes the rows below its own length, in the steps it takes alone */
+    for (int64_t p0 = 0; p0 < Lmax; p0 += step) {
+        const float* rows = cache_rows(j, bt, p0, (int)(Lmax - p0 < step ? Lmax - p0 : step), Dw, chunk);
+        for (int64_t u = 0; u < nt; u++) {
+            if (p0 >= L[u]) continue;
+            int n = (int)(L[u] - p0 < step ? L[u] - p0 : step);
+            for (int64_t i = 0; i < nh; i++)
+                K->dot_rows(qcat + (u * nh + i) * Dw, rows, crs, n, Dw, sc + (u * nh + i) * Lmax + p0);
+        }
     }
-    for (int64_t i = 0; i < nh; i++) {
-        K->softmax(sc + i * L, L, j->scale);
-        for (int64_t c = 0; c < Dc; c++) olat[i * Dc + c] = 0.0f;
-    }
+    for (int64_t u = 0; u < nt; u++)
+        for (int64_t i = 0; i < nh; i++) {
+            if (L[u]) K->softmax(sc + (u * nh + i) * Lmax, L[u], j->scale);
+            for (int64_t c = 0; c < Dc; c++) olat[(i * nt + u) * Dc + c] = 0.0f;
+        }
     /* pass 2: o_lat = softmax @ c */
-    for (int64_t p0 = 0; p0 < L; p0 += step) {
-        int n = (int)(L - p0 < step ? L - p0 : step);
-        const float* rows = cache_rows(j, bt, p0, n, Dc, chunk);
-        for (int64_t i = 0; i < nh; i++) K->wsum_rows(sc + i * L + p0, rows, crs, n, Dc, olat + i * Dc);
+    for (int64_t p0 = 0; p0 < Lmax; p0 += step) {
+        const float* rows = cache_rows(j, bt, p0, (int)(Lmax - p0 < step ? Lmax - p0 : step), Dc, chunk);
+        for (int64_t u = 0; u < nt; u++) {
+            if (p0 >= L[u]) continue;
+            int n = (int)(L[u] - p0 < step ? L[u] - p0 : step);
+            for (int64_t i = 0; i < nh; i++)
+                K->wsum_rows(sc + (u * nh + i) * Lmax + p0, rows, crs, n, Dc, olat + (i * nt + u) * Dc);
+        }
     }
-    /* out[h] = W_uv[h] @ o_lat[h]: a GEMV over W_uv's rows, four at a time where the kernels allow */
+    /* out[h] = W_uv[h] @ o_lat[h]: a GEMV over W_uv's rows, four at a time where the kernels allow
+     * (every token of the group in one call); a token of length 0 gets zeros */
     rowdot_fn f1 = K->rowdot[j->wd];
-    rowdot4_fn f4 = K->rowdot4[j->wd];
+    rowdot4_fn f4 = nt > 1 ? K->rowdot4x[j->wd] : K->rowdot4[j->wd];
     for (int64_t i = 0; i < nh; i++) {
         int64_t h = h0 + i, d = 0;
-        const float* ol = olat + i * Dc;
+        const float* ol0 = olat + i * nt * Dc;
         if (f4)
             for (; d + 4 <= Dv; d += 4) {
-                RowDot4 r4 = {ol, {0}, Dc, Dc + 1, {NULL, NULL, NULL, NULL}, NULL, 0, NULL};
+                RowDot4 r4 = {ol0, {0}, Dc, Dc + 1, {NULL, NULL, NULL, NULL}, NULL, 0, NULL, (int)nt, Dc, Dv};
                 for (int q = 0; q < 4; q++) r4.w[q] = t_row(W, j->wd, h * (Dn + Dv) + Dn + d + q);
                 f4(&r4, o + d);
             }
         for (; d < Dv; d++) {
             const char* wr = t_row(W, j->wd, h * (Dn + Dv) + Dn + d);
-            if (f1) {
-                RowDot r1;
-                memset(&r1, 0, sizeof r1);
-                r1.x[0] = ol;
-                r1.mr = 1;
-                r1.w = wr;
-                r1.K = Dc;
-                r1.bc = Dc + 1;
-                f1(&r1, o + d);
-            } else {
-                load_row(j->wd, wr, 0, Dc, wrow);
-                K->gemm_dot(ol, Dc, 1, wrow, Dc, 1, Dc, o + d, 1);
+            if (!f1) load_row(j->wd, wr, 0, Dc, wrow);
+            for (int64_t u = 0; u < nt; u++) {
+                const float* ol = ol0 + u * Dc;
+                if (f1) {
+                    RowDot r1;
+                    memset(&r1, 0, sizeof r1);
+                    r1.x[0] = ol;
+                    r1.mr = 1;
+                    r1.w = wr;
+                    r1.K = Dc;
+                    r1.bc = Dc + 1;
+                    f1(&r1, o + u * Dv + d);
+                } else {
+                    K->gemm_dot(ol, Dc, 1, wrow, Dc, 1, Dc, o + u * Dv + d, 1);
+                }
             }
         }
-        store_row(j->od, t_row2(&a->out, j->od, t, h), o, Dv);
+        for (int64_t u = 0; u < nt; u++) {
+            if (!L[u]) for (int64_t c = 0; c < Dv; c++) o[u * Dv + c] = 0.0f;
+            store_row(j->od, t_row2(&a->out, j->od, t0 + u, h), o + u * Dv, Dv);
+        }
     }
     free(mem);
 }
@@ -309,15 +345,26 @@ DI_Status op_mla_decode(DI_Context* ctx, const DI_MLADecodeArgs* a, int query) {
     j.a = a; j.T = T; j.H = H; j.Dn = Dn; j.Dr = Dr; j.Dv = Dv; j.Dc = Dc; j.BS = BS; j.scale = a->scale;
     j.qd = dt_id(a->q.dtype); j.wd = dt_id(a->wkv_b.dtype); j.cd = dt_id(a->cache.dtype); j.od = dt_id(a->out.dtype);
     j.k = kernels();
+    int64_t* g0 = di_malloc((size_t)(T + 1) * sizeof(int64_t));
+    if (!g0) return DI_OOM(ctx, "mla_decode");
+    int64_t ng = 0;
+    for (int64_t t = 0; t < T; t++)
+        if (t == 0 || ts[t * a->token_seq.strides[0]] != ts[(t - 1) * a->token_seq.strides[0]] ||
+            t - g0[ng - 1] == DEC_GROUP)
+            g0[ng++] = t;
+    g0[ng] = T;
+    j.g0 = g0;
+    j.ng = ng;
     int nw = pool_size(ctx->pool);
     int64_t hb = (H + 2 * nw - 1) / (2 * nw);
-    if (T >= 2 * nw) hb = 16;
+    if (ng >= 2 * nw) hb = 16;
     j.hb = hb < 1 ? 1 : hb > 16 ? 16 : hb;
     j.nhb = (H + j.hb - 1) / j.hb;
     /* work: the latent keys each token reads, per head, plus the absorbed projections */
     int64_t keys = 0;
     for (int64_t t = 0; t < T; t++) keys += ((const int32_t*)t_base(&a->kv_len))[t * a->kv_len.strides[0]];
-    pool_run(ctx->pool, T * j.nhb, decode_task, &j, (keys + T * (Dn + Dv)) * H * (Dc + Dr));
+    pool_run(ctx->pool, ng * j.nhb, decode_task, &j, (keys + T * (Dn + Dv)) * H * (Dc + Dr));
+    free(g0);
     if (j.oom) return DI_OOM(ctx, "mla_decode");
     return DI_OK;
 }

@@ -187,6 +187,10 @@ typedef struct {
     int64_t      pf;       /* bytes from w[r] to the rows the next call reads (prefetched), 0: none */
     const uint16_t* xs;    /* bf16 weights (rowdot4_bf16dp): x as three bf16 rows hi, mid, lo of K
                             * each, x = hi + mid + lo exactly */
+    /* rowdot4x kernels: mr x rows, row i at x + i * ldx, its reordered copy at xp + K * i and its
+     * split at xs + 3 * K * i; outputs y[i * ldy + r] */
+    int          mr;
+    int64_t      ldx, ldy;
 } RowDot4;
 typedef void (*rowdot4_fn)(const RowDot4* a, float* y);
 
@@ -252,9 +256,22 @@ typedef struct {
     /* 4-bit weights at M = 1 through a 16-entry value table (vpermps): no integer-to-float
      * conversion; needs xp, block sizes a multiple of 32 (or one block), K's tail done in scalar */
     rowdot4_fn rowdot4_nib[DT_COUNT];
+    /* rowdot4 and rowdot4_nib for RowDot4.mr x rows (decode of several tokens; xp then holds K
+     * values per x row): the four rows are read once for all x rows, and each (weight row, x row)
+     * pair is summed exactly as the one-row kernel sums it, so a row's result does not depend on mr */
+    rowdot4_fn rowdot4x[DT_COUNT];
+    rowdot4_fn rowdot4x_nib[DT_COUNT];
     /* bf16 weights at M = 1 on AVX512-BF16 dot products (vdpbf16ps) against x split exactly into
      * three bf16 parts: every product is exact, as in the f32 path, without converting weights */
     rowdot4_fn rowdot4_bf16dp;
+    /* the same for mr x rows (RowDot4.mr, ldx, ldy; decode of several tokens): each weight row is
+     * streamed once for all of them, and every (weight row, x row) pair is summed exactly as
+     * rowdot4_bf16dp sums it, so a row's result does not depend on mr */
+    rowdot4_fn rowdot4x_bf16dp;
+    /* x[0:K] split for the two above, exactly: xs[0:K] the bf16 hi parts (x truncated to bf16),
+     * xs[K:2K] the mid parts (x - hi truncated), xs[2K:3K] the lo parts (x - hi - mid, exact); inf
+     * and NaN go whole into hi. Set with them. */
+    void (*split_bf16x3)(const float* x, int64_t K, uint16_t* xs);
     int32_t (*dot_i8)(const int8_t* a, const int8_t* b, int64_t n);
     /* sum over segments s of scale[s] * (exact int32 dot of a, b over [seg[s], seg[s+1])) */
     float (*dot_i8_seg)(const int8_t* a, const int8_t* b, const int64_t* seg, int64_t nseg, const float* scale);
@@ -263,6 +280,10 @@ typedef struct {
     void (*axpy_bf16)(float a, const uint16_t* x, float* y, int64_t n);      /* y += a * bf16 x */
     /* y += sum_r a[r] * bf16 row r for 4 rows (stride ld elements); NULL: use axpy_bf16 */
     void (*axpy4_bf16)(const float* a, const uint16_t* x, int64_t ld, float* y, int64_t n);
+    /* axpy4_bf16 for nt rows y + t * ldy with coefficients a + t * lda (the tokens of a sequence
+     * share the four rows, decoded once); each row gets axpy4_bf16's result. NULL: call that per row */
+    void (*axpy4x_bf16)(const float* a, int64_t lda, int nt, const uint16_t* x, int64_t ld, float* y, int64_t ldy,
+                        int64_t n);
     idot_fn idot[DT_COUNT];   /* DT_I8 and DT_I4 rows on VNNI; NULL: the generic integer path */
     idot4_fn idot4[DT_COUNT];
     /* attention over cache rows (row r at rows + r * ld, D floats used): out[r] = q . row r for

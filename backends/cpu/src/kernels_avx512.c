@@ -222,6 +222,93 @@ K512I void dec_e2m1_2(const void* w, int64_t k, __m512* a, __m512* b) {
         _mm_storeu_ps(y, _mm_add_ps(reduce4(t[0], t[1], t[2], t[3]), _mm_loadu_ps(r)));               \
     }
 
+/*
+ * Kernels for RowDot4.mr x rows (decode of several tokens of a sequence): the four weight rows
+ * are loaded (and decoded) once a pass for two x rows, the first pass streaming them from memory
+ * (it alone prefetches, PF) and later ones finding them in L1 or L2; an odd last x row goes
+ * through the one-row kernel itself. A pass sums each (weight row, x row) pair with that kernel's
+ * instructions in its order, so a row's result is the one-row kernel's bit for bit whatever mr is.
+ */
+#define ROWDOT4X_PASSES(PASS, ONE, a, y)                                                              \
+    do {                                                                                              \
+        int64_t i_ = 0;                                                                               \
+        /* PF as a run-time flag: one copy of the pass (GCC 12 made two specialized copies whose    \
+         * loop ran 40% slower on Zen 4, the same instructions in another layout) */                  \
+        for (; i_ + 2 <= (a)->mr; i_ += 2) PASS(a, i_, i_ == 0, y);                                   \
+        if (i_ < (a)->mr) {                                                                           \
+            RowDot4 b_;                                                                               \
+            b_.x = (a)->x + (a)->ldx * i_;                                                            \
+            for (int q_ = 0; q_ < 4; q_++) { b_.w[q_] = (a)->w[q_]; b_.s[q_] = (a)->s[q_]; }          \
+            b_.K = (a)->K;                                                                            \
+            b_.bc = (a)->bc;                                                                          \
+            b_.xp = (a)->xp ? (a)->xp + (a)->K * i_ : NULL;                                           \
+            b_.xs = (a)->xs ? (a)->xs + 3 * (a)->K * i_ : NULL;                                       \
+            b_.pf = i_ == 0 ? (a)->pf : 0;                                                            \
+            ONE(&b_, y + (a)->ldy * i_);                                                              \
+        }                                                                                             \
+    } while (0)
+
+/* DEF_ROWDOT4 for x rows i0, i0 + 1 */
+#define DEF_ROWDOT4X(NAME, ONE, DEC, DEC2, DT, BITS)                                                  \
+    K512I void NAME##_pass(const RowDot4* a, int64_t i0, const int PF, float* y) {                   \
+        const float* x0 = a->x + a->ldx * i0;                                                         \
+        const float* x1 = x0 + a->ldx;                                                                \
+        __m512 t0[4], t1[4];                                                                          \
+        float r0[4] = {0, 0, 0, 0}, r1[4] = {0, 0, 0, 0};                                             \
+        for (int q = 0; q < 4; q++) t0[q] = t1[q] = _mm512_setzero_ps();                              \
+        int64_t bi = 0;                                                                               \
+        for (int64_t b0 = 0; b0 < a->K; b0 += a->bc, bi++) {                                          \
+            int64_t b1 = b0 + a->bc < a->K ? b0 + a->bc : a->K, k = b0;                               \
+            __m512 c0[4], d0[4], c1[4], d1[4];                                                        \
+            float s0[4] = {0, 0, 0, 0}, s1[4] = {0, 0, 0, 0};                                         \
+            for (int q = 0; q < 4; q++) c0[q] = d0[q] = c1[q] = d1[q] = _mm512_setzero_ps();          \
+            for (; k + 32 <= b1; k += 32) {                                                           \
+                if (PF && a->pf && !((k * BITS / 8) & 63))                                            \
+                    for (int q = 0; q < 4; q++)                                                       \
+                        _mm_prefetch((const char*)a->w[q] + a->pf + (k * BITS) / 8, _MM_HINT_T0);     \
+                if (PF && a->pf && BITS >= 32)                                                        \
+                    for (int q = 0; q < 4; q++)                                                       \
+                        _mm_prefetch((const char*)a->w[q] + a->pf + (k * BITS) / 8 + 64, _MM_HINT_T0);\
+                __m512 xa0 = _mm512_loadu_ps(x0 + k), xb0 = _mm512_loadu_ps(x0 + k + 16);             \
+                __m512 xa1 = _mm512_loadu_ps(x1 + k), xb1 = _mm512_loadu_ps(x1 + k + 16);             \
+                for (int q = 0; q < 4; q++) {                                                         \
+                    __m512 wv, wu;                                                                    \
+                    DEC2(a->w[q], k, wv, wu);                                                         \
+                    /* in registers: f32 rows would otherwise be loaded once per x row */             \
+                    __asm__("" : "+v"(wv), "+v"(wu));                                                 \
+                    c0[q] = _mm512_fmadd_ps(xa0, wv, c0[q]);                                          \
+                    d0[q] = _mm512_fmadd_ps(xb0, wu, d0[q]);                                          \
+                    c1[q] = _mm512_fmadd_ps(xa1, wv, c1[q]);                                          \
+                    d1[q] = _mm512_fmadd_ps(xb1, wu, d1[q]);                                          \
+                }                                                                                     \
+            }                                                                                         \
+            for (; k + 16 <= b1; k += 16) {                                                           \
+                __m512 xa0 = _mm512_loadu_ps(x0 + k), xa1 = _mm512_loadu_ps(x1 + k);                  \
+                for (int q = 0; q < 4; q++) {                                                         \
+                    __m512 wv = DEC(a->w[q], k);                                                      \
+                    c0[q] = _mm512_fmadd_ps(xa0, wv, c0[q]);                                          \
+                    c1[q] = _mm512_fmadd_ps(xa1, wv, c1[q]);                                          \
+                }                                                                                     \
+            }                                                                                         \
+            for (; k < b1; k++)                                                                       \
+                for (int q = 0; q < 4; q++) {                                                         \
+                    float wv = ld_elem(a->w[q], DT, k);                                               \
+                    s0[q] += x0[k] * wv;                                                              \
+                    s1[q] += x1[k] * wv;                                                              \
+                }                                                                                     \
+            for (int q = 0; q < 4; q++) {                                                             \
+                float s = a->s[q] ? a->s[q][bi] : 1.0f;                                               \
+                t0[q] = _mm512_fmadd_ps(_mm512_add_ps(c0[q], d0[q]), _mm512_set1_ps(s), t0[q]);       \
+                t1[q] = _mm512_fmadd_ps(_mm512_add_ps(c1[q], d1[q]), _mm512_set1_ps(s), t1[q]);       \
+                r0[q] += s0[q] * s;                                                                   \
+                r1[q] += s1[q] * s;                                                                   \
+            }                                                                                         \
+        }                                                                                             \
+        _mm_storeu_ps(y + a->ldy * i0, _mm_add_ps(reduce4(t0[0], t0[1], t0[2], t0[3]), _mm_loadu_ps(r0))); \
+        _mm_storeu_ps(y + a->ldy * (i0 + 1), _mm_add_ps(reduce4(t1[0], t1[1], t1[2], t1[3]), _mm_loadu_ps(r1))); \
+    }                                                                                                 \
+    static K512 void NAME(const RowDot4* a, float* y) { ROWDOT4X_PASSES(NAME##_pass, ONE, a, y); }
+
 /* 32 weights of a 4-bit row per step: 16 bytes widened to 16 dwords, low nibbles (even elements)
  * and high nibbles (odd ones) looked up in the dtype's value table, against x's even and odd
  * elements (xp). One block scale per block as in the other kernels. */
@@ -261,6 +348,53 @@ K512I void rowdot4_nib_impl(const RowDot4* a, float* y, const float* table) {
     }
     _mm_storeu_ps(y, _mm_add_ps(reduce4(t[0], t[1], t[2], t[3]), _mm_loadu_ps(r)));
 }
+/* rowdot4_nib_impl for x rows i0, i0 + 1 (xp holds K reordered values per x row) */
+K512I void nibx_pass(const RowDot4* a, int64_t i0, const int PF, float* y, const float* table) {
+    const __m512 lut = _mm512_loadu_ps(table);
+    const float *p0 = a->xp + a->K * i0, *p1 = p0 + a->K;
+    const float *x0 = a->x + a->ldx * i0, *x1 = x0 + a->ldx;
+    __m512 t0[4], t1[4];
+    float r0[4] = {0, 0, 0, 0}, r1[4] = {0, 0, 0, 0};
+    for (int q = 0; q < 4; q++) t0[q] = t1[q] = _mm512_setzero_ps();
+    int64_t bi = 0;
+    for (int64_t b0 = 0; b0 < a->K; b0 += a->bc, bi++) {
+        int64_t b1 = b0 + a->bc < a->K ? b0 + a->bc : a->K, k = b0;
+        __m512 c0[4], d0[4], c1[4], d1[4];
+        float s0[4] = {0, 0, 0, 0}, s1[4] = {0, 0, 0, 0};
+        for (int q = 0; q < 4; q++) c0[q] = d0[q] = c1[q] = d1[q] = _mm512_setzero_ps();
+        for (; k + 32 <= b1; k += 32) {
+            if (PF && a->pf && !(k & 127))
+                for (int q = 0; q < 4; q++) _mm_prefetch((const char*)a->w[q] + a->pf + k / 2, _MM_HINT_T0);
+            __m512 xe0 = _mm512_loadu_ps(p0 + k), xo0 = _mm512_loadu_ps(p0 + k + 16);
+            __m512 xe1 = _mm512_loadu_ps(p1 + k), xo1 = _mm512_loadu_ps(p1 + k + 16);
+            for (int q = 0; q < 4; q++) {
+                __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)((const uint8_t*)a->w[q] + k / 2)));
+                __m512 we = _mm512_permutexvar_ps(v, lut), wo = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut);
+                c0[q] = _mm512_fmadd_ps(xe0, we, c0[q]);
+                d0[q] = _mm512_fmadd_ps(xo0, wo, d0[q]);
+                c1[q] = _mm512_fmadd_ps(xe1, we, c1[q]);
+                d1[q] = _mm512_fmadd_ps(xo1, wo, d1[q]);
+            }
+        }
+        for (; k < b1; k++)
+            for (int q = 0; q < 4; q++) {
+                const uint8_t* p = (const uint8_t*)a->w[q];
+                float wv = table[(p[k >> 1] >> ((k & 1) * 4)) & 15];
+                s0[q] += x0[k] * wv;
+                s1[q] += x1[k] * wv;
+            }
+        for (int q = 0; q < 4; q++) {
+            float s = a->s[q] ? a->s[q][bi] : 1.0f;
+            t0[q] = _mm512_fmadd_ps(_mm512_add_ps(c0[q], d0[q]), _mm512_set1_ps(s), t0[q]);
+            t1[q] = _mm512_fmadd_ps(_mm512_add_ps(c1[q], d1[q]), _mm512_set1_ps(s), t1[q]);
+            r0[q] += s0[q] * s;
+            r1[q] += s1[q] * s;
+        }
+    }
+    _mm_storeu_ps(y + a->ldy * i0, _mm_add_ps(reduce4(t0[0], t0[1], t0[2], t0[3]), _mm_loadu_ps(r0)));
+    _mm_storeu_ps(y + a->ldy * (i0 + 1), _mm_add_ps(reduce4(t1[0], t1[1], t1[2], t1[3]), _mm_loadu_ps(r1)));
+}
+
 static __attribute__((target(TGT ",avx512bf16"))) void rowdot4_bf16dp(const RowDot4* a, float* y) {
     const uint16_t *xh = a->xs, *xm = a->xs + a->K, *xl = a->xs + 2 * a->K;
     __m512 h[4], m[4], l[4];
@@ -287,12 +421,94 @@ static __attribute__((target(TGT ",avx512bf16"))) void rowdot4_bf16dp(const RowD
     _mm_storeu_ps(y, _mm_add_ps(reduce4(t[0], t[1], t[2], t[3]), _mm_loadu_ps(r)));
 }
 
+/* rowdot4_bf16dp for x rows i0, i0 + 1: 24 accumulators, the four weight vectors and one x part
+ * of both rows fill 30 registers */
+#define TGTBF TGT ",avx512bf16"
+static inline __attribute__((always_inline, target(TGTBF))) void bf16dp_pass(const RowDot4* a, int64_t i0,
+                                                                              const int PF, float* y) {
+    int64_t K = a->K;
+    const uint16_t* x0 = a->xs + 3 * K * i0;
+    const uint16_t* x1 = x0 + 3 * K;
+    __m512 h0[4], m0[4], l0[4], h1[4], m1[4], l1[4];
+    for (int q = 0; q < 4; q++) h0[q] = m0[q] = l0[q] = h1[q] = m1[q] = l1[q] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        if (PF && a->pf)
+            for (int q = 0; q < 4; q++) _mm_prefetch((const char*)a->w[q] + a->pf + 2 * k, _MM_HINT_T0);
+        __m512bh w[4];
+        for (int q = 0; q < 4; q++) w[q] = (__m512bh)_mm512_loadu_si512((const void*)((const uint16_t*)a->w[q] + k));
+        __m512bh v0 = (__m512bh)_mm512_loadu_si512((const void*)(x0 + k));
+        __m512bh v1 = (__m512bh)_mm512_loadu_si512((const void*)(x1 + k));
+        for (int q = 0; q < 4; q++) {
+            h0[q] = _mm512_dpbf16_ps(h0[q], w[q], v0);
+            h1[q] = _mm512_dpbf16_ps(h1[q], w[q], v1);
+        }
+        v0 = (__m512bh)_mm512_loadu_si512((const void*)(x0 + K + k));
+        v1 = (__m512bh)_mm512_loadu_si512((const void*)(x1 + K + k));
+        for (int q = 0; q < 4; q++) {
+            m0[q] = _mm512_dpbf16_ps(m0[q], w[q], v0);
+            m1[q] = _mm512_dpbf16_ps(m1[q], w[q], v1);
+        }
+        v0 = (__m512bh)_mm512_loadu_si512((const void*)(x0 + 2 * K + k));
+        v1 = (__m512bh)_mm512_loadu_si512((const void*)(x1 + 2 * K + k));
+        for (int q = 0; q < 4; q++) {
+            l0[q] = _mm512_dpbf16_ps(l0[q], w[q], v0);
+            l1[q] = _mm512_dpbf16_ps(l1[q], w[q], v1);
+        }
+    }
+    const float* f0 = a->x + a->ldx * i0;
+    const float* f1 = f0 + a->ldx;
+    float r0[4] = {0, 0, 0, 0}, r1[4] = {0, 0, 0, 0};
+    for (; k < K; k++)
+        for (int q = 0; q < 4; q++) {
+            float wv = bf16_to_f32(((const uint16_t*)a->w[q])[k]);
+            r0[q] += f0[k] * wv;
+            r1[q] += f1[k] * wv;
+        }
+    __m512 t[4];
+    for (int q = 0; q < 4; q++) t[q] = _mm512_add_ps(_mm512_add_ps(l0[q], m0[q]), h0[q]);
+    _mm_storeu_ps(y + a->ldy * i0, _mm_add_ps(reduce4(t[0], t[1], t[2], t[3]), _mm_loadu_ps(r0)));
+    for (int q = 0; q < 4; q++) t[q] = _mm512_add_ps(_mm512_add_ps(l1[q], m1[q]), h1[q]);
+    _mm_storeu_ps(y + a->ldy * (i0 + 1), _mm_add_ps(reduce4(t[0], t[1], t[2], t[3]), _mm_loadu_ps(r1)));
+}
+
+/* x = hi + mid + lo in bf16, 16 elements a step: truncation keeps 8 significant bits a part, so
+ * both subtractions are exact */
+static K512 void split_bf16x3_512(const float* x, int64_t K, uint16_t* xs) {
+    const __m512i top = _mm512_set1_epi32((int)0xffff0000u), expo = _mm512_set1_epi32(0x7f800000);
+    for (int64_t k = 0; k < K; k += 16) {
+        __mmask16 m = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1u);
+        __m512i v = _mm512_castps_si512(_mm512_maskz_loadu_ps(m, x + k));
+        __m512i hi = _mm512_and_si512(v, top);
+        /* inf / NaN: all in hi, as the f32 path would see it */
+        __mmask16 fin = _mm512_cmpneq_epi32_mask(_mm512_and_si512(v, expo), expo);
+        __m512 r1 = _mm512_maskz_sub_ps(fin, _mm512_castsi512_ps(v), _mm512_castsi512_ps(hi));
+        __m512i mid = _mm512_and_si512(_mm512_castps_si512(r1), top);
+        __m512i lo = _mm512_castps_si512(_mm512_sub_ps(r1, _mm512_castsi512_ps(mid)));
+        _mm256_mask_storeu_epi16(xs + k, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(hi, 16)));
+        _mm256_mask_storeu_epi16(xs + K + k, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(mid, 16)));
+        _mm256_mask_storeu_epi16(xs + 2 * K + k, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(lo, 16)));
+    }
+}
+
+static __attribute__((target(TGTBF))) void rowdot4x_bf16dp(const RowDot4* a, float* y) {
+    ROWDOT4X_PASSES(bf16dp_pass, rowdot4_bf16dp, a, y);
+}
+
 static const float k_tab_i4[16] = {0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1};
 static const float k_tab_u4[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 static const float k_tab_e2m1[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
 static K512 void rowdot4_nib_i4(const RowDot4* a, float* y) { rowdot4_nib_impl(a, y, k_tab_i4); }
 static K512 void rowdot4_nib_u4(const RowDot4* a, float* y) { rowdot4_nib_impl(a, y, k_tab_u4); }
 static K512 void rowdot4_nib_e2m1(const RowDot4* a, float* y) { rowdot4_nib_impl(a, y, k_tab_e2m1); }
+#define DEF_NIBX(NAME, ONE, TABLE)                                                                    \
+    K512I void NAME##_pass(const RowDot4* a, int64_t i0, const int PF, float* y) {                   \
+        nibx_pass(a, i0, PF, y, TABLE);                                                               \
+    }                                                                                                 \
+    static K512 void NAME(const RowDot4* a, float* y) { ROWDOT4X_PASSES(NAME##_pass, ONE, a, y); }
+DEF_NIBX(rowdot4x_nib_i4, rowdot4_nib_i4, k_tab_i4)
+DEF_NIBX(rowdot4x_nib_u4, rowdot4_nib_u4, k_tab_u4)
+DEF_NIBX(rowdot4x_nib_e2m1, rowdot4_nib_e2m1, k_tab_e2m1)
 
 DEF_ROWDOT4(rowdot4_f32, dec_f32, dec2_f32, DT_F32, 32)
 DEF_ROWDOT4(rowdot4_bf16, dec_bf16, dec2_bf16, DT_BF16, 16)
@@ -302,6 +518,15 @@ DEF_ROWDOT4(rowdot4_i4, dec_i4, dec2_i4, DT_I4, 4)
 DEF_ROWDOT4(rowdot4_u4, dec_u4, dec2_u4, DT_U4, 4)
 DEF_ROWDOT4(rowdot4_e2m1, dec_e2m1, dec2_e2m1, DT_E2M1, 4)
 DEF_ROWDOT4(rowdot4_e4m3, dec_e4m3, dec2_e4m3, DT_E4M3, 8)
+
+DEF_ROWDOT4X(rowdot4x_f32, rowdot4_f32, dec_f32, dec2_f32, DT_F32, 32)
+DEF_ROWDOT4X(rowdot4x_bf16, rowdot4_bf16, dec_bf16, dec2_bf16, DT_BF16, 16)
+DEF_ROWDOT4X(rowdot4x_f16, rowdot4_f16, dec_f16, dec2_f16, DT_F16, 16)
+DEF_ROWDOT4X(rowdot4x_i8, rowdot4_i8, dec_i8, dec2_i8, DT_I8, 8)
+DEF_ROWDOT4X(rowdot4x_i4, rowdot4_i4, dec_i4, dec2_i4, DT_I4, 4)
+DEF_ROWDOT4X(rowdot4x_u4, rowdot4_u4, dec_u4, dec2_u4, DT_U4, 4)
+DEF_ROWDOT4X(rowdot4x_e2m1, rowdot4_e2m1, dec_e2m1, dec2_e2m1, DT_E2M1, 4)
+DEF_ROWDOT4X(rowdot4x_e4m3, rowdot4_e4m3, dec_e4m3, dec2_e4m3, DT_E4M3, 8)
 
 DEF_ROWDOT(rowdot_f32, dec_f32, dec2_f32, DT_F32, 32)
 DEF_ROWDOT(rowdot_bf16, dec_bf16, dec2_bf16, DT_BF16, 16)
@@ -614,7 +839,14 @@ KV void idot_i8_mr(const IDot* a, float* y, const int MR) {
             tot[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0[i], a1[i])),
                                      _mm512_set1_ps(a->scale[i * a->nseg + s]), tot[i]);
     }
-    for (int i = 0; i < MR; i++) y[i] = _mm512_reduce_add_ps(tot[i]);
+    /* idot4_i8's reduction (reduce4 sums each vector alone): a row's result is the same at any M */
+    const __m512 z = _mm512_setzero_ps();
+    for (int i = 0; i < MR; i += 4) {
+        float r[4];
+        _mm_storeu_ps(r, reduce4(tot[i], i + 1 < MR ? tot[i + 1] : z, i + 2 < MR ? tot[i + 2] : z,
+                                 i + 3 < MR ? tot[i + 3] : z));
+        for (int q = 0; q < 4 && i + q < MR; q++) y[i + q] = r[q];
+    }
 }
 
 static __attribute__((target(TGTV))) void idot4_i4(const IDot4* a, float* y) {
@@ -713,6 +945,29 @@ static K512 void axpy4_bf16_512(const float* a, const uint16_t* x, int64_t ld, f
         for (int r = 0; r < 4; r++) y[i] += a[r] * bf16_to_f32(x[r * ld + i]);
 }
 
+/* axpy4_bf16_512 for nt rows y_t with their own coefficients, the four bf16 rows decoded once per
+ * 16 columns for all of them; each y_t gets axpy4_bf16_512's operations in its order */
+static K512 void axpy4x_bf16_512(const float* a, int64_t lda, int nt, const uint16_t* x, int64_t ld, float* y,
+                                 int64_t ldy, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 w0 = dec_bf16(x, i), w1 = dec_bf16(x + ld, i), w2 = dec_bf16(x + 2 * ld, i), w3 = dec_bf16(x + 3 * ld, i);
+        for (int t = 0; t < nt; t++) {
+            const float* at = a + t * lda;
+            float* yt = y + t * ldy;
+            __m512 v = _mm512_loadu_ps(yt + i);
+            v = _mm512_fmadd_ps(_mm512_set1_ps(at[0]), w0, v);
+            v = _mm512_fmadd_ps(_mm512_set1_ps(at[1]), w1, v);
+            v = _mm512_fmadd_ps(_mm512_set1_ps(at[2]), w2, v);
+            v = _mm512_fmadd_ps(_mm512_set1_ps(at[3]), w3, v);
+            _mm512_storeu_ps(yt + i, v);
+        }
+    }
+    for (int t = 0; t < nt; t++)
+        for (int64_t e = i; e < n; e++)
+            for (int r = 0; r < 4; r++) y[t * ldy + e] += a[t * lda + r] * bf16_to_f32(x[r * ld + e]);
+}
+
 static K512 void axpy_512(float a, const float* x, float* y, int64_t n) {
     __m512 av = _mm512_set1_ps(a);
     int64_t i = 0;
@@ -728,6 +983,7 @@ int kernels_avx512(Kernels* k) {
     k->axpy = axpy_512;
     k->axpy_bf16 = axpy_bf16_512;
     k->axpy4_bf16 = axpy4_bf16_512;
+    k->axpy4x_bf16 = axpy4x_bf16_512;
     k->gemm_dot = gemm_dot_512;
     k->dot_rows = dot_rows_512;
     k->wsum_rows = wsum_rows_512;
@@ -751,7 +1007,22 @@ int kernels_avx512(Kernels* k) {
     k->rowdot4_nib[DT_I4] = rowdot4_nib_i4;
     k->rowdot4_nib[DT_U4] = rowdot4_nib_u4;
     k->rowdot4_nib[DT_E2M1] = rowdot4_nib_e2m1;
-    if (__builtin_cpu_supports("avx512bf16") && isa_allows("avx512vnni")) k->rowdot4_bf16dp = rowdot4_bf16dp;
+    k->rowdot4x[DT_F32] = rowdot4x_f32;
+    k->rowdot4x[DT_BF16] = rowdot4x_bf16;
+    k->rowdot4x[DT_F16] = rowdot4x_f16;
+    k->rowdot4x[DT_I8] = rowdot4x_i8;
+    k->rowdot4x[DT_I4] = rowdot4x_i4;
+    k->rowdot4x[DT_U4] = rowdot4x_u4;
+    k->rowdot4x[DT_E2M1] = rowdot4x_e2m1;
+    k->rowdot4x[DT_E4M3] = rowdot4x_e4m3;
+    k->rowdot4x_nib[DT_I4] = rowdot4x_nib_i4;
+    k->rowdot4x_nib[DT_U4] = rowdot4x_nib_u4;
+    k->rowdot4x_nib[DT_E2M1] = rowdot4x_nib_e2m1;
+    if (__builtin_cpu_supports("avx512bf16") && isa_allows("avx512vnni")) {
+        k->rowdot4_bf16dp = rowdot4_bf16dp;
+        k->rowdot4x_bf16dp = rowdot4x_bf16dp;
+        k->split_bf16x3 = split_bf16x3_512;
+    }
     k->dot_i8 = dot_i8_512;
     k->dot_i8_seg = dot_i8_seg_512;
     if (__builtin_cpu_supports("avx512vnni") && isa_allows("avx512vnni")) {

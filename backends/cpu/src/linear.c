@@ -5,7 +5,11 @@
  *    (f32, bf16, f16, int8, int4, uint4, e4m3, e2m1), converts them in registers and applies one
  *    scale per column block; zero points are folded in afterwards as -sum(z * s * sum(x_block)).
  *    The weights are read once, which is what makes int4 decode faster than f32: it is
- *    memory-bound and int4 moves 8x fewer bytes.
+ *    memory-bound and int4 moves 8x fewer bytes. Four weight rows go through a kernel at a time
+ *    against every x row (the rowdot4 family; M > 1, several tokens of one sequence being
+ *    verified, takes the rowdot4x twins), and each x row is summed the way M = 1 sums it: a row's
+ *    result does not depend on M, so a step of M draft tokens computes bit for bit the logits of
+ *    M one-token steps.
  *  - otherwise (prefill, or a layout the fused kernels do not cover): rows of W are dequantized
  *    into a per-worker f32 tile with the same code as the dequantize op, then a register-blocked
  *    dot-product GEMM runs over the tile.
@@ -60,11 +64,22 @@ typedef struct {
     rowdot_fn    fused;
     int64_t      rows_per_task;
     const float* xsum;   /* [M, ncb] block sums of x, for zero points */
-    float*       xp;     /* M = 1, 4-bit weights: x reordered for rowdot4_nib (owned), else NULL */
-    uint16_t*    xs;     /* M = 1, plain bf16 weights: x split for rowdot4_bf16dp (owned), else NULL */
+    rowdot4_fn   f4;     /* the four-row kernel (M = 1: rowdot4, _nib or _bf16dp; M > 1 its rowdot4x
+                          * twin, which sums each row as it does), else NULL */
+    float*       xp;     /* 4-bit weights: each x row reordered for rowdot4(x)_nib, K values a row
+                          * (owned), else NULL */
+    uint16_t*    xs;     /* plain bf16 weights: each x row split for rowdot4(x)_bf16dp, 3 * K values
+                          * a row (owned), else NULL */
     float*       scratch;
     int64_t      scratch_per_worker;
 } LinJob;
+
+/* x copies the four-row kernels read 64 bytes at a time: on a cache-line boundary, or loads
+ * straddle two lines (measured on Zen 4: rowdot4_bf16dp 7% slower with xs 16 bytes off a line) */
+static void* alloc_lines(size_t n) {
+    void* p = NULL;
+    return posix_memalign(&p, 64, n ? n : 1) ? NULL : p;
+}
 
 static const char* w_row(const QMat* m, int64_t n) {
     int b = dt_bits(m->dt);
@@ -76,9 +91,10 @@ static void lin_task(void* arg, int64_t task, int worker) {
     int64_t n0 = task * j->rows_per_task, n1 = n0 + j->rows_per_task < j->N ? n0 + j->rows_per_task : j->N;
     float* scr = j->scratch + (size_t)worker * (size_t)j->scratch_per_worker;
     const QMat* m = &j->m;
-    if (j->fused && j->M == 1 && j->k->rowdot4[m->dt] && !m->zbase) {
-        rowdot4_fn f4 = j->xp ? j->k->rowdot4_nib[m->dt] : j->xs ? j->k->rowdot4_bf16dp : j->k->rowdot4[m->dt];
-        /* four rows at a time; each keeps the scales of its row block */
+    if (j->f4) {
+        /* four rows at a time against every x row; each keeps the scales of its row block. The
+         * last N % 4 rows of the task go through the row kernel, whose rows are independent too,
+         * so a row's result is the same for any M (and any split, per being a multiple of 4). */
         float* sr[4];
         const float* sp[4] = {NULL, NULL, NULL, NULL};
         int64_t rbq[4] = {-1, -1, -1, -1};
@@ -101,18 +117,24 @@ static void lin_task(void* arg, int64_t task, int worker) {
             a.xp = j->xp;
             a.xs = j->xs;
             a.pf = n + 8 <= n1 ? (const char*)w_row(m, n + 4) - (const char*)a.w[0] : 0;
-            f4(&a, j->Y + n);
+            a.mr = (int)j->M;
+            a.ldx = j->ldx;
+            a.ldy = j->ldy;
+            j->f4(&a, j->Y + n);
         }
         for (; n < n1; n++) {
             RowDot a;
             a.w = w_row(m, n);
             a.K = j->K;
             a.bc = m->quant ? m->bc : j->K + 1;
-            a.s = NULL;
-            if (m->quant) a.s = qmat_scales(m, n / m->br, sr[0]);
-            a.mr = 1;
-            a.x[0] = j->X;
-            j->fused(&a, j->Y + n);
+            a.s = m->quant ? qmat_scales(m, n / m->br, sr[0]) : NULL;
+            for (int64_t m0 = 0; m0 < j->M; m0 += 4) {
+                a.mr = (int)(j->M - m0 < 4 ? j->M - m0 : 4);
+                for (int i = 0; i < a.mr; i++) a.x[i] = j->X + (m0 + i) * j->ldx;
+                float y[4];
+                j->fused(&a, y);
+                for (int i = 0; i < a.mr; i++) j->Y[(m0 + i) * j->ldy + n] = y[i];
+            }
         }
         return;
     }
@@ -193,42 +215,36 @@ static DI_Status lin_prepare(DI_Context* ctx, const char* op, LinJob* j, const f
             }
         j->xsum = xsum;
     }
-    if (j->fused && M == 1 && j->k->rowdot4_nib[j->m.dt] && !j->m.zbase &&
-        (j->m.bc >= j->K || j->m.bc % 32 == 0)) {
+    /* the four-row kernel: 4-bit weights through the value table (x reordered), plain bf16
+     * weights on bf16 dot products (x split), else rowdot4 */
+    const Kernels* K = j->k;
+    int dt = j->m.dt;
+    int four = j->fused && K->rowdot4[dt] && !j->m.zbase;
+    int nib = four && K->rowdot4_nib[dt] && (j->m.bc >= j->K || j->m.bc % 32 == 0);
+    int bdp = four && dt == DT_BF16 && !j->m.quant && K->rowdot4_bf16dp && j->N >= 4;
+    if (four && M == 1) j->f4 = nib ? K->rowdot4_nib[dt] : bdp ? K->rowdot4_bf16dp : K->rowdot4[dt];
+    if (four && M > 1) j->f4 = nib ? K->rowdot4x_nib[dt] : bdp ? K->rowdot4x_bf16dp : K->rowdot4x[dt];
+    if (!j->f4) nib = bdp = 0;
+    if (nib) {
         /* each 32-element chunk: its even elements, then its odd ones (the nibbles' order) */
-        j->xp = di_malloc((size_t)j->K * sizeof(float));
+        j->xp = alloc_lines((size_t)(j->K * M) * sizeof(float));
         if (!j->xp) { free(xsum); j->xsum = NULL; return DI_OOM(ctx, op); }
-        int64_t k = 0;
-        for (; k + 32 <= j->K; k += 32)
-            for (int e = 0; e < 16; e++) {
-                j->xp[k + e] = X[k + 2 * e];
-                j->xp[k + 16 + e] = X[k + 2 * e + 1];
-            }
-        for (; k < j->K; k++) j->xp[k] = X[k];
-    }
-    if (j->fused && M == 1 && j->m.dt == DT_BF16 && !j->m.quant && j->k->rowdot4_bf16dp && j->N >= 4) {
-        /* x = hi + mid + lo in bf16, exactly: truncation keeps 8 significant bits per part */
-        j->xs = di_malloc((size_t)(3 * j->K) * sizeof(uint16_t));
-        if (!j->xs) { free(xsum); j->xsum = NULL; free(j->xp); j->xp = NULL; return DI_OOM(ctx, op); }
-        for (int64_t k = 0; k < j->K; k++) {
-            float v = X[k], hi, mid;
-            uint32_t b;
-            memcpy(&b, &v, 4);
-            b &= 0xffff0000u;
-            memcpy(&hi, &b, 4);
-            float r1 = isfinite(v) ? v - hi : 0.0f;   /* inf / NaN: all in hi, as the f32 path would see it */
-            memcpy(&b, &r1, 4);
-            b &= 0xffff0000u;
-            memcpy(&mid, &b, 4);
-            float r2 = r1 - mid;
-            uint32_t bh, bm, bl;
-            memcpy(&bh, &hi, 4);
-            memcpy(&bm, &mid, 4);
-            memcpy(&bl, &r2, 4);
-            j->xs[k] = (uint16_t)(bh >> 16);
-            j->xs[j->K + k] = (uint16_t)(bm >> 16);
-            j->xs[2 * j->K + k] = (uint16_t)(bl >> 16);
+        for (int64_t i = 0; i < M; i++) {
+            const float* x = X + i * ldx;
+            float* xp = j->xp + j->K * i;
+            int64_t k = 0;
+            for (; k + 32 <= j->K; k += 32)
+                for (int e = 0; e < 16; e++) {
+                    xp[k + e] = x[k + 2 * e];
+                    xp[k + 16 + e] = x[k + 2 * e + 1];
+                }
+            for (; k < j->K; k++) xp[k] = x[k];
         }
+    }
+    if (bdp) {
+        j->xs = alloc_lines((size_t)(3 * j->K * M) * sizeof(uint16_t));
+        if (!j->xs) { free(xsum); j->xsum = NULL; free(j->xp); j->xp = NULL; return DI_OOM(ctx, op); }
+        for (int64_t i = 0; i < M; i++) K->split_bf16x3(X + i * ldx, j->K, j->xs + 3 * j->K * i);
     }
     int nw = pool_size(ctx->pool);
     j->scratch_per_worker = j->fused ? 4 * (j->m.ncb + 1) : (int64_t)TILE_N * j->K;
@@ -240,7 +256,9 @@ static DI_Status lin_prepare(DI_Context* ctx, const char* op, LinJob* j, const f
     /* enough tasks to balance threads, few enough that each streams a long run of W */
     if (tasks < 1) tasks = 1;
     int64_t per = (j->N + tasks - 1) / tasks;
-    if (j->fused) { if (per < 4) per = 4; }
+    /* whole groups of four rows: every row then goes through the same kernel whatever the split
+     * (rowdot4 kernels for rows below N - N % 4), so its result does not depend on the task count */
+    if (j->fused) per = (per + 3) / 4 * 4;
     else per = (per + TILE_N - 1) / TILE_N * TILE_N;
     j->rows_per_task = per;
     return DI_OK;
