@@ -4,6 +4,7 @@
  * row is written, which is what makes the allowed aliasing (out == x, residual_out == residual)
  * safe. */
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -497,59 +498,104 @@ static int cmp_pi(const void* x, const void* y) {
 }
 
 /* argmax of a row (lowest index on ties); *prob (if not NULL) = its softmax probability at
- * temperature 1, the model's own confidence */
-static int32_t row_argmax(const float* lg, int64_t V, float* prob) {
+ * temperature 1, the model's own confidence (buf: V floats of scratch) */
+static int32_t row_argmax(const float* lg, int64_t V, float* prob, float* buf) {
+    /* the largest value (a loop the compiler vectorizes; rows hold no NaN), then its first index */
+    float mx = lg[0];
+    for (int64_t i = 1; i < V; i++) mx = lg[i] > mx ? lg[i] : mx;
     int32_t tok = 0;
-    for (int64_t i = 1; i < V; i++) if (lg[i] > lg[tok]) tok = (int32_t)i;
+    while (lg[tok] != mx) tok++;
     if (prob) {
-        double sum = 0.0;
-        for (int64_t i = 0; i < V; i++) sum += expf(lg[i] - lg[tok]);
-        *prob = (float)(1.0 / sum);
+        memcpy(buf, lg, (size_t)V * sizeof(float));
+        kernels()->softmax(buf, V, 1.0f);
+        *prob = buf[tok];
     }
     return tok;
 }
 
 /*
  * The distribution `sample` draws a row from (temperature T > 0), shared by sample and spec_verify
- * so the two can never disagree: pi[0..keep) = the kept tokens in draw order (softmax probability
- * descending, ties to the lower index) with their softmax probabilities over all V (f32); returns
- * keep and sets *ksum to their sum (f64). The kept set renormalized is pi[i].p / *ksum.
+ * so the two can never disagree. Draw order is softmax probability descending, ties to the lower
+ * index; the kept set is a prefix of it (top_k, then the shortest prefix reaching top_p).
+ *
+ * Sorting all V tokens (a 129K vocabulary) would cost far more than the step, so only a head is
+ * sorted: the tokens with p >= t, t starting 2^12 below the largest p. Every token outside the head
+ * is less likely than every token in it, so the head holds the kept set as soon as it reaches
+ * top_k tokens or top_p mass; otherwise t drops 2^12-fold and the head grows (at worst to all V).
+ * With neither top_k nor top_p (keep = V), the head grows only when a draw runs past it.
  */
-static int64_t kept_set(const float* lg, int64_t V, float T, int32_t k, float p_top, PI* pi, double* ksum) {
-    float mx = -INFINITY;
-    for (int64_t i = 0; i < V; i++) mx = fmaxf(mx, lg[i] / T);
-    double sum = 0.0;
-    for (int64_t i = 0; i < V; i++) {
-        pi[i].p = expf(lg[i] / T - mx);
-        pi[i].i = (int32_t)i;
-        sum += pi[i].p;
-    }
-    for (int64_t i = 0; i < V; i++) pi[i].p = (float)(pi[i].p / sum);
-    qsort(pi, (size_t)V, sizeof(PI), cmp_pi);
-    int64_t keep = V;
-    if (k > 0 && k < keep) keep = k;
-    double run = 0.0;
+typedef struct {
+    float*  p;       /* [V] softmax(logits / T) (f32) */
+    PI*     pi;      /* pi[0..n): the head, in draw order */
+    int64_t V, n;
+    int64_t keep;    /* the kept set is draw order's first keep tokens (keep <= n, or keep = V) */
+    double  ksum;    /* their probability mass */
+    float   t;       /* the head holds every token with p >= t */
+} Dist;
+
+static void dist_grow(Dist* d) {
+    d->t = d->t > 1e-30f ? d->t * 0x1p-12f : 0.0f;
     int64_t n = 0;
-    while (n < keep) {
-        run += pi[n].p;
-        n++;
-        if (run >= (double)p_top) break;
-    }
-    keep = n;  /* shortest prefix reaching top_p, at least one */
-    double ks = 0.0;
-    for (int64_t i = 0; i < keep; i++) ks += pi[i].p;
-    *ksum = ks;
-    return keep;
+    for (int64_t i = 0; i < d->V; i++)
+        if (d->p[i] >= d->t) { d->pi[n].p = d->p[i]; d->pi[n].i = (int32_t)i; n++; }
+    qsort(d->pi, (size_t)n, sizeof(PI), cmp_pi);
+    d->n = n;
 }
 
-/* the position in pi[0..keep) of sample's draw with `seed`: the first whose running sum exceeds u * ksum */
-static int64_t draw_kept(const PI* pi, int64_t keep, double ksum, uint64_t seed) {
-    double target = uniform01(seed) * ksum, acc = 0.0;
-    for (int64_t i = 0; i < keep; i++) {
-        acc += pi[i].p;
-        if (acc > target) return i;
+/* p = softmax(lg / T) into buf, the head, and the kept set */
+static void dist_init(Dist* d, const float* lg, int64_t V, float T, int32_t k, float p_top, PI* pi, float* buf) {
+    memcpy(buf, lg, (size_t)V * sizeof(float));
+    kernels()->softmax(buf, V, 1.0f / T);
+    float mx = 0.0f;
+    for (int64_t i = 0; i < V; i++) mx = fmaxf(mx, buf[i]);
+    d->p = buf; d->pi = pi; d->V = V;
+    d->t = mx * 0x1p12f;    /* dist_grow divides first */
+    dist_grow(d);
+    int64_t lim = k > 0 && k < V ? k : V;
+    if (lim == V && !(p_top < 1.0f)) {     /* everything kept: no order needed to know the set */
+        double s = 0.0;
+        for (int64_t i = 0; i < V; i++) s += buf[i];
+        d->keep = V;
+        d->ksum = s;
+        return;
     }
-    return keep - 1;
+    for (;;) {
+        double run = 0.0;
+        int64_t m = 0;
+        int done = 0;
+        while (m < d->n && m < lim) {
+            run += d->pi[m].p;
+            m++;
+            if (run >= (double)p_top) { done = 1; break; }
+        }
+        if (done || m == lim || d->n == V) {   /* decided inside the head (or the head is everything) */
+            d->keep = m;
+            d->ksum = run;
+            return;
+        }
+        dist_grow(d);
+    }
+}
+
+/* the token sample draws with `seed`, and its probability in the kept set */
+static int32_t dist_draw(Dist* d, uint64_t seed, float* prob) {
+    double target = uniform01(seed) * d->ksum;
+    for (;;) {
+        double acc = 0.0;
+        int64_t lim = d->keep < d->n ? d->keep : d->n;
+        for (int64_t i = 0; i < lim; i++) {
+            acc += d->pi[i].p;
+            if (acc > target) {
+                if (prob) *prob = (float)(d->pi[i].p / d->ksum);
+                return d->pi[i].i;
+            }
+        }
+        if (lim == d->keep || d->n == d->V) {  /* rounding ran out: the last kept token */
+            if (prob) *prob = (float)(d->pi[lim - 1].p / d->ksum);
+            return d->pi[lim - 1].i;
+        }
+        dist_grow(d);                          /* keep = V and the draw ran past the head */
+    }
 }
 
 /* NaN or +inf anywhere, or a row that is all -inf: INVALID_ARGUMENT (rows where `use` is not NULL
@@ -559,6 +605,13 @@ static DI_Status check_logit_values(VC* v, const DI_Tensor* t, const char* name,
     for (int64_t r = 0; r < R; r++) {
         if (use && !use[r]) continue;
         const float* lg = (const float*)t_row(t, DT_F32, r);
+        /* the common case in one vectorizable pass: every value below +inf (NaN fails too), one above -inf */
+        int bad = 0, any = V == 0;
+        for (int64_t i = 0; i < V; i++) {
+            bad |= !(lg[i] < INFINITY);
+            any |= lg[i] > -INFINITY;
+        }
+        if (!bad && any) continue;
         int64_t finite = 0;
         for (int64_t i = 0; i < V; i++) {
             if (isnan(lg[i]) || lg[i] == INFINITY)
@@ -597,6 +650,8 @@ static DI_Status check_top_k(VC* v, const DI_Tensor* tk, int64_t B) {
 
 #define AT(t, type, i) (((type*)t_base(&(t)))[(i) * (t).strides[0]])
 
+static size_t scratch_float_offset(int64_t V);
+
 /* one row per task; worker w owns scratch + w * per (PI entries for the target and the draft, then
  * two dense f64 rows) */
 typedef struct {
@@ -613,24 +668,58 @@ static void sample_task(void* arg, int64_t b, int worker) {
     const float* lg = (const float*)t_row(&a->logits, DT_F32, b);
     float T = AT(a->temperature, const float, b), prob = 0.0f;
     int want_prob = a->probs.data != NULL;
+    char* mem = j->scratch ? j->scratch + (size_t)worker * j->per : NULL;
+    float* buf = mem ? (float*)(mem + scratch_float_offset(j->V)) : NULL;
     int32_t tok;
     if (!(T > 0.0f)) {
-        tok = row_argmax(lg, j->V, want_prob ? &prob : NULL);
+        tok = row_argmax(lg, j->V, want_prob ? &prob : NULL, buf);
     } else {
-        PI* pi = (PI*)(j->scratch + (size_t)worker * j->per);
-        double ksum;
-        int64_t keep = kept_set(lg, j->V, T, AT(a->top_k, const int32_t, b), AT(a->top_p, const float, b), pi, &ksum);
-        int64_t i = draw_kept(pi, keep, ksum, AT(a->seeds, const uint64_t, b));
-        tok = pi[i].i;
-        prob = (float)(pi[i].p / ksum);
+        Dist d;
+        dist_init(&d, lg, j->V, T, AT(a->top_k, const int32_t, b), AT(a->top_p, const float, b), (PI*)mem, buf);
+        tok = dist_draw(&d, AT(a->seeds, const uint64_t, b), &prob);
     }
     AT(a->out, int32_t, b) = tok;
     if (want_prob) AT(a->probs, float, b) = prob;
 }
 
+/* per worker: two heads (target and draft), two dense f64 rows, two f32 distributions */
+static size_t scratch_float_offset(int64_t V) { return (size_t)V * (2 * sizeof(PI) + 2 * sizeof(double)); }
+
 static size_t sample_scratch_per(int64_t V) {
-    size_t per = (size_t)V * (2 * sizeof(PI) + 2 * sizeof(double));
+    size_t per = scratch_float_offset(V) + (size_t)V * 2 * sizeof(float);
     return (per + 63) & ~(size_t)63;
+}
+
+/* The scratch of sample and spec_verify, kept per calling thread and grown only: a decode step
+ * calls them every time, and a fresh allocation of this size is an mmap whose pages fault in on
+ * every call (it cost more than the ops themselves). Released when the thread exits. */
+static pthread_key_t g_scratch_key;
+static pthread_once_t g_scratch_once = PTHREAD_ONCE_INIT;
+typedef struct { char* p; size_t cap; } SampleScratch;
+static void scratch_free(void* x) { free(((SampleScratch*)x)->p); free(x); }
+static void scratch_key_init(void) { pthread_key_create(&g_scratch_key, scratch_free); }
+
+static char* sample_scratch(size_t bytes) {
+    pthread_once(&g_scratch_once, scratch_key_init);
+    SampleScratch* s = (SampleScratch*)pthread_getspecific(g_scratch_key);
+    if (!s) {
+        if (!(s = (SampleScratch*)calloc(1, sizeof *s))) return NULL;
+        pthread_setspecific(g_scratch_key, s);
+    }
+    if (s->cap < bytes) {
+        free(s->p);
+        s->p = di_malloc(bytes);
+        s->cap = s->p ? bytes : 0;
+    }
+    return s->p;
+}
+
+/* rows that need scratch: sampled ones, and greedy ones that report a probability */
+static int rows_need_scratch(const DI_Tensor* temp, const DI_Tensor* probs, int64_t B) {
+    if (probs && probs->data) return B > 0;
+    for (int64_t b = 0; b < B; b++)
+        if (((const float*)t_base(temp))[b * temp->strides[0]] > 0.0f) return 1;
+    return 0;
 }
 
 DI_Status op_sample(DI_Context* ctx, const DI_SampleArgs* a, int query) {
@@ -650,9 +739,10 @@ DI_Status op_sample(DI_Context* ctx, const DI_SampleArgs* a, int query) {
     if ((st = check_top_k(&v, &a->top_k, B))) return st;
     if ((st = check_logit_values(&v, &a->logits, "logits", NULL))) return st;
     SampleJob j = {a, NULL, V, NULL, sample_scratch_per(V)};
-    if (B > 0 && !(j.scratch = di_malloc((size_t)pool_size(ctx->pool) * j.per))) return DI_OOM(ctx, "sample");
+    if (rows_need_scratch(&a->temperature, &a->probs, B) &&
+        !(j.scratch = sample_scratch((size_t)pool_size(ctx->pool) * j.per)))
+        return DI_OOM(ctx, "sample");
     pool_run(ctx->pool, B, sample_task, &j, B * V * 16);
-    free(j.scratch);
     return DI_OK;
 }
 
@@ -667,26 +757,34 @@ static void verify_task(void* arg, int64_t t, int worker) {
     float top_p = AT(a->top_p, const float, t);
     uint64_t seed = AT(a->seeds, const uint64_t, t);
     int32_t tok, acc = 0;
+    char* mem = j->scratch ? j->scratch + (size_t)worker * j->per : NULL;
+    float* buf = mem ? (float*)(mem + scratch_float_offset(V)) : NULL;
     if (!(T > 0.0f)) {                        /* greedy: the argmax, accepted when it is the draft */
-        tok = row_argmax(lg, V, NULL);
+        tok = row_argmax(lg, V, NULL, buf);
         acc = d >= 0 && tok == d;
     } else {
-        char* mem = j->scratch + (size_t)worker * j->per;
-        PI* pi = (PI*)mem;                    /* the target's kept set */
-        double ksum;
-        int64_t keep = kept_set(lg, V, T, k, top_p, pi, &ksum);
+        Dist pd;                              /* the target's distribution */
+        dist_init(&pd, lg, V, T, k, top_p, (PI*)mem, buf);
         if (d < 0) {                          /* the bonus position: a plain draw */
-            tok = pi[draw_kept(pi, keep, ksum, seed)].i;
+            tok = dist_draw(&pd, seed, NULL);
         } else {
-            PI* pj = pi + V;                  /* the draft's kept set */
+            PI* pj = (PI*)mem + V;            /* the draft's head */
             double* p = (double*)(pj + V);    /* dense target distribution */
             double* q = p + V;                /* dense draft distribution */
             for (int64_t x = 0; x < V; x++) p[x] = q[x] = 0.0;
-            for (int64_t i = 0; i < keep; i++) p[pi[i].i] = pi[i].p / ksum;
+            if (pd.keep == V) {
+                for (int64_t x = 0; x < V; x++) p[x] = pd.p[x] / pd.ksum;
+            } else {
+                for (int64_t i = 0; i < pd.keep; i++) p[pd.pi[i].i] = pd.pi[i].p / pd.ksum;
+            }
             if (a->draft_logits.data) {
-                double qsum;
-                int64_t qkeep = kept_set((const float*)t_row(&a->draft_logits, DT_F32, t), V, T, k, top_p, pj, &qsum);
-                for (int64_t i = 0; i < qkeep; i++) q[pj[i].i] = pj[i].p / qsum;
+                Dist qd;
+                dist_init(&qd, (const float*)t_row(&a->draft_logits, DT_F32, t), V, T, k, top_p, pj, buf + V);
+                if (qd.keep == V) {
+                    for (int64_t x = 0; x < V; x++) q[x] = qd.p[x] / qd.ksum;
+                } else {
+                    for (int64_t i = 0; i < qd.keep; i++) q[qd.pi[i].i] = qd.pi[i].p / qd.ksum;
+                }
             } else {
                 q[d] = 1.0;                   /* greedy drafting: q is one-hot at the draft */
             }
@@ -707,7 +805,7 @@ static void verify_task(void* arg, int64_t t, int worker) {
                         if (run > target) break;
                     }
                 } else {
-                    tok = pi[draw_kept(pi, keep, ksum, seed2)].i;
+                    tok = dist_draw(&pd, seed2, NULL);
                 }
             }
         }
@@ -755,9 +853,10 @@ DI_Status op_spec_verify(DI_Context* ctx, const DI_SpecVerifyArgs* a, int query)
     free(judged);
     if (st) return st;
     SampleJob j = {NULL, a, V, NULL, sample_scratch_per(V)};
-    if (T > 0 && !(j.scratch = di_malloc((size_t)pool_size(ctx->pool) * j.per))) return DI_OOM(ctx, "spec_verify");
+    if (rows_need_scratch(&a->temperature, NULL, T) &&
+        !(j.scratch = sample_scratch((size_t)pool_size(ctx->pool) * j.per)))
+        return DI_OOM(ctx, "spec_verify");
     pool_run(ctx->pool, T, verify_task, &j, T * V * 32);
-    free(j.scratch);
     return DI_OK;
 }
 #undef AT
