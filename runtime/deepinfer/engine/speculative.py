@@ -44,6 +44,7 @@ import numpy as np
 
 from .. import validate as V
 from ..errors import ConfigError
+from .model_runner import bucket
 
 MAX_DRAFT = 8
 DRAFT_SALT = 0x5DEECE66D  # draft seeds: a stream of their own (engine.sampling.step_seed)
@@ -345,6 +346,11 @@ class Speculator:
         step's ScheduledSeq list, after the engine appended the sampled tokens; samples: which of
         them sampled a token (their chunk ended the prompt)."""
         r = self.runner
+        if self.threshold is None and self.bootstrap_backoff >= 16:
+            # speculation has not paid for a while (high load, or verification that costs more
+            # than it gains here): skip the MTP layer; these sequences would draft without the
+            # prompt in its cache if speculation resumes (lossless, less accepted)
+            return
         steps, tokens, last_rows = [], [], []
         for s in batch:
             seq, start, n = s.seq, s.start, s.num_tokens
@@ -409,7 +415,8 @@ class Speculator:
             with Timer() as tm:
                 logits = r.run(steps, kind="draft", tokens=toks)
                 dt, dp = self._sample_probs(logits, *self._draft_params(sub, depth))
-            self.costs.observe("draft", len(sub), tm.seconds)
+            if r.last_plan.runs > 2:
+                self.costs.observe("draft", self._bucket(len(sub)), tm.seconds)
             self.stats.draft_runs += 1
             self.stats.seconds["draft"] += tm.seconds
             sel = [j for j, seq in enumerate(sub) if seq.draft_q]
@@ -448,8 +455,6 @@ class Speculator:
 
     @staticmethod
     def _bucket(n: int) -> int:
-        from .model_runner import bucket
-
         return bucket(max(int(n), 1))
 
     # ------------------------------------------------------------------ one decode step
@@ -471,6 +476,11 @@ class Speculator:
         virt = [len(d) if d else self.K for d in drafts]
         vsurv = [sv if d else self._expected_survival() for d, sv in zip(drafts, surv)]
         counts = admit(virt, vsurv, self.costs, self._bucket, self.threshold, spec_ready=True).counts
+        if counts is None and not any(drafts):
+            # not even drafts of the usual acceptance would pay at this batch size: ask again later
+            self.bootstrap_backoff = min(2 * self.bootstrap_backoff, 64)
+            self.bootstrap_wait = self.bootstrap_backoff
+            return None
         if counts is not None and any(drafts):
             counts = admit([len(d) for d in drafts], surv, self.costs, self._bucket, self.threshold,
                            spec_ready=True).counts
@@ -534,7 +544,8 @@ class Speculator:
             accepted = be.to_numpy(r.output("accepted")).tolist()
             dtok = be.to_numpy(r.output("draft_tokens")).tolist()
             dprob = be.to_numpy(r.output("draft_probs")).tolist()
-        self.costs.observe("spec", self._bucket(T), tm.seconds)
+        if r.last_plan.runs > 2:      # a plan's first runs trace, bind and capture it: not its step time
+            self.costs.observe("spec", self._bucket(T), tm.seconds)
         st = self.stats
         st.spec_steps += 1
         st.verify_tokens += T
@@ -595,7 +606,8 @@ class Speculator:
         self.expect[pos] += 0.1 * (self.cal(pos, prob) - self.expect[pos])
 
     def observe_plain(self, batch_size: int, seconds: float) -> None:
-        self.costs.observe("plain", self._bucket(batch_size), seconds)
+        if self.runner.last_plan.runs > 2:
+            self.costs.observe("plain", self._bucket(batch_size), seconds)
         self.stats.plain_steps += 1
         self.stats.seconds["plain"] += seconds
 
