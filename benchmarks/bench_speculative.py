@@ -49,6 +49,13 @@ def prompts(model: Path, n: int) -> list:
     return [lines[i * step][:48] for i in range(n)]
 
 
+def snap(eng: Engine):
+    """The speculation counters (copies), None without speculation."""
+    if eng.spec is None:
+        return None
+    return eng.spec.cal.accepted.copy(), eng.spec.cal.tested.copy(), vars(eng.spec.stats).copy()
+
+
 def run_once(eng: Engine, ids: list, params: SamplingParams, batch: int) -> tuple:
     """(decode tokens/s, outputs): the prompts in groups of `batch` requests, each group added
     before its first step and run to the end."""
@@ -109,26 +116,25 @@ def main() -> None:
         for temp in args.temps:
             params = SamplingParams(max_new_tokens=args.tokens, temperature=temp, top_p=0.95 if temp else 1.0,
                                     seed=7, ignore_eos=True)
-            base_out, base_tps = None, None
+            # round robin: every configuration once per repeat, so a drift in the machine's speed
+            # (a shared VM) lands on all of them alike
+            snaps, tps, outs = {}, {n: [] for n in args.configs}, {}
             for name in args.configs:
-                eng = engines[name]
-                run_once(eng, ids[:B], params, B)          # warm-up: plans traced, graphs captured
-                snap = lambda: None if eng.spec is None else (
-                    eng.spec.cal.accepted.copy(), eng.spec.cal.tested.copy(), vars(eng.spec.stats).copy())
-                before = snap()
-                tps, outs = [], None
-                for _ in range(args.repeats):
-                    t, outs = run_once(eng, ids, params, B)
-                    tps.append(t)
-                after = snap()
-                row = {"batch": B, "temperature": temp, "config": name, "decode_tok_s": statistics.median(tps),
-                       "decode_tok_s_range": [min(tps), max(tps)]}
-                if name == "off":
-                    base_out, base_tps = outs, row["decode_tok_s"]
-                if base_tps:
-                    row["speedup"] = row["decode_tok_s"] / base_tps
-                if temp == 0 and base_out is not None:
-                    row["greedy_identical"] = outs == base_out
+                run_once(engines[name], ids[:B], params, B)          # warm-up: plans traced, graphs captured
+                snaps[name] = snap(engines[name])
+            for _ in range(args.repeats):
+                for name in args.configs:
+                    t, outs[name] = run_once(engines[name], ids, params, B)
+                    tps[name].append(t)
+            base = statistics.median(tps["off"]) if "off" in tps else None
+            for name in args.configs:
+                eng, before, after = engines[name], snaps[name], snap(engines[name])
+                row = {"batch": B, "temperature": temp, "config": name, "decode_tok_s": statistics.median(tps[name]),
+                       "decode_tok_s_range": [min(tps[name]), max(tps[name])]}
+                if base:
+                    row["speedup"] = row["decode_tok_s"] / base
+                if temp == 0 and "off" in outs:
+                    row["greedy_identical"] = outs[name] == outs["off"]
                 if after is not None:
                     acc, tested = after[0] - before[0], after[1] - before[1]
                     d = lambda k: after[2][k] - before[2][k]
@@ -162,7 +168,8 @@ def markdown(meta: dict, rows: list) -> str:
            f"- commit {meta['commit']}; {meta['cpu']}, {meta['cores']} logical CPUs, {meta['threads']} threads; "
            f"{meta['precision']}",
            f"- {meta['tokens']} new tokens per sequence (EOS ignored), max(batch, {meta['prompts']}) prompts run batch at "
-           f"a time, median of {meta['repeats']} runs after a warm-up; "
+           f"a time, median of {meta['repeats']} runs after a warm-up "
+           f"(configurations interleaved run by run); "
            f"decode tok/s excludes the prefill step",
            f"- command: `{meta['command']}`", "",
            "| batch | temp | config | decode tok/s (range) | speed-up | acceptance per position | mean accepted length "

@@ -182,14 +182,15 @@ class Admission:
 
 
 def admit(drafts: list, survival: list, costs: StepCosts, bucket, threshold, spec_ready: bool,
-          allow_plain: bool = True) -> Admission:
+          allow_plain: bool = True, overhead: float = 0.0) -> Admission:
     """Choose how many of its drafts each sequence verifies this step.
 
     drafts[i]: sequence i's available drafts (their number); survival[i][j]: the probability that
     its drafts 0..j are all accepted. threshold None: the throughput scheduler (admit candidates
     in order of survival while (S + expected accepted) / step seconds is best, and run a plain
     step if that is faster still); a number: admit the drafts whose survival is >= threshold.
-    spec_ready False: no sequence can speculate (no drafts): plain."""
+    spec_ready False: no sequence can speculate (no drafts): plain. overhead: seconds a speculative
+    step costs besides its verify step (the recursive drafts it goes on to make)."""
     S = len(drafts)
     if not spec_ready:
         return Admission(None)
@@ -198,11 +199,12 @@ def admit(drafts: list, survival: list, costs: StepCosts, bucket, threshold, spe
         return Admission(counts, S + sum(sum(survival[i][:c]) for i, c in enumerate(counts)))
     cands = sorted(((survival[i][j], i) for i in range(S) for j in range(drafts[i])), reverse=True)
     tokens, T = float(S), S
-    best = (tokens / max(costs.get("spec", bucket(T)), 1e-9), 0, tokens, costs.get("spec", bucket(T)))
+    sec = max(costs.get("spec", bucket(T)) + overhead, 1e-9)
+    best = (tokens / sec, 0, tokens, sec)
     for n, (p, _) in enumerate(cands, 1):
         tokens += p
         T += 1
-        sec = max(costs.get("spec", bucket(T)), 1e-9)
+        sec = max(costs.get("spec", bucket(T)) + overhead, 1e-9)
         if tokens / sec > best[0]:
             best = (tokens / sec, n, tokens, sec)
     plain_sec = max(costs.get("plain", bucket(S)), 1e-9)
@@ -278,6 +280,7 @@ class Speculator:
         # the scheduler's back-off after drafts that did not pay (see decode_step)
         self.bootstrap_wait, self.bootstrap_backoff, self._bootstrapped = 0, 1, False
         self.expect = [0.8] * self.K    # recent calibrated acceptance of proposed drafts, per position
+        self.draft_seconds = None       # recent recursive drafting time per speculative step
         self.backend = self.runner.backend
 
     # ------------------------------------------------------------------ sequence state
@@ -475,7 +478,8 @@ class Speculator:
             return None
         virt = [len(d) if d else self.K for d in drafts]
         vsurv = [sv if d else self._expected_survival() for d, sv in zip(drafts, surv)]
-        counts = admit(virt, vsurv, self.costs, self._bucket, self.threshold, spec_ready=True).counts
+        over = self._draft_overhead(len(seqs))
+        counts = admit(virt, vsurv, self.costs, self._bucket, self.threshold, spec_ready=True, overhead=over).counts
         if counts is None and not any(drafts):
             # not even drafts of the usual acceptance would pay at this batch size: ask again later
             self.bootstrap_backoff = min(2 * self.bootstrap_backoff, 64)
@@ -483,7 +487,7 @@ class Speculator:
             return None
         if counts is not None and any(drafts):
             counts = admit([len(d) for d in drafts], surv, self.costs, self._bucket, self.threshold,
-                           spec_ready=True).counts
+                           spec_ready=True, overhead=over).counts
         if self.threshold is None and any(drafts):
             # a step that started drafting (bootstrap) should lead to verified drafts; when the real
             # drafts are not worth verifying, wait twice as long before drafting again
@@ -589,8 +593,18 @@ class Speculator:
         if sampled:
             r.scatter_draft_rows(r.output("draft_logits"), [keep_rows[i] for i in sampled],
                                  [self._slot(keep_seqs[i]) for i in sampled], 0)
-        self._draft_deeper(keep_seqs, keep_rows)
+        with Timer() as td:
+            self._draft_deeper(keep_seqs, keep_rows)
+        self.draft_seconds = td.seconds if self.draft_seconds is None else \
+            0.8 * self.draft_seconds + 0.2 * td.seconds
         return outs
+
+    def _draft_overhead(self, S: int) -> float:
+        """Seconds of recursive drafting a speculative step brings (measured per step; before any,
+        every sequence drafting all K: speculation must not look cheaper than it is)."""
+        if self.draft_seconds is None:
+            return sum(self.costs.get("draft", self._bucket(S)) for _ in range(self.K - 1))
+        return self.draft_seconds
 
     def _expected_survival(self) -> list:
         """Survival of K drafts a sequence without drafts would get: per position, the recent
