@@ -424,13 +424,14 @@ class ModelRunner:
             last[T:] = 0
 
     # ================================================================== sampling
-    def sample(self, logits: Tensor, temperature, top_k=None, top_p=None, seeds=None) -> list:
+    def sample(self, logits: Tensor, temperature, top_k=None, top_p=None, seeds=None, with_probs: bool = False):
         """One token per row of logits through the backend's sample op: the four parameter arrays go
-        in one copy and the ids come back in one (pinned buffers on device backends)."""
+        in one copy and the ids come back in one (pinned buffers on device backends). with_probs:
+        (tokens, each token's probability) (ABI 1.2's probs; drafts use it as their confidence)."""
         B = logits.shape[0]
-        bufs = self._sample_bufs.get(B)
+        bufs = self._sample_bufs.get((B, with_probs))
         if bufs is None:
-            bufs = self._sample_bufs[B] = _SampleBuffers(self.backend, B)
+            bufs = self._sample_bufs[(B, with_probs)] = _SampleBuffers(self.backend, B, with_probs)
         bufs.set(temperature, top_k, top_p, seeds)
         bufs.call(logits)()
         return bufs.result()
@@ -608,8 +609,8 @@ class _SampleBuffers:
 
     FIELDS = (("seeds", "uint64"), ("temperature", "f32"), ("top_k", "int32"), ("top_p", "f32"))
 
-    def __init__(self, backend, B: int):
-        self.backend, self.B = backend, B
+    def __init__(self, backend, B: int, with_probs: bool = False):
+        self.backend, self.B, self.with_probs = backend, B, with_probs
         self.offsets, off = {}, 0
         for name, dt in self.FIELDS:
             self.offsets[name] = off
@@ -617,14 +618,17 @@ class _SampleBuffers:
         device = backend.device != "cpu"
         self.store = backend.empty((off,), "uint8")
         self.host = self.store
-        self.out = backend.empty((B,), "int32")
+        n_out = 2 * B if with_probs else B       # ids, then (with_probs) their f32 probabilities
+        self.out = backend.empty((n_out,), "int32")
         self.out_host = self.out
         if device:
             try:
                 self.host = backend.host_empty((off,), "uint8")
-                self.out_host = backend.host_empty((B,), "int32")
+                self.out_host = backend.host_empty((n_out,), "int32")
             except Exception:   # no pinned memory in this library: pageable copies
-                self.host, self.out_host = Tensor.empty((off,), "uint8"), Tensor.empty((B,), "int32")
+                self.host, self.out_host = Tensor.empty((off,), "uint8"), Tensor.empty((n_out,), "int32")
+        self.ids = self.out.narrow(0, 0, B)
+        self.probs = Tensor(self.out.buffer, (B,), "f32", None, self.out.offset + 4 * B) if with_probs else None
         raw = self.host.numpy()
         self._bound = None
         self._out_view = None
@@ -656,13 +660,18 @@ class _SampleBuffers:
         is kept (it holds its logits tensor, and so an old arena, alive)."""
         key = (logits.data_ptr, logits.shape, logits.strides, logits.dtype.name)
         if self._bound is None or self._bound[0] != key:
-            self._bound = (key, self.backend.prepare("sample", logits=logits, out=self.out, **self.params))
+            extra = {"probs": self.probs} if self.with_probs else {}
+            self._bound = (key, self.backend.prepare("sample", logits=logits, out=self.ids, **self.params, **extra))
         return self._bound[1]
 
-    def result(self) -> list:
+    def result(self):
+        """The ids as a list; with_probs: (ids, probabilities)."""
         if self.out_host is not self.out:
             self.backend.copy_async(self.out_host, self.out)
             self.backend.synchronize()   # the one host synchronization of a step
         if self._out_view is None:
             self._out_view = self.out_host.numpy()
-        return self._out_view.tolist()
+        ids = self._out_view[:self.B].tolist()
+        if not self.with_probs:
+            return ids
+        return ids, self._out_view[self.B:].view(np.float32).tolist()

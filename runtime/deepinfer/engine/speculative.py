@@ -23,10 +23,14 @@ How a step goes (engine.Engine._spec_step; the traced step is DeepseekGraph.veri
   product over a sequence's drafts is the probability the prefix survives. Each step ranks every
   (sequence, draft position) candidate of the batch by that and admits them while the expected
   throughput -- (sequences + expected accepted drafts) / step time at that verify size, from a
-  table of step times profiled at start-up and refined by every step (`StepCosts`) -- keeps the
-  best value; if a plain decode step (no MTP at all) is expected to be faster, the step runs
-  plain, so speculation never costs throughput at high load. A fixed confidence threshold p
-  admits the drafts whose survival probability is at least p (0: every draft, a fixed K).
+  table of step times profiled at start-up and refined by every step (`StepCosts`), plus the
+  recursive drafting a speculative step brings -- keeps the best value; if a plain decode step
+  (no MTP at all) is expected to be faster, the step runs plain, so speculation does not cost
+  throughput where it cannot pay (high load, or hardware where verifying k tokens costs k times
+  one). After plain steps the scheduler asks again at growing intervals (doubling to 64 steps),
+  judging sequences without drafts by the recent calibrated acceptance of proposed drafts; while
+  it keeps choosing plain, prefills skip the MTP layer. A fixed confidence threshold p admits the
+  drafts whose survival probability is at least p (0: every draft, a fixed K).
 
 A sequence that decoded plainly for some steps (the scheduler backed off) misses the MTP cache
 entries of those positions; its drafts resume with that gap (lossless; the calibration absorbs a
@@ -326,15 +330,7 @@ class Speculator:
 
     def _sample_probs(self, logits, temp, top_k, top_p, seeds) -> tuple:
         """The sample op with probs on [n, V] logits: (tokens, probabilities) as lists."""
-        be, n = self.backend, logits.shape[0]
-        out, probs = be.empty((n,), "int32"), be.empty((n,), "f32")
-        # named: the parameter buffers must live until the op has run (to_numpy synchronizes)
-        params = dict(temperature=be.upload(np.asarray(temp, np.float32)), top_k=be.upload(np.asarray(top_k, np.int32)),
-                      top_p=be.upload(np.asarray(top_p, np.float32)), seeds=be.upload(np.asarray(seeds, np.uint64)))
-        be.call("sample", logits=logits, out=out, probs=probs, **params)
-        res = be.to_numpy(out).tolist(), be.to_numpy(probs).tolist()
-        del params
-        return res
+        return self.runner.sample(logits, temp, top_k, top_p, seeds, with_probs=True)
 
     def _set_drafts(self, seq, tokens: list, probs: list, sampled: bool) -> None:
         seq.drafts, seq.draft_probs, seq.draft_q, seq.draft_len = list(tokens), list(probs), sampled, len(seq)
