@@ -291,11 +291,10 @@ class ModelRunner:
             raise ConfigError("speculative decoding with MTP needs the checkpoint's MTP layer: this model has none "
                               "(num_nextn_predict_layers is 0, or its weights are absent, or speculative.mtp is "
                               "false); drop the speculative option")
-        for op in ("spec_verify",):
-            if not self.backend.has_op(op):
-                raise ConfigError(f"speculative decoding needs the {op} op (ABI 1.2), which backend "
-                                  f"{self.backend.name} lacks; update that library, or set fallback: true to run "
-                                  f"it on the reference")
+        if not self.backend.has_op("spec_verify"):
+            raise ConfigError(f"speculative decoding needs the spec_verify op (ABI 1.2), which backend "
+                              f"{self.backend.name} lacks; update that library, or set fallback: true to run "
+                              f"it on the reference")
         self.num_draft = int(num_draft)
         rows = max(self.max_num_batched_tokens, self.max_batch * (self.num_draft + 1))
         self._hidden_store(bucket(rows))

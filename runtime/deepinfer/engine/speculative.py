@@ -49,6 +49,7 @@ import numpy as np
 from .. import validate as V
 from ..errors import ConfigError
 from .model_runner import bucket
+from .sampling import step_seed
 
 MAX_DRAFT = 8
 DRAFT_SALT = 0x5DEECE66D  # draft seeds: a stream of their own (engine.sampling.step_seed)
@@ -223,7 +224,7 @@ def admit(drafts: list, survival: list, costs: StepCosts, bucket, threshold, spe
 class SpecStats:
     """What engine.stats() reports about speculation."""
 
-    def __init__(self, num_draft: int):
+    def __init__(self):
         self.spec_steps = 0
         self.plain_steps = 0
         self.verify_tokens = 0          # rows of spec steps (sequences' last tokens + drafts)
@@ -279,7 +280,7 @@ class Speculator:
         self.runner.enable_speculation(self.K)
         self.cal = Calibration(self.K)
         self.costs = StepCosts()
-        self.stats = SpecStats(self.K)
+        self.stats = SpecStats()
         self.slots: dict = {}           # seq_id -> row of the draft store
         # the scheduler's back-off after drafts that did not pay (see decode_step)
         self.bootstrap_wait, self.bootstrap_backoff, self._bootstrapped = 0, 1, False
@@ -317,8 +318,6 @@ class Speculator:
         return p.temperature, p.top_k, p.top_p
 
     def _draft_params(self, seqs: list, depth: int) -> tuple:
-        from .sampling import step_seed
-
         temp, top_k, top_p, seeds = [], [], [], []
         for seq in seqs:
             t, k, pp = self._params(seq)
@@ -327,10 +326,6 @@ class Speculator:
             top_p.append(pp)
             seeds.append(step_seed(seq.params.seed ^ DRAFT_SALT, seq.index, len(seq) + depth))
         return temp, top_k, top_p, seeds
-
-    def _sample_probs(self, logits, temp, top_k, top_p, seeds) -> tuple:
-        """The sample op with probs on [n, V] logits: (tokens, probabilities) as lists."""
-        return self.runner.sample(logits, temp, top_k, top_p, seeds, with_probs=True)
 
     def _set_drafts(self, seq, tokens: list, probs: list, sampled: bool) -> None:
         seq.drafts, seq.draft_probs, seq.draft_q, seq.draft_len = list(tokens), list(probs), sampled, len(seq)
@@ -350,7 +345,7 @@ class Speculator:
             # than it gains here): skip the MTP layer; these sequences would draft without the
             # prompt in its cache if speculation resumes (lossless, less accepted)
             return
-        steps, tokens, last_rows = [], [], []
+        steps, tokens = [], []
         for s in batch:
             seq, start, n = s.seq, s.start, s.num_tokens
             nxt = seq.token_ids[start + 1:start + n + 1]
@@ -367,17 +362,14 @@ class Speculator:
         if rows_logits is None:
             rows_logits = r.backend.empty((len(want), logits.shape[1]), "f32")
             r.gather_rows(logits, want, rows_logits)
-        toks, probs = self._sample_probs(rows_logits, *self._draft_params(seqs, 0))
+        toks, probs = r.sample(rows_logits, *self._draft_params(seqs, 0), with_probs=True)
         sampled = [seq.params.temperature > 0 for seq in seqs]
         if any(sampled):
             sel = [i for i, sm in enumerate(sampled) if sm]
             r.scatter_draft_rows(rows_logits, sel, [self._slot(seqs[i]) for i in sel], 0)
         # the MTP hidden state of each sequence's last row, for deeper drafts
-        last_row, t = [], 0
-        for i, s in enumerate(batch):
-            t += s.num_tokens
-            if i in want:
-                last_row.append(t - 1)
+        ends = np.cumsum([s.num_tokens for s in batch]) - 1
+        last_row = [int(ends[i]) for i in want]
         for seq, tok, pr, sm in zip(seqs, toks, probs, sampled):
             self._set_drafts(seq, [tok], [pr], sm)
         self._draft_deeper(seqs, last_row)
@@ -385,57 +377,48 @@ class Speculator:
     # ------------------------------------------------------------------ recursive drafts
     def _draft_deeper(self, seqs: list, mtp_rows: list) -> None:
         """Drafts 2..K: the MTP layer on its own hidden state and its last draft, for the
-        sequences where one more draft is expected to pay (or reach the threshold)."""
+        sequences where one more draft is expected to pay (or reach the threshold). mtp_rows[i]:
+        the row of the last plan whose MTP hidden state drafted seqs[i]'s first draft."""
         if self.K < 2 or not seqs:
             return
         r, bm = self.runner, self.engine.block_manager
-        cand = list(range(len(seqs)))
-        rows = list(mtp_rows)
-        first = True
+        live = None       # the sequences drafting so far; their hidden states are _draft_hidden[:len(live)]
         for depth in range(1, self.K):
-            cand = self._choose_deeper([seqs[i] for i in cand], depth, cand)
+            pool = seqs if live is None else live
             # the draft writes the MTP layer's cache at position len(seq) - 1 + depth - 1
-            cand = [i for i in cand if bm.can_grow(seqs[i], len(seqs[i]) + depth)]
-            if not cand:
+            keep = [i for i in self._choose_deeper(pool, depth) if bm.can_grow(pool[i], len(pool[i]) + depth)]
+            if not keep:
                 return
-            for i in cand:
-                bm.grow(seqs[i], len(seqs[i]) + depth)
-            if first:
-                r.keep_draft_hidden([rows[i] for i in cand])
-                first = False
-            elif len(cand) != len(rows):
+            for i in keep:
+                bm.grow(pool[i], len(pool[i]) + depth)
+            if live is None:
+                r.keep_draft_hidden([mtp_rows[i] for i in keep])
+            elif len(keep) != len(live):
                 # compact the rows still drafting (through a second store: no gather in place)
-                r.gather_rows(r._draft_hidden, [rows.index(i) for i in cand], r._mtp_hidden)
-                r.gather_rows(r._mtp_hidden, list(range(len(cand))), r._draft_hidden)
-            rows = list(cand)
-            sub = [seqs[i] for i in cand]
-            steps = [(seq, len(seq) - 1 + depth - 1, 1) for seq in sub]
-            toks = [[seq.drafts[-1]] for seq in sub]
+                r.gather_rows(r._draft_hidden, keep, r._mtp_hidden)
+                r.gather_rows(r._mtp_hidden, list(range(len(keep))), r._draft_hidden)
+            live = [pool[i] for i in keep]
+            steps = [(seq, len(seq) - 1 + depth - 1, 1) for seq in live]
             with Timer() as tm:
-                logits = r.run(steps, kind="draft", tokens=toks)
-                dt, dp = self._sample_probs(logits, *self._draft_params(sub, depth))
+                logits = r.run(steps, kind="draft", tokens=[[seq.drafts[-1]] for seq in live])
+                dt, dp = r.sample(logits, *self._draft_params(live, depth), with_probs=True)
             if r.last_plan.runs > 2:
-                self.costs.observe("draft", self._bucket(len(sub)), tm.seconds)
+                self.costs.observe("draft", self._bucket(len(live)), tm.seconds)
             self.stats.draft_runs += 1
             self.stats.seconds["draft"] += tm.seconds
-            sel = [j for j, seq in enumerate(sub) if seq.draft_q]
+            sel = [j for j, seq in enumerate(live) if seq.draft_q]
             if sel:
-                r.scatter_draft_rows(logits, sel, [self._slot(sub[j]) for j in sel], depth)
-            for seq, tok, pr in zip(sub, dt, dp):
+                r.scatter_draft_rows(logits, sel, [self._slot(live[j]) for j in sel], depth)
+            for seq, tok, pr in zip(live, dt, dp):
                 seq.drafts.append(tok)
                 seq.draft_probs.append(pr)
                 self.stats.drafts_proposed += 1
                 self._note_proposed(depth, pr)
-            cand = list(range(len(sub)))
-            seqs = sub
-            rows = list(range(len(sub)))
 
-    def _choose_deeper(self, seqs: list, depth: int, ids: list) -> list:
-        """Which of these sequences draft at position `depth` (0-based)."""
-        gains = []
-        for seq, i in zip(seqs, ids):
-            surv = survival(seq.draft_probs[:depth], self.cal)[-1]
-            gains.append((surv * self.cal.mean(depth), i))
+    def _choose_deeper(self, seqs: list, depth: int) -> list:
+        """Indices of the sequences that draft at position `depth` (0-based), ascending."""
+        gains = [(survival(seq.draft_probs[:depth], self.cal)[-1] * self.cal.mean(depth), i)
+                 for i, seq in enumerate(seqs)]
         if self.threshold is not None:
             return [i for g, i in gains if g >= self.threshold]
         # auto: the expected tokens gained must pay for the extra draft run
@@ -460,8 +443,6 @@ class Speculator:
     def decode_step(self, batch: list, now_fn) -> Optional[list]:
         """Run the decode batch speculatively; None: the scheduler chose a plain step (the engine
         runs it). Returns the RequestOutputs."""
-        from .sampling import step_seed
-
         eng, r, bm = self.engine, self.runner, self.engine.block_manager
         self._release_slots(eng.scheduler.running)
         seqs = [s.seq for s in batch]
@@ -504,7 +485,7 @@ class Speculator:
                 counts[i] -= 1
             bm.grow(seq, len(seq) + counts[i])
         steps, tokens = [], []
-        draft_ids, temp, top_k, top_p, seeds, src = [], [], [], [], [], []
+        draft_ids, temp, top_k, top_p, seeds, dseeds, src = [], [], [], [], [], [], []
         with_q = False
         for seq, d, k in zip(seqs, drafts, counts):
             start = seq.num_computed
@@ -519,21 +500,13 @@ class Speculator:
                 top_k.append(tk)
                 top_p.append(tp)
                 seeds.append(step_seed(seq.params.seed, seq.index, n_out + j))
+                # the MTP drafts again at every row (the next step keeps the row after the last accepted)
+                dseeds.append(step_seed(seq.params.seed ^ DRAFT_SALT, seq.index, start + 2 + j))
                 src.append(j * r.max_batch + slot if j < k else 0)
             with_q |= bool(k and seq.draft_q and t > 0)
         T = len(draft_ids)
-        # the drafts the MTP makes this step: one per row, sampled with the request's parameters
-        dtemp, dtk, dtp, dseeds = [], [], [], []
-        for (seq, start, n) in steps:
-            t, tk, tp = self._params(seq)
-            for j in range(n):
-                dtemp.append(t)
-                dtk.append(tk)
-                dtp.append(tp)
-                dseeds.append(step_seed(seq.params.seed ^ DRAFT_SALT, seq.index, start + 2 + j))
         inputs = {"draft_ids": (draft_ids, -1), "temperature": (temp, 0.0), "top_k": (top_k, 0), "top_p": (top_p, 1.0),
-                  "seeds": (seeds, 0), "draft_temperature": (dtemp, 0.0), "draft_top_k": (dtk, 0),
-                  "draft_top_p": (dtp, 1.0), "draft_seeds": (dseeds, 0)}
+                  "seeds": (seeds, 0), "draft_seeds": (dseeds, 0)}
         if with_q:
             inputs["draft_src"] = (src, 0)
             r.draft_store()
@@ -674,7 +647,7 @@ class Speculator:
 
                 def draft():
                     lg = r.run([(q, ctx, 1) for q in sub], kind="draft", tokens=[[5]] * S)
-                    self._sample_probs(lg, [0.0] * S, [0] * S, [1.0] * S, [0] * S)
+                    r.sample(lg, [0.0] * S, [0] * S, [1.0] * S, [0] * S, with_probs=True)
                 self.costs.observe("draft", S, timed(draft))
             spec_sizes = sorted({bucket(t) for t in range(1, maxS * (self.K + 1) + 1)})
             for T in spec_sizes:
@@ -686,8 +659,7 @@ class Speculator:
                 toks = [rng.integers(0, V, n).tolist() for n in per]
                 inputs = {"draft_ids": (rng.integers(0, V, T).tolist(), -1), "temperature": ([0.0] * T, 0.0),
                           "top_k": ([0] * T, 0), "top_p": ([1.0] * T, 1.0), "seeds": ([0] * T, 0),
-                          "draft_temperature": ([0.0] * T, 0.0), "draft_top_k": ([0] * T, 0),
-                          "draft_top_p": ([1.0] * T, 1.0), "draft_seeds": ([0] * T, 0)}
+                          "draft_seeds": ([0] * T, 0)}
 
                 def spec():
                     r.run(steps, all_logits=True, kind="spec", tokens=toks, inputs=inputs)

@@ -35,7 +35,7 @@ DeepSeek's own V2 code; transformers' V2 ignores it).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from .. import abi
@@ -300,17 +300,14 @@ class DeepseekGraph:
             g.embedding(ids=g.input("draft_src", (T,)), table=draft_table, out=q)
         out = g.empty((T,), "int32", "verified")
         acc = g.empty((T,), "int32", "accepted")
+        # a row's sampling parameters are its request's, for the verification and the next draft alike
+        params = dict(temperature=g.input("temperature", (T,), "f32"), top_k=g.input("top_k", (T,)),
+                      top_p=g.input("top_p", (T,), "f32"))
         g.spec_verify(logits=logits, draft_logits=q, draft_ids=g.input("draft_ids", (T,)),
-                      temperature=g.input("temperature", (T,), "f32"), top_k=g.input("top_k", (T,)),
-                      top_p=g.input("top_p", (T,), "f32"), seeds=g.input("seeds", (T,), "uint64"),
-                      out=out, accepted=acc)
-        mtp_meta = StepInputs(meta.mode, T, meta.S, out, meta.positions, meta.slots, meta.cu_seqlens,
-                              meta.block_table, meta.token_seq, meta.kv_len, None)
-        dl = self.mtp(g, mtp_meta, hidden, mtp_hidden, "draft_logits")
+                      seeds=g.input("seeds", (T,), "uint64"), out=out, accepted=acc, **params)
+        dl = self.mtp(g, replace(meta, ids=out, last_idx=None), hidden, mtp_hidden, "draft_logits")
         dtok = g.empty((T,), "int32", "draft_tokens")
         dprob = g.empty((T,), "f32", "draft_probs")
-        g.sample(logits=dl, temperature=g.input("draft_temperature", (T,), "f32"),
-                 top_k=g.input("draft_top_k", (T,)), top_p=g.input("draft_top_p", (T,), "f32"),
-                 seeds=g.input("draft_seeds", (T,), "uint64"), out=dtok, probs=dprob)
+        g.sample(logits=dl, seeds=g.input("draft_seeds", (T,), "uint64"), out=dtok, probs=dprob, **params)
         for name, t in (("verified", out), ("accepted", acc), ("draft_tokens", dtok), ("draft_probs", dprob)):
             g.output(name, t)
