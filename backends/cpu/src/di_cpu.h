@@ -105,7 +105,6 @@ typedef struct {
     int         query;
 } VC;
 
-DI_HIDDEN DI_Status check_header(VC* v, const void* args, uint32_t lib_size, const char* struct_name);
 DI_HIDDEN int tensor_present(const VC* v, const DI_Tensor* t);
 /*
  * What this library implements of an argument the op table has already validated at dispatch

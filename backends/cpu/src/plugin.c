@@ -117,14 +117,6 @@ static DI_Status check_size(DI_Context* ctx, const char* what, const void* s, ui
     return DI_OK;
 }
 
-DI_Status check_header(VC* v, const void* args, uint32_t lib_size, const char* struct_name) {
-    const DI_ArgsHeader* h = (const DI_ArgsHeader*)args;
-    DI_Status st = check_size(v->ctx, v->op, args, h->struct_size, lib_size, struct_name);
-    if (st) return st;
-    if (h->ext) return di_fail(v->ctx, DI_UNIMPLEMENTED, "%s: header.ext is set; no extensions are known", v->op);
-    return DI_OK;
-}
-
 /* ------------------------------------------------------------------ tensor checks */
 int tensor_present(const VC* v, const DI_Tensor* t) {
     /* In op_query data may be NULL for every tensor; an absent optional tensor is then all zero. */
@@ -517,10 +509,11 @@ static DI_Status api_device_count(int32_t* out) {
 }
 
 /* ------------------------------------------------------------------ op dispatch */
-/* One row per op of the header's op table (DI_OPS): name, args struct, its size and the body. */
+/* One row per op of the header's op table (DI_OPS): its name and body (args struct sizes are
+ * di_check_args_size's, from the same table). */
 typedef DI_Status (*op_impl)(DI_Context*, const void*, int);
-static const struct { const char* name; const char* sname; uint32_t size; op_impl fn; } k_ops[DI_OP_COUNT_V1_2] = {
-#define E(id, name, T, minor) [id] = {#name, #T, (uint32_t)sizeof(T), (op_impl)op_##name},
+static const struct { const char* name; op_impl fn; } k_ops[DI_OP_COUNT_V1_2] = {
+#define E(id, name, T, minor) [id] = {#name, (op_impl)op_##name},
     DI_OPS(E)
 #undef E
 };
