@@ -24,15 +24,20 @@ def _cxx() -> str | None:
     return None
 
 
+def _build(cxx: str, source: str, exe: Path) -> Path:
+    """A test program of tests/gpu_emu built against the CUDA sources with the host emulation."""
+    build = subprocess.run([cxx, "-std=c++17", "-O2", "-pthread", '-DDI_GPU_HOST_EMU="host_emu.h"', f"-I{EMU}",
+                            f"-I{ROOT / 'backends' / 'cuda' / 'src'}", f"-I{ROOT / 'abi'}", str(EMU / source),
+                            "-o", str(exe)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    return exe
+
+
 def test_lane_helpers_and_portable_sort_on_the_cpu(tmp_path):
     cxx = _cxx()
     if cxx is None:
         pytest.skip("no C++ compiler")
-    exe = tmp_path / "lanes_and_sort"
-    build = subprocess.run([cxx, "-std=c++17", "-O2", "-pthread", '-DDI_GPU_HOST_EMU="host_emu.h"', f"-I{EMU}",
-                            f"-I{ROOT / 'backends' / 'cuda' / 'src'}", f"-I{ROOT / 'abi'}",
-                            str(EMU / "test_lanes_and_sort.cpp"), "-o", str(exe)], capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr
+    exe = _build(cxx, "test_lanes_and_sort.cpp", tmp_path / "lanes_and_sort")
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
     assert "all checks passed" in run.stdout
@@ -66,11 +71,7 @@ def test_sample_and_spec_verify_rows_on_the_cpu(tmp_path):
     cxx = _cxx()
     if cxx is None:
         pytest.skip("no C++ compiler")
-    exe = tmp_path / "sample_rows"
-    build = subprocess.run([cxx, "-std=c++17", "-O2", "-pthread", '-DDI_GPU_HOST_EMU="host_emu.h"', f"-I{EMU}",
-                            f"-I{ROOT / 'backends' / 'cuda' / 'src'}", f"-I{ROOT / 'abi'}",
-                            str(EMU / "test_sample_rows.cpp"), "-o", str(exe)], capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr
+    exe = _build(cxx, "test_sample_rows.cpp", tmp_path / "sample_rows")
     ref = ReferenceCache(ReferenceBackend())
     cases = [C.spec_verify(11, 6, 9, "greedy", "logits", ties=True),
              C.spec_verify(12, 24, 16, "mixed", "logits"), C.spec_verify(13, 24, 16, "mixed", "greedy"),
