@@ -1,5 +1,5 @@
 /*
- * deepinfer kernel ABI, version 1.2 (abi/CHANGELOG.md lists what each minor version added).
+ * deepinfer kernel ABI, version 1.3 (abi/CHANGELOG.md lists what each minor version added).
  *
  * A vendor library (libdeepinfer_<name>.so) is built against this header alone. It exports one
  * frozen symbol, deepinfer_plugin_info(), which returns a DI_PluginInfo. The host asks that struct
@@ -40,7 +40,7 @@ extern "C" {
 /* DI_CDEF_BEGIN */
 
 #define DI_ABI_MAJOR 1
-#define DI_ABI_MINOR 2
+#define DI_ABI_MINOR 3
 #define DI_MAX_DIMS 6
 
 /* ---------------------------------------------------------------- status codes */
@@ -211,7 +211,14 @@ enum DI_OpId {
     DI_OP_COUNT_V1_0      = 16,
     DI_OP_COUNT_V1_1      = 16,  /* 1.1 added no ops */
     DI_OP_SPEC_VERIFY     = 16,  /* 1.2 */
-    DI_OP_COUNT_V1_2      = 17
+    DI_OP_COUNT_V1_2      = 17,
+    DI_OP_HC_PRE          = 17,  /* 1.3: DeepSeek V4 and V3.2 */
+    DI_OP_HC_POST         = 18,
+    DI_OP_KV_COMPRESS     = 19,
+    DI_OP_INDEXER_TOPK    = 20,
+    DI_OP_SPARSE_ATTENTION = 21,
+    DI_OP_LAYERNORM       = 22,
+    DI_OP_COUNT_V1_3      = 23
 };
 
 /* ---------------------------------------------------------------- op args (README: semantics) */
@@ -267,7 +274,7 @@ enum DI_RopeScaling { DI_ROPE_NONE = 0, DI_ROPE_YARN = 1 };
 typedef struct DI_RopeArgs {
     DI_ArgsHeader header;
     DI_Tensor x;                 /* [T, H, D] or [T, D], D even */
-    DI_Tensor positions;         /* [T] int32 */
+    DI_Tensor positions;         /* [T] int32; may be negative (rotation by -p: V4 un-rotates outputs) */
     DI_Tensor out;               /* same shape as x */
     int32_t   interleaved;       /* 1: pairs (2i, 2i+1); 0: pairs (i, i + D/2) */
     int32_t   scaling;           /* DI_RopeScaling */
@@ -312,9 +319,12 @@ typedef struct DI_MLADecodeArgs {
     DI_Tensor out;          /* [T, H, Dv] */
     float     scale;
     uint32_t  reserved;     /* 0 (was tail padding in 1.0) */
+    /* ---- v1.3 (DI_ARGS_SINCE) ---- */
+    DI_Tensor indices;      /* [T, K] int32 or absent: the only positions token t attends (V3.2's
+                               sparse attention); entries < 0 or >= kv_len[t] are skipped */
 } DI_MLADecodeArgs;
 
-enum DI_Scoring    { DI_SCORING_SOFTMAX = 0, DI_SCORING_SIGMOID = 1 };
+enum DI_Scoring    { DI_SCORING_SOFTMAX = 0, DI_SCORING_SIGMOID = 1, DI_SCORING_SQRTSOFTPLUS = 2 /* 1.3 */ };
 enum DI_GroupScore { DI_GROUP_SCORE_MAX = 0, DI_GROUP_SCORE_SUM_TOP2 = 1 };
 
 /* DeepSeek MoE gate: scores, biased selection, group-limited top-k, normalize, scale */
@@ -330,6 +340,9 @@ typedef struct DI_MoERouterArgs {
     int32_t   group_score;      /* DI_GroupScore */
     int32_t   norm_topk_prob;
     float     routed_scaling_factor;
+    /* ---- v1.3 (DI_ARGS_SINCE): hash routing, both present or both absent ---- */
+    DI_Tensor token_ids;        /* [T] int32: the token at each row */
+    DI_Tensor hash_table;       /* [V, K] int32: the experts of each token id (V4's tid2eid) */
 } DI_MoERouterArgs;
 
 /* out[t] (+)= sum_k w[t,k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t,k] */
@@ -344,6 +357,9 @@ typedef struct DI_MoEExpertsArgs {
     const DI_Tensor* w_up;           /* E x [I, H] */
     const DI_Tensor* w_down;         /* E x [H, I] */
     DI_Tensor        out;            /* [T, H] */
+    /* ---- v1.3 (DI_ARGS_SINCE) ---- */
+    float            swiglu_limit;   /* > 0: gate = min(gate, limit), up = clamp(up, -limit, limit) */
+    uint32_t         reserved;       /* 0 */
 } DI_MoEExpertsArgs;
 
 /* out = a + b (same shape); out may alias a or b */
@@ -354,12 +370,15 @@ typedef struct DI_BinaryArgs {
     DI_Tensor out;
 } DI_BinaryArgs;
 
-/* out = silu(gate) * up */
+/* out = silu(gate) * up (gate and up clipped first when limit > 0, 1.3) */
 typedef struct DI_SiluMulArgs {
     DI_ArgsHeader header;
     DI_Tensor gate;   /* [T, I] */
     DI_Tensor up;     /* [T, I] */
     DI_Tensor out;    /* [T, I] */
+    /* ---- v1.3 (DI_ARGS_SINCE) ---- */
+    float     limit;      /* > 0: gate = min(gate, limit), up = clamp(up, -limit, limit) */
+    uint32_t  reserved;   /* 0 */
 } DI_SiluMulArgs;
 
 /* out = concat(a, b) along the last dimension */
@@ -396,6 +415,95 @@ typedef struct DI_SpecVerifyArgs {
     DI_Tensor out;           /* [T] int32: the token at row t */
     DI_Tensor accepted;      /* [T] int32: 1 = out[t] is draft_ids[t] and was accepted */
 } DI_SpecVerifyArgs;
+
+/* ---- 1.3: DeepSeek V4 (hyper-connections, compressed and sparse attention) and V3.2 (DSA) ---- */
+
+/* manifold-constrained hyper-connection, entering a block: mixing weights from the N residual
+ * streams, and the streams collapsed into the block's input (README section 8, hc_pre) */
+typedef struct DI_HCPreArgs {
+    DI_ArgsHeader header;
+    DI_Tensor x;        /* [T, N, H] f32 | bf16: the N residual streams of each token */
+    DI_Tensor fn;       /* [M, N * H] f32: M = (2 + N) * N (pre, post, comb) or N (pre only) */
+    DI_Tensor base;     /* [M] f32 */
+    DI_Tensor scale;    /* [3] f32 (pre, post, comb), or [1] when M = N */
+    DI_Tensor out;      /* [T, H] f32 | bf16: sum_n pre[t, n] * x[t, n, :] */
+    DI_Tensor post;     /* [T, N] f32: written when M = (2 + N) * N, else absent */
+    DI_Tensor comb;     /* [T, N, N] f32: written when M = (2 + N) * N, else absent */
+    float     eps;             /* the RMS norm's epsilon */
+    float     hc_eps;          /* added to pre and comb; floor of the Sinkhorn denominators */
+    int32_t   sinkhorn_iters;  /* >= 1 */
+    uint32_t  reserved;        /* 0 */
+} DI_HCPreArgs;
+
+/* hyper-connection, leaving a block: out[t, k] = post[t, k] * y[t] + sum_j comb[t, j, k] * x[t, j] */
+typedef struct DI_HCPostArgs {
+    DI_ArgsHeader header;
+    DI_Tensor x;        /* [T, N, H] f32 | bf16: the streams that entered the block */
+    DI_Tensor y;        /* [T, H]: the block's output */
+    DI_Tensor post;     /* [T, N] f32 */
+    DI_Tensor comb;     /* [T, N, N] f32 */
+    DI_Tensor out;      /* [T, N, H]; must not overlap x */
+} DI_HCPostArgs;
+
+/* V4's KV compressor: the rows whose position closes a window of `ratio` tokens get the
+ * softmax-gated sum of the window's staged values (overlap: two windows), the others zero */
+typedef struct DI_KVCompressArgs {
+    DI_ArgsHeader header;
+    DI_Tensor staged;         /* [NB, BS, 2W] f32 | bf16, paged per token: values [0, W), gate logits [W, 2W) */
+    DI_Tensor position_bias;  /* [ratio, W] f32, added to the gate logits */
+    DI_Tensor block_table;    /* [S, MB] int32 */
+    DI_Tensor token_seq;      /* [T] int32 */
+    DI_Tensor positions;      /* [T] int32 */
+    DI_Tensor out;            /* [T, D] f32 | bf16; D = W (overlap 0) or W / 2 (overlap 1) */
+    int32_t   ratio;          /* tokens per window, >= 1 */
+    int32_t   overlap;        /* 1: entry w pools the first halves of window w-1 and the second halves of window w */
+} DI_KVCompressArgs;
+
+/* lightning indexer: the K paged entries of highest score sum_h w[t,h] relu(q[t,h] . key) per row */
+typedef struct DI_IndexerTopkArgs {
+    DI_ArgsHeader header;
+    DI_Tensor q;            /* [T, NI, Di] f32 | bf16 */
+    DI_Tensor weights;      /* [T, NI] f32 */
+    DI_Tensor keys;         /* [NB, CB, Di] f32 | bf16: entry keys, CB = max(1, block_size / ratio) a block */
+    DI_Tensor block_table;  /* [S, MB] int32 */
+    DI_Tensor token_seq;    /* [T] int32 */
+    DI_Tensor kv_len;       /* [T] int32: entries e < kv_len[t] / ratio are visible to row t */
+    DI_Tensor out;          /* [T, K] int32: visible entries by descending score, ties to the lower e; -1 after the last */
+    float     scale;        /* multiplies every score */
+    int32_t   ratio;        /* tokens an entry covers (1: an entry per token) */
+    int32_t   block_size;   /* tokens per block of block_table */
+    uint32_t  reserved;     /* 0 */
+} DI_IndexerTopkArgs;
+
+/* V4 attention: one shared key = value per position (MQA), a sliding window of the paged cache plus
+ * compressed entries (all visible ones, or those listed in indices), with a per-head sink */
+typedef struct DI_SparseAttentionArgs {
+    DI_ArgsHeader header;
+    DI_Tensor q;            /* [T, NH, D] f32 | bf16, rope applied */
+    DI_Tensor kv_cache;     /* [NB, BS, D] f32 | bf16: one key (= value) per token */
+    DI_Tensor comp_cache;   /* [NB, CB, D] or absent: compressed entries, CB = max(1, BS / ratio) a block */
+    DI_Tensor indices;      /* [T, K] int32 or absent (all visible entries): the entries row t attends; < 0 skipped */
+    DI_Tensor sinks;        /* [NH] f32 or absent: a logit per head that joins the softmax, with no value */
+    DI_Tensor block_table;  /* [S, MB] int32 */
+    DI_Tensor token_seq;    /* [T] int32 */
+    DI_Tensor kv_len;       /* [T] int32: row t is the query at position kv_len[t] - 1 */
+    DI_Tensor out;          /* [T, NH, D] */
+    float     scale;
+    int32_t   window;       /* positions [kv_len - window, kv_len); 0: all of [0, kv_len) */
+    int32_t   ratio;        /* tokens a compressed entry covers; entries e < kv_len[t] / ratio are visible */
+    uint32_t  reserved;     /* 0 */
+} DI_SparseAttentionArgs;
+
+/* out = (x - mean(x)) * rsqrt(var(x) + eps) * weight (+ bias), over the last dim */
+typedef struct DI_LayerNormArgs {
+    DI_ArgsHeader header;
+    DI_Tensor x;        /* [T, H] f32 | bf16 */
+    DI_Tensor weight;   /* [H] */
+    DI_Tensor bias;     /* [H] or absent */
+    DI_Tensor out;      /* [T, H] */
+    float     eps;
+    uint32_t  reserved; /* 0 */
+} DI_LayerNormArgs;
 
 /* ---------------------------------------------------------------- the function table */
 typedef struct DI_Api {
@@ -470,7 +578,15 @@ typedef struct DI_Api {
     /* ---- v1.2 (present when abi_minor >= 2 and the offset is below struct_size) ---- */
     /* ops appended after 1.0's, in DI_OpId order from DI_OP_SPEC_VERIFY; NULL = unsupported */
     DI_Status (*spec_verify)(DI_Context* ctx, const DI_SpecVerifyArgs* args);
-    /* v1.3 and later append here */
+
+    /* ---- v1.3 (present when abi_minor >= 3 and the offset is below struct_size) ---- */
+    DI_Status (*hc_pre)(DI_Context* ctx, const DI_HCPreArgs* args);
+    DI_Status (*hc_post)(DI_Context* ctx, const DI_HCPostArgs* args);
+    DI_Status (*kv_compress)(DI_Context* ctx, const DI_KVCompressArgs* args);
+    DI_Status (*indexer_topk)(DI_Context* ctx, const DI_IndexerTopkArgs* args);
+    DI_Status (*sparse_attention)(DI_Context* ctx, const DI_SparseAttentionArgs* args);
+    DI_Status (*layernorm)(DI_Context* ctx, const DI_LayerNormArgs* args);
+    /* v1.4 and later append here */
 } DI_Api;
 
 /*
@@ -549,7 +665,13 @@ const DI_PluginInfo* deepinfer_plugin_info(void);
     X(DI_OP_SILU_MUL, silu_mul, DI_SiluMulArgs, 0) \
     X(DI_OP_CONCAT, concat, DI_ConcatArgs, 0) \
     X(DI_OP_SAMPLE, sample, DI_SampleArgs, 0) \
-    X(DI_OP_SPEC_VERIFY, spec_verify, DI_SpecVerifyArgs, 2)
+    X(DI_OP_SPEC_VERIFY, spec_verify, DI_SpecVerifyArgs, 2) \
+    X(DI_OP_HC_PRE, hc_pre, DI_HCPreArgs, 3) \
+    X(DI_OP_HC_POST, hc_post, DI_HCPostArgs, 3) \
+    X(DI_OP_KV_COMPRESS, kv_compress, DI_KVCompressArgs, 3) \
+    X(DI_OP_INDEXER_TOPK, indexer_topk, DI_IndexerTopkArgs, 3) \
+    X(DI_OP_SPARSE_ATTENTION, sparse_attention, DI_SparseAttentionArgs, 3) \
+    X(DI_OP_LAYERNORM, layernorm, DI_LayerNormArgs, 3)
 
 #define DI_ARGS_embedding(T, A, S) \
     T(S, ids, IN, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
@@ -594,12 +716,15 @@ const DI_PluginInfo* deepinfer_plugin_info(void);
     T(S, block_table, IN, REQ, 2, 2, DI_DTS_INDEX, DI_DTS_NONE) \
     T(S, token_seq, IN, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
     T(S, kv_len, IN, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
-    T(S, out, OUT, REQ, 3, 3, DI_DTS_FLOAT, DI_DTS_NONE)
+    T(S, out, OUT, REQ, 3, 3, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, indices, IN, OPT, 2, 2, DI_DTS_INDEX, DI_DTS_NONE)
 #define DI_ARGS_moe_router(T, A, S) \
     T(S, logits, IN, REQ, 2, 2, DI_DTS_F32, DI_DTS_NONE) \
     T(S, bias, IN, OPT, 1, 1, DI_DTS_F32, DI_DTS_NONE) \
     T(S, topk_ids, OUT, REQ, 2, 2, DI_DTS_INDEX, DI_DTS_NONE) \
-    T(S, topk_weights, OUT, REQ, 2, 2, DI_DTS_F32, DI_DTS_NONE)
+    T(S, topk_weights, OUT, REQ, 2, 2, DI_DTS_F32, DI_DTS_NONE) \
+    T(S, token_ids, IN, OPT, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, hash_table, IN, OPT, 2, 2, DI_DTS_INDEX, DI_DTS_NONE)
 #define DI_ARGS_moe_experts(T, A, S) \
     T(S, x, IN, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE) \
     T(S, topk_ids, IN, REQ, 2, 2, DI_DTS_INDEX, DI_DTS_NONE) \
@@ -642,6 +767,50 @@ const DI_PluginInfo* deepinfer_plugin_info(void);
     T(S, seeds, IN, REQ, 1, 1, DI_DTS_SEED, DI_DTS_NONE) \
     T(S, out, OUT, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
     T(S, accepted, OUT, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE)
+#define DI_ARGS_hc_pre(T, A, S) \
+    T(S, x, IN, REQ, 3, 3, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, fn, IN, REQ, 2, 2, DI_DTS_F32, DI_DTS_NONE) \
+    T(S, base, IN, REQ, 1, 1, DI_DTS_F32, DI_DTS_NONE) \
+    T(S, scale, IN, REQ, 1, 1, DI_DTS_F32, DI_DTS_NONE) \
+    T(S, out, OUT, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, post, OUT, OPT, 2, 2, DI_DTS_F32, DI_DTS_NONE) \
+    T(S, comb, OUT, OPT, 3, 3, DI_DTS_F32, DI_DTS_NONE)
+#define DI_ARGS_hc_post(T, A, S) \
+    T(S, x, IN, REQ, 3, 3, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, y, IN, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, post, IN, REQ, 2, 2, DI_DTS_F32, DI_DTS_NONE) \
+    T(S, comb, IN, REQ, 3, 3, DI_DTS_F32, DI_DTS_NONE) \
+    T(S, out, OUT, REQ, 3, 3, DI_DTS_FLOAT, DI_DTS_NONE)
+#define DI_ARGS_kv_compress(T, A, S) \
+    T(S, staged, IN, REQ, 3, 3, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, position_bias, IN, REQ, 2, 2, DI_DTS_F32, DI_DTS_NONE) \
+    T(S, block_table, IN, REQ, 2, 2, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, token_seq, IN, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, positions, IN, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, out, OUT, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE)
+#define DI_ARGS_indexer_topk(T, A, S) \
+    T(S, q, IN, REQ, 3, 3, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, weights, IN, REQ, 2, 2, DI_DTS_F32, DI_DTS_NONE) \
+    T(S, keys, IN, REQ, 3, 3, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, block_table, IN, REQ, 2, 2, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, token_seq, IN, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, kv_len, IN, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, out, OUT, REQ, 2, 2, DI_DTS_INDEX, DI_DTS_NONE)
+#define DI_ARGS_sparse_attention(T, A, S) \
+    T(S, q, IN, REQ, 3, 3, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, kv_cache, IN, REQ, 3, 3, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, comp_cache, IN, OPT, 3, 3, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, indices, IN, OPT, 2, 2, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, sinks, IN, OPT, 1, 1, DI_DTS_F32, DI_DTS_NONE) \
+    T(S, block_table, IN, REQ, 2, 2, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, token_seq, IN, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, kv_len, IN, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, out, OUT, REQ, 3, 3, DI_DTS_FLOAT, DI_DTS_NONE)
+#define DI_ARGS_layernorm(T, A, S) \
+    T(S, x, IN, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, weight, IN, REQ, 1, 1, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, bias, IN, OPT, 1, 1, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, out, OUT, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE)
 
 /*
  * DI_ARGS_SINCE(F): F(op name, args struct, field, minor) for every field appended to an op's args
@@ -655,6 +824,11 @@ const DI_PluginInfo* deepinfer_plugin_info(void);
  * would answer DI_UNIMPLEMENTED for the non-zero bytes past its struct, section 2).
  */
 #define DI_ARGS_SINCE(F) \
+    F(mla_decode, DI_MLADecodeArgs, indices, 3) \
+    F(moe_router, DI_MoERouterArgs, token_ids, 3) \
+    F(moe_router, DI_MoERouterArgs, hash_table, 3) \
+    F(moe_experts, DI_MoEExpertsArgs, swiglu_limit, 3) \
+    F(silu_mul, DI_SiluMulArgs, limit, 3) \
     F(sample, DI_SampleArgs, probs, 2)
 
 /*
