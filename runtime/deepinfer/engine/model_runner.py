@@ -34,9 +34,11 @@ from ..errors import ConfigError
 from ..model.checkpoint import Checkpoint
 from ..model.deepseek import DeepseekGraph, StepInputs
 from ..model.expert_cache import ExpertCache, ExpertCacheConfig
-from ..model.kv_cache import PagedKVCache, block_bytes
+from ..model import deepseek_v4 as V4
+from ..model.kv_cache import PagedKVCache, PagedPools, block_bytes, pools_block_bytes
 from ..model.plan import Arena, Plan, Tracer
 from ..model.weights import WeightLoader
+from ..model.weights_v4 import V4WeightLoader
 from ..tensor import Tensor
 from .block_manager import BlockManager
 from .sequence import Sequence
@@ -96,14 +98,19 @@ class ModelRunner:
             self.stream = backend.create_stream()
             backend.set_stream(self.stream)
         self.has_mtp = bool(load_mtp and c.has_mtp and f"model.layers.{c.num_hidden_layers}.eh_proj.weight" in ckpt)
+        self.v4 = c.v4 is not None
+        if self.v4 and self.block_size & (self.block_size - 1):
+            raise ConfigError(f"DeepSeek V4 needs a power-of-two KV block size (compressed entries of 4 and 128 "
+                              f"tokens map onto blocks); {self.block_size} is not: set kv_block_size to 16, 32 or 64")
         if quantize_lm_head and QF.weight_format_of(precision) not in ("int8", "int4"):
             raise ConfigError(f"quantize_lm_head needs an int8, int4, w8a8 or w4a8 precision; this model runs "
                               f"{precision or 'as stored'}: set such a precision, or drop quantize_lm_head")
         ec = ExpertCacheConfig.parse(expert_cache)
         if ec is not None and not c.n_routed_experts:
             raise ConfigError("expert_cache: this model has no routed experts (n_routed_experts is 0); drop the option")
-        loader = WeightLoader(ckpt, backend, dtype, precision, group_size, quantize_lm_head=quantize_lm_head,
-                              stream_experts=ec is not None)
+        loader = (V4WeightLoader if self.v4 else WeightLoader)(
+            ckpt, backend, dtype, precision, group_size, quantize_lm_head=quantize_lm_head,
+            stream_experts=ec is not None)
         self.weights = loader.load(self.has_mtp)
         # routed experts on demand (model.expert_cache): the plans pause at every MoE layer for it
         self.experts: Optional[ExpertCache] = None
@@ -117,7 +124,8 @@ class ModelRunner:
             self.experts = ExpertCache(backend, loader, moe, ec, top_k=c.num_experts_per_tok,
                                        max_tokens=max(self.max_num_batched_tokens, self.max_batch, 256),
                                        main_layers=c.num_hidden_layers)
-        self.graph = DeepseekGraph(c, self.weights, [], dtype, self.act_quant)
+        self.graph = (V4.DeepseekV4Graph if self.v4 else DeepseekGraph)(c, self.weights, [], dtype, self.act_quant)
+        self.graph.block_size = self.block_size
         self.arena = Arena(backend)
         self.plans: "OrderedDict[tuple, Plan]" = OrderedDict()
         self._hidden: Optional[Tensor] = None     # persistent final hidden states for the MTP head
@@ -136,8 +144,7 @@ class ModelRunner:
             num_cache_blocks = self._blocks_from_free_memory(kv_cache_memory_fraction)
         nb = int(num_cache_blocks or self.max_batch * self.max_blocks_per_seq)
         self._check_kv_fits(nb, explicit_kv)
-        self.kv = PagedKVCache(backend, self.num_cache_layers, nb, self.block_size, c.cache_width, dtype,
-                               self.max_blocks_per_seq)
+        self.kv = self._new_cache(nb)
         self.graph.caches = self.kv.layers
         self.block_manager = BlockManager(nb, self.block_size, self.max_blocks_per_seq, enable_prefix_cache)
         stored = c.quant_scheme.describe() if c.quant_scheme is not None else c.torch_dtype
@@ -147,11 +154,24 @@ class ModelRunner:
             (", int8 lm_head" if quantize_lm_head else "")
 
     # ================================================================== KV cache sizing
+    def _new_cache(self, num_blocks: int):
+        if self.v4:
+            return PagedPools(self.backend, V4.cache_pools(self.cfg, self.block_size), num_blocks, self.block_size,
+                              self.dtype, self.max_blocks_per_seq)
+        return PagedKVCache(self.backend, self.num_cache_layers, num_blocks, self.block_size, self.cfg.cache_width,
+                            self.dtype, self.max_blocks_per_seq)
+
+    def _block_bytes(self) -> int:
+        """Bytes one KV block takes over all cache layers."""
+        item = 4 if self.dtype == "f32" else 2
+        if self.v4:
+            return pools_block_bytes(V4.cache_pools(self.cfg, self.block_size), item)
+        return block_bytes(self.num_cache_layers, self.block_size, self.cfg.cache_width, item)
+
     def _check_kv_fits(self, num_blocks: int, explicit: bool) -> None:
         """Refuse a KV cache larger than the free memory before allocating it: an allocation that
         fails (or a host that starts swapping) says far less than what fits."""
-        per = block_bytes(self.num_cache_layers, self.block_size, self.cfg.cache_width,
-                          4 if self.dtype == "f32" else 2)
+        per = self._block_bytes()
         free, _ = self.backend.memory_info()
         if free and num_blocks * per > free:
             fits = free // per * self.block_size
@@ -166,17 +186,22 @@ class ModelRunner:
         prefill (its plan's arena is the peak activation memory). Device backends take that much;
         host backends stop at max_batch full-length sequences (RAM is shared with everything else)."""
         c = self.cfg
-        warm = PagedKVCache(self.backend, self.num_cache_layers, 1, self.block_size, c.cache_width, self.dtype,
-                            self.max_blocks_per_seq)
+        warm = self._new_cache(1)
         self.graph.caches = warm.layers
         T = min(self.max_num_batched_tokens, self.max_batch * self.max_seq_len)
-        p = self.plan("main", "prefill", bucket(T), 1)
+        p = self.plan("main", "prefill" if self._prefill_mode else "decode", bucket(T), 1)
         if self.backend.device != "cpu":
             # run it: backends allocate their workspaces on first use; slots -1 write no cache
             p.host_input("ids")[:] = 0
             p.host_input("positions")[:] = np.arange(p.key[2]) % self.max_seq_len
             p.host_input("slots")[:] = -1
-            p.host_input("cu_seqlens")[:] = [0, p.key[2]]
+            if self._prefill_mode:
+                p.host_input("cu_seqlens")[:] = [0, p.key[2]]
+            else:   # block 0 of the one-block warm-up cache, every token attending to its own position
+                p.host_input("block_table")[...] = 0
+                p.host_input("token_seq")[:] = 0
+                p.host_input("kv_len")[:] = np.arange(p.key[2]) % self.block_size + 1
+                self._fill_extra(p, p.host_input("positions"), p.host_input("slots"))
             p.host_input("last_idx")[:] = 0
             if self.experts is not None:
                 self.experts.dry = True
@@ -189,7 +214,7 @@ class ModelRunner:
         self.plans.clear()                       # they point at the warm-up cache
         del warm
         free, total = self.backend.memory_info()
-        per = block_bytes(self.num_cache_layers, self.block_size, c.cache_width, 4 if self.dtype == "f32" else 2)
+        per = self._block_bytes()
         nb = int(free * float(fraction)) // per
         if self.backend.device == "cpu":
             nb = min(nb, self.max_batch * self.max_blocks_per_seq)
@@ -231,6 +256,26 @@ class ModelRunner:
         p.bind(self.arena, self.backend)
         return p
 
+    @property
+    def _prefill_mode(self) -> bool:
+        """Whether fresh sequences run the un-cached prefill path (V4 always reads its caches)."""
+        return getattr(self.graph, "prefill_mode", True)
+
+    def _fill_extra(self, p: Plan, pos, slots) -> None:
+        """The inputs a V4 step derives from positions and slots (model.deepseek_v4): -position, and
+        per compression ratio r the entry slot and first position of the window each token closes."""
+        if "neg_positions" not in p.inputs:
+            return
+        pos = np.asarray(pos, np.int64)
+        slots = np.asarray(slots, np.int64)
+        p.host_input("neg_positions")[:] = -pos
+        bs = self.block_size
+        for r in V4.step_ratios(self.cfg):
+            per = max(1, bs // r)
+            closes = ((pos + 1) % r == 0) & (slots >= 0)
+            p.host_input(f"comp_slots_{r}")[:] = np.where(closes, (slots // bs) * per + (pos % bs) // r, -1)
+            p.host_input(f"comp_pos_{r}")[:] = np.where(closes, pos + 1 - r, 0)
+
     def _hidden_store(self, T: int) -> Tensor:
         """The persistent hidden-state stores (main model's and the MTP layer's) for T rows."""
         if self._hidden is None or self._hidden.shape[0] < T:
@@ -255,7 +300,8 @@ class ModelRunner:
         speculative step's); its other outputs are read with `output`."""
         if not batch:
             raise ValueError("a step needs at least one sequence")
-        mode = "prefill" if all(start == 0 for _, start, _ in batch) and kind != "spec" else "decode"
+        mode = "prefill" if self._prefill_mode and all(start == 0 for _, start, _ in batch) and kind != "spec" \
+            else "decode"
         T = sum(n for _, _, n in batch)
         S = len(batch)
         Tb, Sb = bucket(T), bucket(S)
@@ -391,6 +437,7 @@ class ModelRunner:
         p.host_input("ids")[:] = ids
         p.host_input("positions")[:] = pos
         p.host_input("slots")[:] = slots
+        self._fill_extra(p, pos, slots)
         if "last_idx" in p.inputs:
             p.host_input("last_idx")[:] = last
 
@@ -417,6 +464,7 @@ class ModelRunner:
         table[...] = 0
         for r, (seq, _, _) in enumerate(batch):
             table[r, :len(seq.block_table)] = seq.block_table
+        self._fill_extra(p, pos, slots)
         if "last_idx" in p.inputs:
             last = h("last_idx")
             last[:T] = range(T)

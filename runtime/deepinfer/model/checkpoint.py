@@ -195,7 +195,7 @@ class TensorStore:
     gate_up scales between gate and up.
     """
 
-    def __init__(self, model_dir, quant_scheme=None):
+    def __init__(self, model_dir, quant_scheme=None, rename=None):
         self.dir = Path(model_dir)
         if not self.dir.is_dir():
             raise CheckpointError(f"model directory {self.dir} does not exist")
@@ -220,6 +220,8 @@ class TensorStore:
             self.weight_files = {single.name}
         else:
             raise CheckpointError(f"{self.dir}: no model.safetensors or model.safetensors.index.json")
+        if rename is not None:
+            self._rename(rename(list(self.where)))
         self.views: dict[str, _ExpertView] = {}
         self._fused: set[str] = set()
         fp8 = quant_scheme is not None and quant_scheme.format == "fp8"
@@ -229,6 +231,22 @@ class TensorStore:
             if m is not None:
                 self._add_fused(name, m["prefix"], m["proj"], block_rows)
         self._names = [n for n in self.where if n not in self._fused] + list(self.views)
+
+    def _rename(self, renames: dict) -> None:
+        """Present stored tensors under other names ({stored: logical}; DeepSeek V4's own layout,
+        model.v4_names): each file's entries are re-keyed, so every lookup sees the logical name."""
+        if not renames:
+            return
+        where = {}
+        for stored, f in self.where.items():
+            name = renames.get(stored, stored)
+            if name in where:
+                raise CheckpointError(f"{self.dir}: tensors {stored!r} and another one both stand for {name!r}; "
+                                      f"keep one layout of the checkpoint")
+            where[name] = f
+        for f in self.files.values():
+            f.entries = {renames.get(n, n): e for n, e in f.entries.items()}
+        self.where = where
 
     # ------------------------------------------------------------------ files
     def _open_shard(self, index: Path, fname: str, name: str) -> SafetensorsFile:
@@ -433,7 +451,9 @@ class Checkpoint(TensorStore):
         if not d.is_dir():
             raise CheckpointError(f"model directory {d} does not exist")
         self.config = ModelConfig.from_file(confined(d, "config.json", str(d / "config.json")))
-        super().__init__(d, self.config.quant_scheme)
+        from . import v4_names
+
+        super().__init__(d, self.config.quant_scheme, rename=v4_names.renames if self.config.v4 is not None else None)
 
     def tensor(self, name: str, shape, dtype: Optional[str] = None) -> Tensor:
         """A plain float tensor (norms, embeddings, biases), cast to `dtype` when it differs."""

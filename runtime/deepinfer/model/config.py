@@ -1,4 +1,5 @@
-"""The model config: one dataclass read from a hub `config.json` of the DeepSeek V2 / V3 family.
+"""The model config: one dataclass read from a hub `config.json` of the DeepSeek V2 / V3 / V3.2 / V4
+family.
 
 Accepts the keys as DeepSeek publishes them (`rope_scaling` with `type: yarn`, `rope_theta` at the
 top level, `scoring_func`, `topk_method`) and as transformers 5 saves them (`rope_parameters` with
@@ -16,7 +17,7 @@ from typing import Optional
 from .. import validate as V
 from ..errors import CheckpointError
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v4")
 _ARCH_TO_TYPE = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
                  "DeepseekV32ForCausalLM": "deepseek_v32", "DeepseekV4ForCausalLM": "deepseek_v4"}
 # Later DeepSeek families and the ops they need that deepinfer does not have yet. Running them with
@@ -24,9 +25,6 @@ _ARCH_TO_TYPE = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM"
 _MISSING_FEATURES = {
     "deepseek_v32": "DeepSeek Sparse Attention (DSA): the lightning indexer (index_n_heads, index_head_dim) and "
                     "top-k sparse MLA over index_topk selected tokens",
-    "deepseek_v4": "V4's compressed sparse / heavily compressed attention (CSA/HCA, compress_ratios) with the "
-                   "sliding window, hyper-connections (hc_mult), hash routing of the first num_hash_layers, "
-                   "sqrtsoftplus expert scoring, grouped low-rank output (o_lora_rank) and fp4 experts",
 }
 # keys that only those families have: a config that carries them under another model_type is one of them
 _FAMILY_KEYS = {"deepseek_v32": ("index_topk", "index_n_heads"),
@@ -101,6 +99,7 @@ class ModelConfig:
     weight_block_size: Optional[tuple[int, int]] = None
     quant_scheme: Optional[object] = None      # quant_formats.QuantScheme of the checkpoint, None if float
     source: str = ""
+    v4: Optional["V4Config"] = None            # DeepSeek V4's attention, hyper-connections and routing
 
     # ------------------------------------------------------------------ derived
     @property
@@ -121,7 +120,14 @@ class ModelConfig:
             s = s * m * m
         return s
 
+    @property
+    def family(self) -> str:
+        """"v4" (model.deepseek_v4) or "mla" (model.deepseek: V2, V3)."""
+        return "v4" if self.v4 is not None else "mla"
+
     def is_moe_layer(self, i: int) -> bool:
+        if self.v4 is not None:
+            return True
         return (self.n_routed_experts is not None and self.n_routed_experts > 0
                 and i >= self.first_k_dense_replace and i % max(self.moe_layer_freq, 1) == 0)
 
@@ -146,7 +152,7 @@ class ModelConfig:
         f = _Fields(d, source)
         mt = _model_type(f)
         for fam, keys in _FAMILY_KEYS.items():
-            if mt != fam and mt in SUPPORTED_MODEL_TYPES and any(k in d for k in keys):
+            if mt in ("deepseek_v2", "deepseek_v3") and any(k in d for k in keys):
                 found = [k for k in keys if k in d]
                 raise CheckpointError(f"{source}: model_type={mt!r}, but the config has {', '.join(found)}, which "
                                       f"only {fam} models have; refusing to run it as {mt}")
@@ -160,6 +166,8 @@ class ModelConfig:
             raise CheckpointError(
                 f"{source}: unsupported architecture model_type={_show(shown)}; deepinfer runs "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        if mt == "deepseek_v4":
+            return _v4_from_dict(f, d, source)
 
         v3 = mt == "deepseek_v3"
         from .. import quant_formats as QF
@@ -248,6 +256,168 @@ class ModelConfig:
         for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank"):
             if getattr(self, k) <= 0:
                 raise CheckpointError(f"{src}: {k} must be positive")
+
+
+V4_LAYER_TYPES = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+_V4_RATIO_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+
+
+@dataclass
+class V4Config:
+    """What DeepSeek V4 adds to ModelConfig (transformers' DeepseekV4Config, and DeepSeek's own keys:
+    compress_ratios, num_hash_layers, qk_rope_head_dim, rope_scaling).
+
+    Attention: one shared KV head of head_dim D (key = value), rope on its last qk_rope_head_dim dims,
+    q from q_a (LoRA) like V3, a learned sink per head, output through o_groups low-rank groups.
+    layer_types[i] says what else layer i attends besides its sliding window: nothing (sliding),
+    compressed entries of ratio tokens picked by the lightning indexer (CSA, overlapping windows) or
+    all compressed entries (HCA)."""
+
+    head_dim: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    layer_types: list
+    compress_rates: dict             # layer type -> tokens per compressed entry
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    mlp_layer_types: list            # "hash_moe" (routing by token id) or "moe"
+    swiglu_limit: float
+    rope_main: RopeConfig            # sliding layers
+    rope_compress: RopeConfig        # CSA / HCA layers, their compressors and indexers
+
+    def ratio(self, i: int) -> int:
+        """Tokens per compressed entry of layer i, 0 for a sliding-only layer."""
+        t = self.layer_types[i]
+        return 0 if t == "sliding_attention" else int(self.compress_rates[t])
+
+    def is_csa(self, i: int) -> bool:
+        return self.layer_types[i] == "compressed_sparse_attention"
+
+    def rope(self, i: int) -> RopeConfig:
+        return self.rope_main if self.layer_types[i] == "sliding_attention" else self.rope_compress
+
+
+def _v4_from_dict(f: "_Fields", d: dict, source: str) -> "ModelConfig":
+    """A DeepSeek V4 config, as transformers saves it or in DeepSeek's own keys. Defaults follow
+    transformers' DeepseekV4Config (V4-Flash), which is the executable description we match."""
+    from .. import quant_formats as QF
+
+    scheme = QF.parse_quantization_config(d.get("quantization_config"), f"{source}: quantization_config")
+    block = scheme.block if scheme is not None and scheme.format == "fp8" else None
+    vocab = f.integer("vocab_size", 129280)
+    L = f.integer("num_hidden_layers", 43)
+    D = f.integer("head_dim", 512)
+    rope_dim = f.integer("qk_rope_head_dim", None)
+    prf = f.real("partial_rotary_factor", None)
+    Dr = rope_dim if rope_dim is not None else int(D * prf) if prf is not None else 64 * D // 512
+    if not 0 < Dr <= D or Dr % 2:
+        raise f.bad("qk_rope_head_dim" if rope_dim is not None else "partial_rotary_factor", rope_dim or prf,
+                    f"must give an even number of rope dims in (0, head_dim={D}]")
+    rates = dict(f.obj("compress_rates") or {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128})
+    for key, t in (("compress_rate_csa", "compressed_sparse_attention"), ("compress_rate_hca",
+                                                                          "heavily_compressed_attention")):
+        if d.get(key) is not None:
+            rates[t] = f.integer(key)
+    for t, r in rates.items():
+        if t not in V4_LAYER_TYPES or t == "sliding_attention" or isinstance(r, bool) or not isinstance(r, int) \
+                or r < 1 or r & (r - 1):
+            raise f.bad("compress_rates", rates, "must map compressed_sparse_attention and "
+                        "heavily_compressed_attention to powers of two")
+    types = f.get("layer_types")
+    if types is None and d.get("compress_ratios") is not None:
+        ratios = f.get("compress_ratios")
+        if not isinstance(ratios, list) or any(r not in _V4_RATIO_TYPE for r in ratios):
+            raise f.bad("compress_ratios", ratios, "must be a list of 0, 4 or 128 per layer")
+        types = [_V4_RATIO_TYPE[r] for r in ratios]
+    if types is None:   # transformers' default: two HCA layers, then CSA and HCA alternating
+        types = ["heavily_compressed_attention"] * min(L, 2) + [
+            "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(L - 2, 0))]
+    if not isinstance(types, list) or any(t not in V4_LAYER_TYPES for t in types) or len(types) < L:
+        raise f.bad("layer_types", types, f"must list one of {', '.join(V4_LAYER_TYPES)} for each of the {L} layers")
+    mlp_types = f.get("mlp_layer_types")
+    if mlp_types is None:
+        n_hash = f.integer("num_hash_layers", 3, lo=0)
+        mlp_types = ["hash_moe"] * min(L, n_hash) + ["moe"] * max(0, L - n_hash)
+    if not isinstance(mlp_types, list) or any(t not in ("hash_moe", "moe") for t in mlp_types) or len(mlp_types) < L:
+        raise f.bad("mlp_layer_types", mlp_types, f"must list hash_moe or moe for each of the {L} layers")
+    main_rope, comp_rope = _v4_ropes(f, d)
+    n_routed = f.integer("n_routed_experts", 256)
+    v4 = V4Config(
+        head_dim=D, o_groups=f.integer("o_groups", 8), o_lora_rank=f.integer("o_lora_rank", 1024),
+        sliding_window=f.integer("sliding_window", 128), layer_types=list(types[:L]), compress_rates=rates,
+        index_n_heads=f.integer("index_n_heads", 64), index_head_dim=f.integer("index_head_dim", 128),
+        index_topk=f.integer("index_topk", 512), hc_mult=f.integer("hc_mult", 4),
+        hc_sinkhorn_iters=f.integer("hc_sinkhorn_iters", 20), hc_eps=f.real("hc_eps", 1e-6),
+        mlp_layer_types=list(mlp_types[:L]), swiglu_limit=f.real("swiglu_limit", 10.0, allow_zero=True),
+        rope_main=main_rope, rope_compress=comp_rope)
+    NH = f.integer("num_attention_heads", 64)
+    cfg = ModelConfig(
+        model_type="deepseek_v4", vocab_size=vocab, hidden_size=f.integer("hidden_size", 4096),
+        intermediate_size=0, num_hidden_layers=L, num_attention_heads=NH,
+        kv_lora_rank=0, q_lora_rank=f.integer("q_lora_rank", 1024), qk_nope_head_dim=D - Dr, qk_rope_head_dim=Dr,
+        v_head_dim=D, moe_intermediate_size=f.integer("moe_intermediate_size", 2048), n_routed_experts=n_routed,
+        n_shared_experts=f.integer("n_shared_experts", 1, lo=0), num_experts_per_tok=f.integer("num_experts_per_tok", 6),
+        scoring_func=f.string("scoring_func", "sqrtsoftplus", ("sqrtsoftplus", "softmax", "sigmoid")),
+        topk_method="noaux_tc", norm_topk_prob=True,
+        routed_scaling_factor=f.real("routed_scaling_factor", 1.5), rms_norm_eps=f.real("rms_norm_eps", 1e-6),
+        rope=comp_rope, rope_interleave=True, max_position_embeddings=f.integer("max_position_embeddings", 1048576),
+        tie_word_embeddings=f.boolean("tie_word_embeddings", False),
+        # V4's MTP layer is not run yet (transformers does not instantiate it either)
+        num_nextn_predict_layers=0,
+        bos_token_id=f.integer("bos_token_id", None, lo=0, hi=vocab - 1), eos_token_id=_eos(f, vocab),
+        torch_dtype=f.string("torch_dtype", None) or f.string("dtype", "bfloat16"),
+        weight_block_size=block, quant_scheme=scheme, source=source, v4=v4)
+    _v4_validate(cfg)
+    return cfg
+
+
+def _v4_ropes(f: "_Fields", d: dict) -> tuple:
+    """(main, compress) rope of V4. transformers saves {"main": {...}, "compress": {...}} under
+    rope_parameters; DeepSeek's keys are rope_theta, compress_rope_theta and one rope_scaling (yarn)
+    that applies to the compressed layers only. transformers forces the compressed yarn's
+    attention_factor to 1.0 (V4 does not scale cos/sin by YaRN's mscale)."""
+    rp = f.obj("rope_parameters")
+    if rp and isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+        ropes = []
+        for k in ("main", "compress"):
+            sub = _Fields(rp[k], f.source, f"rope_parameters.{k}.")
+            r = _parse_rope(_Fields({"rope_parameters": {kk: vv for kk, vv in rp[k].items()
+                                                         if kk != "partial_rotary_factor"}}, f.source), 0)
+            if r.type == "yarn" and r.attention_factor is None:
+                r.attention_factor = 1.0
+            if sub.get("rope_theta") is None:
+                raise sub.missing("rope_theta")
+            ropes.append(r)
+        return tuple(ropes)
+    main = RopeConfig(theta=f.real("rope_theta", 10000.0))
+    flat = {k: v for k, v in (rp or f.obj("rope_scaling") or {}).items() if k != "partial_rotary_factor"}
+    flat["rope_theta"] = f.real("compress_rope_theta", 160000.0)
+    if "rope_type" not in flat and "type" not in flat and set(flat) - {"rope_theta"}:
+        flat["rope_type"] = "yarn" if "factor" in flat else "default"
+    comp = _parse_rope(_Fields({"rope_parameters": flat}, f.source), f.integer("max_position_embeddings", 1048576))
+    if comp.type == "yarn" and comp.attention_factor is None:
+        comp.attention_factor = 1.0
+    return main, comp
+
+
+def _v4_validate(c: "ModelConfig") -> None:
+    v, src = c.v4, c.source
+    if c.num_attention_heads % v.o_groups:
+        raise CheckpointError(f"{src}: num_attention_heads={c.num_attention_heads} is not a multiple of "
+                              f"o_groups={v.o_groups}")
+    if c.qk_rope_head_dim > v.index_head_dim:
+        raise CheckpointError(f"{src}: the indexer's index_head_dim={v.index_head_dim} is smaller than the rope "
+                              f"dims ({c.qk_rope_head_dim}) it rotates")
+    if not 1 <= c.num_experts_per_tok <= c.n_routed_experts:
+        raise CheckpointError(f"{src}: num_experts_per_tok={c.num_experts_per_tok} must be in [1, "
+                              f"n_routed_experts={c.n_routed_experts}]")
+    if v.hc_mult < 1 or v.hc_sinkhorn_iters < 1:
+        raise CheckpointError(f"{src}: hc_mult and hc_sinkhorn_iters must be >= 1")
 
 
 def _parse_rope(f: "_Fields", max_pos: int) -> RopeConfig:

@@ -58,6 +58,7 @@ class MoEWeights:
     shared: Optional[MLPWeights]    # the shared experts as one MLP, or None
     prefix: str = ""                # checkpoint name prefix of the layer's MLP ("model.layers.3.mlp.")
     streamed: object = None         # model.expert_cache.StreamedLayer when the experts stream
+    hash_table: Optional[Tensor] = None   # V4's hash routing: [V, K] int32 experts of each token id
 
 
 @dataclass

@@ -1,0 +1,260 @@
+"""The DeepSeek V4 model graph (V4-Flash, V4-Pro), every computation an op of the Backend.
+
+Like model.deepseek, this module only describes one step: T tokens of S sequences traced onto a
+Tracer. Every step reads the paged caches (prefill and decode alike): attention sees a sliding
+window of the layer's per-token KV plus compressed entries, which only exist in the cache.
+
+    X = hc_mult copies of embed(ids)                 the residual: N streams [T, N, H]
+    per layer:  post, comb, a = hc_pre(X);  Y = hc_post(X, attention(rmsnorm(a)), post, comb)
+                post, comb, m = hc_pre(Y);  X = hc_post(Y, MoE(rmsnorm(m)), post, comb)
+    h = rmsnorm(hc_pre(X) with the head's weights);  logits = lm_head(h[last token of each sequence])
+
+Attention (one shared key = value head of dim D, rope on its last Dr dims):
+    qr = rmsnorm(q_a(x));  q = q_b(qr), each head RMS-normed (no weight), rope;  kv = rmsnorm(kv(x)), rope
+    kv -> the layer's per-token cache.  CSA / HCA layers also compress: every token stages its
+    values and gate logits (compressor kv_proj | gate_proj), and each token that closes a window
+    of `ratio` tokens writes one entry: kv_compress, rmsnorm, rope at the window's first position.
+    CSA layers run the lightning indexer (its own compressor of index_head_dim, queries from qr):
+    indexer_topk picks index_topk entries per query. sparse_attention: window + entries + sinks.
+    The output's rope dims are rotated back by -position (K = V carried rope into the values),
+    then the grouped low-rank projection: o_groups linears o_a, one o_b.
+MoE: router logits in f32, sqrtsoftplus scores, top-k of score + bias (hash layers: the experts
+of the token id from the table), weights normalized and scaled; clipped SwiGLU in the shared and
+routed experts.
+
+Per-step inputs besides model.deepseek's decode inputs (engine.model_runner fills them):
+neg_positions [T] (-position), and per compression ratio r in use comp_slots_r [T] (the cache
+entry slot the token's closed window writes, -1 if it closes none) and comp_pos_r [T] (that
+window's first position).
+"""
+from __future__ import annotations
+
+from ..tensor import Tensor
+from .config import ModelConfig, RopeConfig
+from .deepseek import ROPE_NONE, ROPE_YARN, StepInputs
+from .weights_v4 import CompressorWeights, HCWeights, V4AttentionWeights, V4LayerWeights, V4ModelWeights
+from .. import abi
+
+SQRTSOFTPLUS = abi.const("DI_SCORING_SQRTSOFTPLUS")
+SCORING = {"softmax": abi.const("DI_SCORING_SOFTMAX"), "sigmoid": abi.const("DI_SCORING_SIGMOID"),
+           "sqrtsoftplus": SQRTSOFTPLUS}
+
+
+def step_ratios(cfg: ModelConfig) -> list:
+    """The compression ratios a V4 step needs entry slots for (one input pair each)."""
+    return sorted({cfg.v4.ratio(i) for i in range(cfg.num_hidden_layers)} - {0})
+
+
+def cache_pools(cfg: ModelConfig, block_size: int) -> list:
+    """Per layer, {pool name: (entries per block, width)} of the paged cache (model.kv_cache).
+    kv: the per-token key = value; stage / istage: per-token compressor inputs (values and gate
+    logits of the attention's and the indexer's compressor); comp / ikeys: compressed entries,
+    max(1, block_size / ratio) a block, each in the block of its window's last token."""
+    v, out = cfg.v4, []
+    for i in range(cfg.num_hidden_layers):
+        r = v.ratio(i)
+        pools = {"kv": (block_size, v.head_dim)}
+        if r:
+            per = max(1, block_size // r)
+            W = (2 if v.is_csa(i) else 1) * v.head_dim
+            pools["stage"] = (block_size, 2 * W)
+            pools["comp"] = (per, v.head_dim)
+            if v.is_csa(i):
+                pools["istage"] = (block_size, 4 * v.index_head_dim)
+                pools["ikeys"] = (per, v.index_head_dim)
+        out.append(pools)
+    return out
+
+
+class DeepseekV4Graph:
+    """DeepSeek V4 as code: one step of T tokens of S sequences traced onto `g` (a Tracer).
+    caches: per layer a dict of the pools of cache_pools, as backend tensors [NB, entries, width]."""
+
+    prefill_mode = False   # every step reads the cache: no un-cached prefill path
+
+    def __init__(self, cfg: ModelConfig, weights: V4ModelWeights, caches: list, dtype: str, act_quant: bool):
+        self.cfg, self.w, self.caches, self.dtype = cfg, weights, caches, dtype
+        self.act_quant = act_quant
+        self.block_size = None    # set with the caches (engine.model_runner)
+
+    # ------------------------------------------------------------------ small pieces
+    def linear(self, g, x, w, out):
+        from .deepseek import DeepseekGraph
+        DeepseekGraph.linear(self, g, x, w, out)
+
+    def rope(self, g, x, positions, r: RopeConfig):
+        g.rope(x=x, positions=positions, out=x, interleaved=1,
+               scaling=ROPE_YARN if r.type == "yarn" else ROPE_NONE, theta=r.theta, factor=r.factor,
+               original_max_position=r.original_max_position, beta_fast=r.beta_fast, beta_slow=r.beta_slow,
+               attn_factor=r.attn_factor)
+
+    def stream(self, X: Tensor, n: int) -> Tensor:
+        """Stream n of the residual X [T, N, H] as a [T, H] view."""
+        T, N, H = X.shape
+        return Tensor(X.buffer, (T, H), X.dtype, (N * H, 1), X.offset + X.dtype.nbytes(n * H))
+
+    def hc_pre(self, g, X, hc: HCWeights, with_mix: bool = True):
+        c, T = self.cfg, X.shape[0]
+        N, H = X.shape[1], X.shape[2]
+        out = g.empty((T, H), self.dtype, "hc_in")
+        post = g.empty((T, N), "f32", "hc_post") if with_mix else None
+        comb = g.empty((T, N, N), "f32", "hc_comb") if with_mix else None
+        g.hc_pre(x=X, fn=hc.fn, base=hc.base, scale=hc.scale, out=out, post=post, comb=comb, eps=c.rms_norm_eps,
+                 hc_eps=c.v4.hc_eps, sinkhorn_iters=c.v4.hc_sinkhorn_iters)
+        return post, comb, out
+
+    # ------------------------------------------------------------------ compressor
+    def compress(self, g, cw: CompressorWeights, x, stage, entries, meta: StepInputs, rope: RopeConfig, r: int):
+        """Stage this step's compressor inputs, then write the entries of the windows it closes."""
+        T, W, D = meta.T, cw.width, cw.out_dim
+        st = g.empty((T, 2 * W), self.dtype, "stage")
+        if cw.kv_gate is not None:
+            self.linear(g, x, cw.kv_gate, st)
+        else:
+            self.linear(g, x, cw.kv, st.narrow(1, 0, W))
+            self.linear(g, x, cw.gate, st.narrow(1, W, W))
+        g.mla_cache_write(latent=st.narrow(1, 0, W), k_pe=st.narrow(1, W, W), slots=meta.slots, cache=stage)
+        e = g.empty((T, D), self.dtype, "entry")
+        g.kv_compress(staged=stage, position_bias=cw.position_bias, block_table=meta.block_table,
+                      token_seq=meta.token_seq, positions=meta.positions, out=e, ratio=r, overlap=int(cw.overlap))
+        g.rmsnorm(x=e, weight=cw.norm, out=e, eps=self.cfg.rms_norm_eps)
+        Dr = self.cfg.qk_rope_head_dim
+        comp_pos, comp_slots = self.extra[f"comp_pos_{r}"], self.extra[f"comp_slots_{r}"]
+        self.rope(g, e.narrow(1, D - Dr, Dr), comp_pos, rope)
+        g.mla_cache_write(latent=e.narrow(1, 0, D - Dr), k_pe=e.narrow(1, D - Dr, Dr), slots=comp_slots,
+                          cache=entries)
+
+    # ------------------------------------------------------------------ attention
+    def attention(self, g, i: int, w: V4AttentionWeights, x, meta: StepInputs) -> Tensor:
+        c, v, T, dt = self.cfg, self.cfg.v4, meta.T, self.dtype
+        NH, D, Dr = c.num_attention_heads, v.head_dim, c.qk_rope_head_dim
+        pools, rope, r = self.caches[i], v.rope(i), v.ratio(i)
+        qa = g.empty((T, c.q_lora_rank), dt, "q_a")
+        self.linear(g, x, w.q_a, qa)
+        g.rmsnorm(x=qa, weight=w.q_a_norm, out=qa, eps=c.rms_norm_eps)
+        q = g.empty((T, NH * D), dt, "q")
+        self.linear(g, qa, w.q_b, q)
+        # each head RMS-normed without a weight (transformers' q_b_norm)
+        g.rmsnorm(x=q.view(T * NH, D), weight=self.w.ones, out=q.view(T * NH, D), eps=c.rms_norm_eps)
+        q3 = q.view(T, NH, D)
+        self.rope(g, q3.narrow(2, D - Dr, Dr), meta.positions, rope)
+        kv = g.empty((T, D), dt, "kv")
+        self.linear(g, x, w.kv, kv)
+        g.rmsnorm(x=kv, weight=w.kv_norm, out=kv, eps=c.rms_norm_eps)
+        self.rope(g, kv.narrow(1, D - Dr, Dr), meta.positions, rope)
+        g.mla_cache_write(latent=kv.narrow(1, 0, D - Dr), k_pe=kv.narrow(1, D - Dr, Dr), slots=meta.slots,
+                          cache=pools["kv"])
+        comp, idx = None, None
+        if r:
+            self.compress(g, w.compressor, x, pools["stage"], pools["comp"], meta, rope, r)
+            comp = pools["comp"]
+        if w.indexer is not None:
+            ix, NI, Di = w.indexer, v.index_n_heads, v.index_head_dim
+            self.compress(g, ix.compressor, x, pools["istage"], pools["ikeys"], meta, rope, r)
+            iq = g.empty((T, NI * Di), dt, "index_q")
+            self.linear(g, qa, ix.q_b, iq)
+            iq3 = iq.view(T, NI, Di)
+            self.rope(g, iq3.narrow(2, Di - Dr, Dr), meta.positions, rope)
+            iw = g.empty((T, NI), "f32", "index_weights")
+            g.linear(x=x, w=ix.weights_proj, out=iw)
+            idx = g.empty((T, v.index_topk), "int32", "index_topk")
+            g.indexer_topk(q=iq3, weights=iw, keys=pools["ikeys"], block_table=meta.block_table,
+                           token_seq=meta.token_seq, kv_len=meta.kv_len, out=idx, scale=(Di * NI) ** -0.5,
+                           ratio=r, block_size=self.block_size)
+        o = g.empty((T, NH, D), dt, "attn")
+        g.sparse_attention(q=q3, kv_cache=pools["kv"], comp_cache=comp, indices=idx, sinks=w.sinks,
+                           block_table=meta.block_table, token_seq=meta.token_seq, kv_len=meta.kv_len, out=o,
+                           scale=D ** -0.5, window=v.sliding_window, ratio=max(r, 1))
+        # values are the keys, rope included: rotate the output's rope dims back to position 0
+        self.rope(g, o.narrow(2, D - Dr, Dr), self.extra["neg_positions"], rope)
+        G, R = v.o_groups, v.o_lora_rank
+        og = o.view(T, NH * D)
+        per = NH * D // G
+        oa = g.empty((T, G * R), dt, "o_a")
+        for k in range(G):
+            self.linear(g, og.narrow(1, k * per, per), w.o_a[k], oa.narrow(1, k * R, R))
+        out = g.empty((T, c.hidden_size), dt, "attn_out")
+        self.linear(g, oa, w.o_b, out)
+        return out
+
+    # ------------------------------------------------------------------ MoE
+    def moe(self, g, w, x, meta: StepInputs) -> Tensor:
+        c, T = self.cfg, meta.T
+        E, K, lim = c.n_routed_experts, c.num_experts_per_tok, c.v4.swiglu_limit
+        logits = g.empty((T, E), "f32", "router_logits")
+        g.linear(x=x, w=w.gate, out=logits)
+        ids = g.empty((T, K), "int32", "topk_ids")
+        wts = g.empty((T, K), "f32", "topk_weights")
+        hashed = w.hash_table is not None
+        # transformers' V4 routers always normalize the selected weights
+        g.moe_router(logits=logits, bias=w.gate_bias, topk_ids=ids, topk_weights=wts, scoring=SCORING[c.scoring_func],
+                     n_group=1, topk_group=1, group_score=0, norm_topk_prob=1,
+                     routed_scaling_factor=c.routed_scaling_factor,
+                     token_ids=meta.ids if hashed else None, hash_table=w.hash_table)
+        out = g.empty((T, c.hidden_size), self.dtype, "moe_out")
+        if w.shared is not None:
+            self.mlp(g, w.shared, x, T, out)
+        g.moe_experts(x=x, topk_ids=ids, topk_weights=wts, num_experts=E, accumulate=int(w.shared is not None),
+                      w_gate=w.experts_gate, w_up=w.experts_up, w_down=w.experts_down, out=out, swiglu_limit=lim)
+        return out
+
+    def mlp(self, g, m, x, T, out) -> Tensor:
+        I, lim = m.gate.shape[0], self.cfg.v4.swiglu_limit
+        if m.gate_up is not None:
+            gu = g.empty((T, 2 * I), self.dtype, "gate_up")
+            self.linear(g, x, m.gate_up, gu)
+            gate, up = gu.narrow(1, 0, I), gu.narrow(1, I, I)
+        else:
+            gate, up = g.empty((T, I), self.dtype, "gate"), g.empty((T, I), self.dtype, "up")
+            self.linear(g, x, m.gate, gate)
+            self.linear(g, x, m.up, up)
+        h = g.empty((T, I), self.dtype, "swiglu")
+        g.silu_mul(gate=gate, up=up, out=h, limit=lim)
+        self.linear(g, h, m.down, out)
+        return out
+
+    # ------------------------------------------------------------------ the step
+    def declare_inputs(self, g, meta: StepInputs) -> None:
+        T = meta.T
+        self.extra = {"neg_positions": g.input("neg_positions", (T,))}
+        for r in step_ratios(self.cfg):
+            self.extra[f"comp_slots_{r}"] = g.input(f"comp_slots_{r}", (T,))
+            self.extra[f"comp_pos_{r}"] = g.input(f"comp_pos_{r}", (T,))
+
+    def layer(self, g, w: V4LayerWeights, X, meta: StepInputs):
+        c, T = self.cfg, meta.T
+        N, H = c.v4.hc_mult, c.hidden_size
+        post, comb, a = self.hc_pre(g, X, w.attn_hc)
+        g.rmsnorm(x=a, weight=w.ln1, out=a, eps=c.rms_norm_eps)
+        y = self.attention(g, w.index, w.attn, a, meta)
+        Y = g.empty((T, N, H), self.dtype, "streams")
+        g.hc_post(x=X, y=y, post=post, comb=comb, out=Y)
+        post, comb, m = self.hc_pre(g, Y, w.ffn_hc)
+        g.rmsnorm(x=m, weight=w.ln2, out=m, eps=c.rms_norm_eps)
+        y = self.moe(g, w.moe, m, meta)
+        X2 = g.empty((T, N, H), self.dtype, "streams")
+        g.hc_post(x=Y, y=y, post=post, comb=comb, out=X2)
+        return X2
+
+    def forward(self, g, meta: StepInputs, hidden_out=None) -> Tensor:
+        if meta.mode != "decode":
+            raise ValueError("DeepSeek V4 steps read the paged cache: trace them in decode mode")
+        c, w, T = self.cfg, self.w, meta.T
+        N, H = c.v4.hc_mult, c.hidden_size
+        self.declare_inputs(g, meta)
+        X = g.empty((T, N, H), self.dtype, "streams")
+        for n in range(N):
+            g.embedding(ids=meta.ids, table=w.embed, out=self.stream(X, n))
+        for layer in w.layers:
+            X = self.layer(g, layer, X, meta)
+        _, _, h = self.hc_pre(g, X, w.hc_head, with_mix=False)
+        n = hidden_out if hidden_out is not None else g.empty((T, H), self.dtype, "final_norm")
+        g.rmsnorm(x=h, weight=w.norm, out=n, eps=c.rms_norm_eps)
+        rows = n
+        if meta.last_idx is not None:
+            rows = g.empty((meta.S, H), self.dtype, "last_hidden")
+            g.embedding(ids=meta.last_idx, table=n, out=rows)
+        logits = g.empty((rows.shape[0], c.vocab_size), "f32", "logits")
+        g.linear(x=rows, w=w.lm_head, out=logits)
+        g.output("logits", logits)
+        return logits

@@ -1,0 +1,148 @@
+"""DeepSeek V4 against transformers on tiny random checkpoints (tests/tiny_v4.py), on every backend:
+prefill logits, chunked prefill and decode step by step through the paged caches (sliding window,
+CSA and HCA compressed entries, the indexer), batched sequences whose blocks interleave, block
+sizes below and above the compression ratios, 16-token greedy continuations, DeepSeek's own
+tensor layout and transformers' fused one, and `deepinfer run` on a V4 directory."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from deepinfer.engine import ModelRunner
+
+import tiny_v4
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+# 30 tokens: longer than the window (8), 7 CSA entries of 4 tokens (index_topk 3), 3 HCA entries of 8
+PROMPT = [5, 17, 200, 3, 99, 42, 7, 130, 64, 11, 250, 8, 31, 77, 19, 144, 2, 61, 90, 33, 120, 47, 6, 222,
+          13, 58, 181, 70, 9, 240]
+PROMPT2 = [250, 8, 31, 77, 101, 4, 66, 19, 203, 45, 12]
+_CKPT: dict = {}
+
+
+def rel_err(a, b) -> float:
+    b = np.asarray(b, np.float64)
+    return float(np.abs(np.asarray(a, np.float64) - b).max() / max(1.0, np.abs(b).max()))
+
+
+@pytest.fixture(scope="module")
+def v4_checkpoint(tmp_path_factory):
+    """(path, transformers model) per layout, made once per module."""
+    def get(layout="hf", hc_mult=2):
+        key = (layout, hc_mult)
+        if key not in _CKPT:
+            path = tmp_path_factory.mktemp(f"v4_{layout}_{hc_mult}")
+            m = tiny_v4.make(path, seed=3, layout=layout, hc_mult=hc_mult)
+            _CKPT[key] = (path, m, tiny_v4.full_logits(m, PROMPT).numpy())
+        return _CKPT[key]
+    return get
+
+
+def make_runner(path, be, **kw):
+    kw.setdefault("max_batch", 4)
+    kw.setdefault("max_seq_len", 64)
+    kw.setdefault("block_size", 4)
+    return ModelRunner(path, be, **kw)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_prefill_then_decode_match_transformers(block_size, model_backend, v4_checkpoint):
+    path, hf, ref = v4_checkpoint()
+    be = model_backend
+    m = make_runner(path, be, block_size=block_size)
+    got = be.to_numpy(m.forward([(0, PROMPT, 0)], all_logits=True))
+    assert got.shape == ref.shape and np.isfinite(got).all()
+    assert rel_err(got, ref) < 1e-4
+    # another sequence: a chunk of 5, a chunk of 6, then one token a step; its blocks come after seq 0's
+    m.forward([(1, PROMPT[:5], 0)])
+    step = be.to_numpy(m.forward([(1, PROMPT[5:11], 5)], all_logits=True))
+    assert rel_err(step, ref[5:11]) < 1e-4
+    for i in range(11, len(PROMPT)):
+        step = be.to_numpy(m.forward([(1, [PROMPT[i]], i)]))
+        assert rel_err(step[0], ref[i]) < 1e-4, f"decode position {i}"
+
+
+def test_batched_sequences_interleaved_blocks(model_backend, v4_checkpoint):
+    path, hf, ref = v4_checkpoint()
+    be = model_backend
+    ref2 = tiny_v4.full_logits(hf, PROMPT2).numpy()
+    m = make_runner(path, be)
+    got = be.to_numpy(m.forward([10, 11], [PROMPT[:9], PROMPT2[:3]], [0, 0]))
+    assert rel_err(got[0], ref[8]) < 1e-4 and rel_err(got[1], ref2[2]) < 1e-4
+    # one sequence decodes while the other takes a chunk, over several steps (their blocks alternate)
+    a, b = 9, 3
+    while a < len(PROMPT) and b < len(PROMPT2):
+        n = min(3, len(PROMPT2) - b)
+        got = be.to_numpy(m.forward([10, 11], [[PROMPT[a]], PROMPT2[b:b + n]], [a, b], all_logits=True))
+        assert rel_err(got[0], ref[a]) < 1e-4, f"seq 10 position {a}"
+        assert rel_err(got[1:], ref2[b:b + n]) < 1e-4, f"seq 11 positions {b}..{b + n - 1}"
+        a, b = a + 1, b + n
+
+
+def test_greedy_continuation_matches_transformers(model_backend, v4_checkpoint):
+    path, hf, _ = v4_checkpoint()
+    be = model_backend
+    want = tiny_v4.greedy(hf, PROMPT[:12], 16)
+    m = make_runner(path, be)
+    ids, got = list(PROMPT[:12]), []
+    logits = be.to_numpy(m.forward([(0, ids, 0)]))
+    for i in range(16):
+        t = int(np.argmax(logits[0]))
+        got.append(t)
+        logits = be.to_numpy(m.forward([(0, [t], len(ids))]))
+        ids.append(t)
+    assert got == want
+
+
+@pytest.mark.parametrize("layout", ["deepseek", "fused"])
+def test_layouts_load_the_same_model(layout, model_backend, v4_checkpoint):
+    path, _, ref = v4_checkpoint(layout)
+    be = model_backend
+    m = make_runner(path, be)
+    got = be.to_numpy(m.forward([(0, PROMPT, 0)], all_logits=True))
+    assert rel_err(got, ref) < 1e-4
+
+
+def test_four_streams(model_backend, v4_checkpoint):
+    path, _, ref = v4_checkpoint("hf", hc_mult=4)
+    be = model_backend
+    m = make_runner(path, be)
+    got = be.to_numpy(m.forward([(0, PROMPT[:20], 0)], all_logits=True))
+    assert rel_err(got, ref[:20]) < 1e-4
+    got = be.to_numpy(m.forward([(0, PROMPT[20:], 20)], all_logits=True))
+    assert rel_err(got, ref[20:]) < 1e-4
+
+
+def test_deepseek_layout_names_are_renamed(tmp_path):
+    """Every tensor of DeepSeek's layout maps onto one of transformers' modules."""
+    from deepinfer.model import v4_names
+
+    m = tiny_v4.hf_model(0)
+    names = set(tiny_v4._per_expert_state(m))
+    stored = [tiny_v4.deepseek_name(n) for n in names]
+    stored = [n.replace(".wgate.", ".w1.") if ".ffn.experts." in n else n for n in stored]
+    stored = [n.replace(".up_proj.", ".w3.").replace(".down_proj.", ".w2.") for n in stored]
+    ren = v4_names.renames(stored)
+    assert {ren.get(n, n) for n in stored} == names
+    # DeepSeek's block scales (`.scale` beside a `.weight`) become V3's weight_scale_inv
+    r = v4_names.renames(["layers.0.attn.wq_a.weight", "layers.0.attn.wq_a.scale", "layers.0.hc_attn_scale"])
+    assert r["layers.0.attn.wq_a.scale"] == "model.layers.0.self_attn.q_a_proj.weight_scale_inv"
+    assert r["layers.0.hc_attn_scale"] == "model.layers.0.attn_hc.scale"
+
+
+def test_cli_runs_a_deepseek_layout_directory(tmp_path):
+    from tiny_checkpoints import add_tokenizer
+
+    path = tmp_path / "v4"
+    tiny_v4.make(path, seed=1, layout="deepseek")
+    add_tokenizer(path)
+    r = subprocess.run([sys.executable, "-c", "import sys; from deepinfer.cli import main; sys.exit(main())", "run",
+                        str(path), "hello world", "--max-new-tokens", "8", "--backend", "reference"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip()
