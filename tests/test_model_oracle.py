@@ -13,7 +13,7 @@ from deepinfer.engine import ModelRunner
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
-F32_FAMILIES = ["v2", "v2lite", "v3", "v3fp8"]
+F32_FAMILIES = ["v2", "v2lite", "v3", "v3fp8", "v32"]
 PROMPT = [5, 17, 200, 3, 99, 42, 7, 130, 64, 11]
 PROMPT2 = [250, 8, 31, 77]
 _GREEDY: dict = {}   # transformers' greedy continuations per family, shared by the backends
@@ -54,7 +54,7 @@ def test_prefill_and_decode_match_transformers(family, model_backend, tiny_check
         assert rel_err(step[0], ref[i]) < 1e-4, f"decode position {i}"
 
 
-@pytest.mark.parametrize("family", ["v2", "v3"])
+@pytest.mark.parametrize("family", ["v2", "v3", "v32"])
 def test_batched_prompts_of_different_lengths(family, model_backend, tiny_checkpoint):
     path, hf, _ = tiny_checkpoint(family)
     be = model_backend

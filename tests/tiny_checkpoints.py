@@ -10,6 +10,8 @@ Families:
           128x128 weight_scale_inv blocks, partial edge blocks included); the oracle runs the
           dequantized weights
   v3bf16  the v3 checkpoint stored in bf16; the oracle runs in bf16
+  v32     deepseek_v32: v3 plus DeepSeek Sparse Attention (a lightning indexer of 8 heads per layer;
+          index_topk 4, so from the fifth token on each query attends to 4 chosen positions), no MTP
   v3fp8e128  v3fp8 with moe_intermediate_size 128, so a fused gate_up scale tensor splits between
           gate and up on 128-row blocks (the only fused fp8 layout that has per-expert views)
   v3fp8probe  v3fp8e128 with intermediate_size 384 and kv_lora_rank 128 (multiples of 128):
@@ -46,8 +48,15 @@ BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermedia
 
 
 def family_config(family: str):
-    from transformers import DeepseekV2Config, DeepseekV3Config
+    from transformers import DeepseekV2Config, DeepseekV3Config, DeepseekV32Config
 
+    if family == "v32":
+        return DeepseekV32Config(**BASE, q_lora_rank=48, n_shared_experts=1, n_group=4, topk_group=2,
+                                 norm_topk_prob=True, routed_scaling_factor=2.5, index_topk=4, index_head_dim=24,
+                                 index_n_heads=8,
+                                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                                                  "original_max_position_embeddings": 64, "beta_fast": 32,
+                                                  "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
     if family == "v2":
         return DeepseekV2Config(**BASE, q_lora_rank=48, n_shared_experts=2, topk_method="group_limited_greedy",
                                 n_group=4, topk_group=2, norm_topk_prob=False, routed_scaling_factor=16.0,
@@ -101,11 +110,12 @@ def _weights(module):
 
 
 def _hf_model(family: str, seed: int):
-    from transformers import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+    from transformers import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, DeepseekV32ForCausalLM
 
     cfg = family_config(family)
     cfg._attn_implementation = "eager"
-    cls = DeepseekV2ForCausalLM if cfg.model_type == "deepseek_v2" else DeepseekV3ForCausalLM
+    cls = {"deepseek_v2": DeepseekV2ForCausalLM, "deepseek_v32": DeepseekV32ForCausalLM}.get(cfg.model_type,
+                                                                                         DeepseekV3ForCausalLM)
     torch.manual_seed(seed)
     m = cls(cfg).eval()
     gen = torch.Generator().manual_seed(seed)

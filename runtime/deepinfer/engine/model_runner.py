@@ -32,7 +32,7 @@ import numpy as np
 from .. import quant_formats as QF
 from ..errors import ConfigError
 from ..model.checkpoint import Checkpoint
-from ..model.deepseek import DeepseekGraph, StepInputs
+from ..model.deepseek import DeepseekGraph, StepInputs, dsa_cache_pools
 from ..model.expert_cache import ExpertCache, ExpertCacheConfig
 from ..model import deepseek_v4 as V4
 from ..model.kv_cache import PagedKVCache, PagedPools, block_bytes, pools_block_bytes
@@ -97,7 +97,9 @@ class ModelRunner:
         if self.use_graphs:
             self.stream = backend.create_stream()
             backend.set_stream(self.stream)
-        self.has_mtp = bool(load_mtp and c.has_mtp and f"model.layers.{c.num_hidden_layers}.eh_proj.weight" in ckpt)
+        # V3.2's MTP layer (with its own indexer) is not run yet, nor is V4's
+        self.has_mtp = bool(load_mtp and c.has_mtp and c.dsa is None
+                            and f"model.layers.{c.num_hidden_layers}.eh_proj.weight" in ckpt)
         self.v4 = c.v4 is not None
         if self.v4 and self.block_size & (self.block_size - 1):
             raise ConfigError(f"DeepSeek V4 needs a power-of-two KV block size (compressed entries of 4 and 128 "
@@ -154,18 +156,28 @@ class ModelRunner:
             (", int8 lm_head" if quantize_lm_head else "")
 
     # ================================================================== KV cache sizing
-    def _new_cache(self, num_blocks: int):
+    def _pool_layout(self) -> Optional[list]:
+        """Per layer {pool: (entries per block, width)} for models whose cache is several pools (V4,
+        V3.2), None for the one latent tensor per layer of V2 / V3."""
         if self.v4:
-            return PagedPools(self.backend, V4.cache_pools(self.cfg, self.block_size), num_blocks, self.block_size,
-                              self.dtype, self.max_blocks_per_seq)
+            return V4.cache_pools(self.cfg, self.block_size)
+        if self.cfg.dsa is not None:
+            return dsa_cache_pools(self.cfg, self.block_size)
+        return None
+
+    def _new_cache(self, num_blocks: int):
+        layout = self._pool_layout()
+        if layout is not None:
+            return PagedPools(self.backend, layout, num_blocks, self.block_size, self.dtype, self.max_blocks_per_seq)
         return PagedKVCache(self.backend, self.num_cache_layers, num_blocks, self.block_size, self.cfg.cache_width,
                             self.dtype, self.max_blocks_per_seq)
 
     def _block_bytes(self) -> int:
         """Bytes one KV block takes over all cache layers."""
         item = 4 if self.dtype == "f32" else 2
-        if self.v4:
-            return pools_block_bytes(V4.cache_pools(self.cfg, self.block_size), item)
+        layout = self._pool_layout()
+        if layout is not None:
+            return pools_block_bytes(layout, item)
         return block_bytes(self.num_cache_layers, self.block_size, self.cfg.cache_width, item)
 
     def _check_kv_fits(self, num_blocks: int, explicit: bool) -> None:

@@ -17,15 +17,12 @@ from typing import Optional
 from .. import validate as V
 from ..errors import CheckpointError
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v4")
+SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4")
 _ARCH_TO_TYPE = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
                  "DeepseekV32ForCausalLM": "deepseek_v32", "DeepseekV4ForCausalLM": "deepseek_v4"}
 # Later DeepSeek families and the ops they need that deepinfer does not have yet. Running them with
 # V3's dense attention would load and compute a different model, so they stop at the config.
-_MISSING_FEATURES = {
-    "deepseek_v32": "DeepSeek Sparse Attention (DSA): the lightning indexer (index_n_heads, index_head_dim) and "
-                    "top-k sparse MLA over index_topk selected tokens",
-}
+_MISSING_FEATURES: dict = {}
 # keys that only those families have: a config that carries them under another model_type is one of them
 _FAMILY_KEYS = {"deepseek_v32": ("index_topk", "index_n_heads"),
                 "deepseek_v4": ("hc_mult", "compress_ratios", "num_hash_layers", "o_lora_rank")}
@@ -100,6 +97,8 @@ class ModelConfig:
     quant_scheme: Optional[object] = None      # quant_formats.QuantScheme of the checkpoint, None if float
     source: str = ""
     v4: Optional["V4Config"] = None            # DeepSeek V4's attention, hyper-connections and routing
+    dsa: Optional["DSAConfig"] = None          # V3.2's sparse attention: the lightning indexer
+    moe_layers: Optional[list] = None          # V3.2's mlp_layer_types as booleans (None: from first_k_dense_replace)
 
     # ------------------------------------------------------------------ derived
     @property
@@ -128,6 +127,8 @@ class ModelConfig:
     def is_moe_layer(self, i: int) -> bool:
         if self.v4 is not None:
             return True
+        if self.moe_layers is not None:
+            return i < len(self.moe_layers) and self.moe_layers[i]
         return (self.n_routed_experts is not None and self.n_routed_experts > 0
                 and i >= self.first_k_dense_replace and i % max(self.moe_layer_freq, 1) == 0)
 
@@ -169,7 +170,7 @@ class ModelConfig:
         if mt == "deepseek_v4":
             return _v4_from_dict(f, d, source)
 
-        v3 = mt == "deepseek_v3"
+        v3 = mt in ("deepseek_v3", "deepseek_v32")   # V3.2 is V3 plus the indexer
         from .. import quant_formats as QF
 
         scheme = QF.parse_quantization_config(d.get("quantization_config"), f"{source}: quantization_config")
@@ -229,6 +230,21 @@ class ModelConfig:
             quant_scheme=scheme,
             source=source,
         )
+        if mt == "deepseek_v32":
+            cfg.dsa = DSAConfig(index_n_heads=f.integer("index_n_heads", 64), index_head_dim=f.integer("index_head_dim", 128),
+                                index_topk=f.integer("index_topk", 2048))
+            if cfg.dsa.index_head_dim < cfg.qk_rope_head_dim:
+                raise f.bad("index_head_dim", cfg.dsa.index_head_dim, f"must be at least qk_rope_head_dim="
+                            f"{cfg.qk_rope_head_dim} (the indexer rotates that many of its dims)")
+            if not cfg.q_lora_rank:
+                raise f.missing("q_lora_rank")   # the indexer's queries come from the q LoRA
+            kinds = f.get("mlp_layer_types")
+            if kinds is not None:
+                if not isinstance(kinds, list) or any(k not in ("dense", "sparse") for k in kinds) or \
+                        len(kinds) < cfg.num_hidden_layers:
+                    raise f.bad("mlp_layer_types", kinds, f"must list dense or sparse for each of the "
+                                f"{cfg.num_hidden_layers} layers")
+                cfg.moe_layers = [k == "sparse" for k in kinds]
         cfg.validate()
         return cfg
 
@@ -256,6 +272,16 @@ class ModelConfig:
         for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank"):
             if getattr(self, k) <= 0:
                 raise CheckpointError(f"{src}: {k} must be positive")
+
+
+@dataclass
+class DSAConfig:
+    """DeepSeek V3.2's sparse attention (DSA): per layer a lightning indexer of index_n_heads heads of
+    index_head_dim scores every cached token, and MLA attends to the index_topk best."""
+
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
 
 
 V4_LAYER_TYPES = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}

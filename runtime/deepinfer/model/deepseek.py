@@ -24,6 +24,11 @@ before moe_experts (the host reads the routing, gets what is missing loaded and 
 slot), and the next layer's router may run early, on this layer's residual, to predict what to
 pre-load while this layer computes.
 
+DSA (V3.2): every layer's lightning indexer keeps one key per token in its own cache pool (wk, LayerNorm,
+rope on its first Dr dims, pairs (i, i + Dr/2)); indexer_topk scores the cached tokens with the
+indexer queries (wq_b of the q LoRA) and per-head weights, and mla_decode attends to the index_topk
+best only. Such a model always runs the decode path (its caches are pools: model.kv_cache.PagedPools).
+
 MTP (V3's extra layer L = num_hidden_layers): h' = eh_proj([enorm(embed(next_tokens)) ; hnorm(h)]),
 one decoder block with its own cache layer, then shared_head.norm and shared_head.head. `h` is the
 main model's final-normed hidden state (as vLLM and SGLang feed it).
@@ -46,6 +51,12 @@ from .weights import AttentionWeights, LayerWeights, MLPWeights, ModelWeights, M
 ROPE_NONE, ROPE_YARN = abi.const("DI_ROPE_NONE"), abi.const("DI_ROPE_YARN")
 SCORING = {"softmax": abi.const("DI_SCORING_SOFTMAX"), "sigmoid": abi.const("DI_SCORING_SIGMOID")}
 GROUP_MAX, GROUP_SUM_TOP2 = abi.const("DI_GROUP_SCORE_MAX"), abi.const("DI_GROUP_SCORE_SUM_TOP2")
+
+
+def dsa_cache_pools(cfg: ModelConfig, block_size: int) -> list:
+    """V3.2's paged cache per layer: the MLA latent and the indexer's key of every token."""
+    return [{"latent": (block_size, cfg.cache_width), "ikeys": (block_size, cfg.dsa.index_head_dim)}
+            for _ in range(cfg.num_hidden_layers)]
 
 
 @dataclass
@@ -88,6 +99,9 @@ class DeepseekGraph:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, caches: list, dtype: str, act_quant: bool):
         self.cfg, self.w, self.caches, self.dtype = cfg, weights, caches, dtype
         self.act_quant = act_quant      # int8 per-token activations for int8/int4 linears (w8a8, w4a8)
+        # V3.2 selects what each query attends from the cache: no un-cached prefill path
+        self.prefill_mode = cfg.dsa is None
+        self.block_size = None          # tokens per cache block (set by the runner; the indexer needs it)
 
     def linear(self, g, x, w, out, bias=None):
         """linear, with x quantized to int8 per token first when the precision says so (w8a8 / w4a8)."""
@@ -106,8 +120,37 @@ class DeepseekGraph:
                original_max_position=r.original_max_position, beta_fast=r.beta_fast, beta_slow=r.beta_slow,
                attn_factor=r.attn_factor)
 
-    def attention(self, g, w: AttentionWeights, cache: Tensor, x, meta: StepInputs) -> Tensor:
+    def dsa_indexer(self, g, w: AttentionWeights, pools: dict, x, qa, meta: StepInputs) -> Tensor:
+        """V3.2: cache this step's indexer keys, then the index_topk positions each token attends."""
+        c, T, dt, ix = self.cfg, meta.T, self.dtype, w.indexer
+        NI, Di, Dr = c.dsa.index_n_heads, c.dsa.index_head_dim, c.qk_rope_head_dim
+        r = c.rope
+        rope = dict(interleaved=0, scaling=ROPE_YARN if r.type == "yarn" else ROPE_NONE, theta=r.theta,
+                    factor=r.factor, original_max_position=r.original_max_position, beta_fast=r.beta_fast,
+                    beta_slow=r.beta_slow, attn_factor=r.attn_factor)
+        k = g.empty((T, Di), dt, "index_k")
+        self.linear(g, x, ix.wk, k)
+        g.layernorm(x=k, weight=ix.k_norm, bias=ix.k_norm_bias, out=k, eps=1e-6)
+        g.rope(x=k.narrow(1, 0, Dr), positions=meta.positions, out=k.narrow(1, 0, Dr), **rope)
+        g.mla_cache_write(latent=k.narrow(1, 0, Dr), k_pe=k.narrow(1, Dr, Di - Dr), slots=meta.slots,
+                          cache=pools["ikeys"])
+        q = g.empty((T, NI * Di), dt, "index_q")
+        self.linear(g, qa, ix.wq_b, q)
+        q3 = q.view(T, NI, Di)
+        g.rope(x=q3.narrow(2, 0, Dr), positions=meta.positions, out=q3.narrow(2, 0, Dr), **rope)
+        wts = g.empty((T, NI), "f32", "index_weights")
+        g.linear(x=x, w=ix.weights_proj, out=wts)
+        idx = g.empty((T, c.dsa.index_topk), "int32", "index_topk")
+        g.indexer_topk(q=q3, weights=wts, keys=pools["ikeys"], block_table=meta.block_table,
+                       token_seq=meta.token_seq, kv_len=meta.kv_len, out=idx, scale=(Di * NI) ** -0.5, ratio=1,
+                       block_size=self.block_size)
+        return idx
+
+    def attention(self, g, w: AttentionWeights, cache, x, meta: StepInputs) -> Tensor:
         c, T, dt = self.cfg, meta.T, self.dtype
+        pools = None
+        if isinstance(cache, dict):      # V3.2: the latent cache and the indexer's keys
+            pools, cache = cache, cache["latent"]
         NH, Dn, Dr, Dv, Dc = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
         Nq = c.q_lora_rank or NH * c.qk_head_dim       # rows of the projection that reads x besides kv_a
         if w.x_proj is not None:
@@ -120,6 +163,7 @@ class DeepseekGraph:
             self.linear(g, x, w.q_a if c.q_lora_rank else w.q, first, w.q_a_bias)
             kva = g.empty((T, Dc + Dr), dt, "kv_a")
             self.linear(g, x, w.kv_a, kva, w.kv_a_bias)
+        qa = None
         if c.q_lora_rank:
             qa = g.empty((T, c.q_lora_rank), dt, "q_a_norm")
             g.rmsnorm(x=first, weight=w.q_a_norm, out=qa, eps=c.rms_norm_eps)
@@ -135,6 +179,7 @@ class DeepseekGraph:
         k_pe = kva.narrow(1, Dc, Dr)
         self.rope(g, k_pe, meta.positions)
         g.mla_cache_write(latent=latent, k_pe=k_pe, slots=meta.slots, cache=cache)
+        idx = self.dsa_indexer(g, w, pools, x, qa, meta) if w.indexer is not None else None
         o = g.empty((T, NH, Dv), dt, "attn")
         if meta.mode == "prefill":
             kv = g.empty((T, NH * (Dn + Dv)), dt, "kv")
@@ -143,7 +188,7 @@ class DeepseekGraph:
                           scale=c.softmax_scale)
         else:
             g.mla_decode(q=q3, wkv_b=w.kv_b_dense, cache=cache, block_table=meta.block_table,
-                         token_seq=meta.token_seq, kv_len=meta.kv_len, out=o, scale=c.softmax_scale)
+                         token_seq=meta.token_seq, kv_len=meta.kv_len, out=o, scale=c.softmax_scale, indices=idx)
         out = g.empty((T, c.hidden_size), dt, "attn_out")
         self.linear(g, o.view(T, NH * Dv), w.o, out, w.o_bias)
         return out

@@ -38,6 +38,19 @@ class AttentionWeights:
     # weight pass, one launch). q / q_a and kv_a are then views of it. None: not fusable (biases,
     # formats that differ, block rows that straddle the seam).
     x_proj: Optional[Tensor] = None
+    indexer: Optional["DSAIndexerWeights"] = None   # V3.2
+
+
+@dataclass
+class DSAIndexerWeights:
+    """V3.2's lightning indexer: queries from the q LoRA, one key per token (LayerNorm-ed), per-head
+    weights from the layer input (f32, as transformers keeps weights_proj)."""
+
+    wq_b: Tensor                    # [NI * Di, q_lora_rank]
+    wk: Tensor                      # [Di, H]
+    k_norm: Tensor                  # [Di]
+    k_norm_bias: Tensor             # [Di]
+    weights_proj: Tensor            # [NI, H]
 
 
 @dataclass
@@ -257,6 +270,12 @@ class WeightLoader:
             w.q_b = self._w(a + "q_b_proj.weight", (NH * c.qk_head_dim, c.q_lora_rank))
         else:
             w.q = self._w(a + "q_proj.weight", (NH * c.qk_head_dim, H))
+        if c.dsa is not None:
+            NI, Di, p = c.dsa.index_n_heads, c.dsa.index_head_dim, a + "indexer."
+            w.indexer = DSAIndexerWeights(
+                wq_b=self._w(p + "wq_b.weight", (NI * Di, c.q_lora_rank)), wk=self._w(p + "wk.weight", (Di, H)),
+                k_norm=self._t(p + "k_norm.weight", (Di,)), k_norm_bias=self._t(p + "k_norm.bias", (Di,)),
+                weights_proj=self._router_weight(p + "weights_proj.weight", (NI, H)))
         first = "q_a" if c.q_lora_rank else "q"
         if w.q_a_bias is None and w.kv_a_bias is None:
             fused = self.stack_rows(getattr(w, first), w.kv_a)
