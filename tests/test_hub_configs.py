@@ -1,6 +1,6 @@
 """The config.json of every DeepSeek release: V2/V3-family ones parse at full size and, shrunk to
 tiny dims with the same structure, build random checkpoints whose logits match transformers; V3.2
-and V4 stop at the config with the missing feature named."""
+and V4 parse at full size (their tiny checkpoints: tests/tiny_checkpoints.py v32, tests/tiny_v4.py)."""
 from __future__ import annotations
 
 import json
@@ -47,17 +47,39 @@ def test_published_config_parses_at_full_size(name):
     assert c.cache_width == 512 + 64 and c.qk_head_dim == 192
 
 
-@pytest.mark.parametrize("name, feature", [("deepseek-v3.2-exp", r"Sparse Attention \(DSA\).*lightning indexer"),
-                                           ("deepseek-v4-flash", r"CSA/HCA.*hyper-connections.*hash routing")])
-def test_later_families_name_the_missing_feature(name, feature, tmp_path):
-    with pytest.raises(CheckpointError, match=f"is not supported yet: it needs .*{feature}"):
-        ModelConfig.from_dict(_published(name), name)
-    # found by architecture alone too, and from a model directory
-    d = _published(name)
-    d.pop("model_type")
-    (tmp_path / "config.json").write_text(json.dumps(d))
-    with pytest.raises(CheckpointError, match=feature):
-        ModelConfig.from_file(tmp_path / "config.json")
+def test_v4_flash_config_parses_at_full_size():
+    c = ModelConfig.from_dict(_published("deepseek-v4-flash"), "deepseek-v4-flash")
+    v = c.v4
+    assert c.model_type == "deepseek_v4" and c.num_hidden_layers == 43 and c.num_attention_heads == 64
+    assert (v.head_dim, c.qk_rope_head_dim, v.o_groups, v.o_lora_rank, v.hc_mult) == (512, 64, 8, 1024, 4)
+    # DeepSeek's compress_ratios (one entry more than layers: the MTP layer's) become layer types
+    assert v.layer_types[:4] == ["sliding_attention", "sliding_attention", "compressed_sparse_attention",
+                                 "heavily_compressed_attention"] and v.layer_types[-1] == "compressed_sparse_attention"
+    assert [v.ratio(i) for i in (0, 2, 3)] == [0, 4, 128]
+    assert v.mlp_layer_types[:4] == ["hash_moe"] * 3 + ["moe"]
+    assert c.scoring_func == "sqrtsoftplus" and c.routed_scaling_factor == 1.5 and v.swiglu_limit == 10.0
+    # yarn only on the compressed layers, without YaRN's mscale on cos / sin (as transformers)
+    assert v.rope_main.type == "default" and v.rope_main.theta == 10000
+    assert v.rope_compress.type == "yarn" and v.rope_compress.theta == 160000 and v.rope_compress.factor == 16
+    assert v.rope_compress.attn_factor == 1.0
+    assert c.quant_scheme is not None and c.quant_scheme.format == "fp8"
+
+
+def test_v32_config_parses_at_full_size():
+    c = ModelConfig.from_dict(_published("deepseek-v3.2-exp"), "deepseek-v3.2-exp")
+    assert c.model_type == "deepseek_v32" and c.num_hidden_layers == 61 and c.cache_width == 512 + 64
+    assert (c.dsa.index_n_heads, c.dsa.index_head_dim, c.dsa.index_topk) == (64, 128, 2048)
+    assert c.topk_method == "noaux_tc" and c.scoring_func == "sigmoid" and c.rope.factor == 40
+
+
+def test_v32_release_structure_matches_transformers(model_backend, tmp_path):
+    path, hf = tiny_checkpoints.make_from_hub_config("deepseek-v3.2-exp", tmp_path / "v32", seed=7)
+    model = ModelRunner(path, model_backend, max_batch=1, max_seq_len=16, block_size=4)
+    got = model_backend.to_numpy(model.forward([(0, PROMPT, 0)], all_logits=True))
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT])).logits[0].float().numpy()
+    assert np.isfinite(got).all()
+    assert float(np.abs(got - ref).max() / max(1.0, np.abs(ref).max())) < 1e-4
 
 
 def test_v32_keys_under_the_v3_model_type_are_refused():

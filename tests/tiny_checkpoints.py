@@ -375,6 +375,8 @@ def shrink_hub_config(d: dict) -> dict:
     if d.get("q_lora_rank") is not None:
         d["q_lora_rank"] = 48
     d["first_k_dense_replace"] = min(int(d.get("first_k_dense_replace", 0)), 1)   # keep a dense layer
+    if "index_topk" in d:    # V3.2's indexer: 4 of the prompt's positions, 8 heads (few exact score ties)
+        d.update(index_topk=4, index_head_dim=24, index_n_heads=8)
     d.pop("quantization_config", None)   # the f32 oracle: fp8 storage is tested by the v3fp8 families
     d.pop("auto_map", None)              # the remote-code classes: transformers' own are the oracle
     d["torch_dtype"] = "float32"

@@ -413,7 +413,8 @@ def _v4_ropes(f: "_Fields", d: dict) -> tuple:
         for k in ("main", "compress"):
             sub = _Fields(rp[k], f.source, f"rope_parameters.{k}.")
             r = _parse_rope(_Fields({"rope_parameters": {kk: vv for kk, vv in rp[k].items()
-                                                         if kk != "partial_rotary_factor"}}, f.source), 0)
+                                                         if kk != "partial_rotary_factor"}}, f.source),
+                            f.integer("max_position_embeddings", 1048576))
             if r.type == "yarn" and r.attention_factor is None:
                 r.attention_factor = 1.0
             if sub.get("rope_theta") is None:

@@ -59,6 +59,17 @@ def dsa_cache_pools(cfg: ModelConfig, block_size: int) -> list:
             for _ in range(cfg.num_hidden_layers)]
 
 
+def linear(g, x, w, out, act_quant: bool, bias=None) -> None:
+    """linear, with x quantized to int8 per token first when the precision says so (w8a8 / w4a8)."""
+    if act_quant and w.quant is not None and w.dtype.name in ("int8", "int4"):
+        T, K = x.shape
+        xq = g.empty((T, K), "int8", "x_int8")
+        xq.quant = Quant(g.empty((T, 1), "f32", "x_scales"), (1, 0))
+        g.quantize(x=x, out=xq, scale_pow2=0)
+        x = xq
+    g.linear(x=x, w=w, bias=bias, out=out)
+
+
 @dataclass
 class StepInputs:
     """The per-step input tensors of a traced step (written by the host before each run).
@@ -104,14 +115,7 @@ class DeepseekGraph:
         self.block_size = None          # tokens per cache block (set by the runner; the indexer needs it)
 
     def linear(self, g, x, w, out, bias=None):
-        """linear, with x quantized to int8 per token first when the precision says so (w8a8 / w4a8)."""
-        if self.act_quant and w.quant is not None and w.dtype.name in ("int8", "int4"):
-            T, K = x.shape
-            xq = g.empty((T, K), "int8", "x_int8")
-            xq.quant = Quant(g.empty((T, 1), "f32", "x_scales"), (1, 0))
-            g.quantize(x=x, out=xq, scale_pow2=0)
-            x = xq
-        g.linear(x=x, w=w, bias=bias, out=out)
+        linear(g, x, w, out, self.act_quant, bias)
 
     def rope(self, g, x, positions):
         r = self.cfg.rope

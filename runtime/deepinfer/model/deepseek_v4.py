@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from ..tensor import Tensor
 from .config import ModelConfig, RopeConfig
-from .deepseek import ROPE_NONE, ROPE_YARN, StepInputs
+from .deepseek import ROPE_NONE, ROPE_YARN, StepInputs, linear
 from .weights_v4 import CompressorWeights, HCWeights, V4AttentionWeights, V4LayerWeights, V4ModelWeights
 from .. import abi
 
@@ -79,8 +79,7 @@ class DeepseekV4Graph:
 
     # ------------------------------------------------------------------ small pieces
     def linear(self, g, x, w, out):
-        from .deepseek import DeepseekGraph
-        DeepseekGraph.linear(self, g, x, w, out)
+        linear(g, x, w, out, self.act_quant)
 
     def rope(self, g, x, positions, r: RopeConfig):
         g.rope(x=x, positions=positions, out=x, interleaved=1,
