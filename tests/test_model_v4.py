@@ -15,6 +15,7 @@ import torch
 from deepinfer.engine import ModelRunner
 
 import tiny_v4
+from tiny_checkpoints import add_tokenizer
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -38,6 +39,7 @@ def v4_checkpoint(tmp_path_factory):
         if key not in _CKPT:
             path = tmp_path_factory.mktemp(f"v4_{layout}_{hc_mult}")
             m = tiny_v4.make(path, seed=3, layout=layout, hc_mult=hc_mult)
+            add_tokenizer(path)
             _CKPT[key] = (path, m, tiny_v4.full_logits(m, PROMPT).numpy())
         return _CKPT[key]
     return get
@@ -136,8 +138,6 @@ def test_deepseek_layout_names_are_renamed(tmp_path):
 
 
 def test_cli_runs_a_deepseek_layout_directory(tmp_path):
-    from tiny_checkpoints import add_tokenizer
-
     path = tmp_path / "v4"
     tiny_v4.make(path, seed=1, layout="deepseek")
     add_tokenizer(path)
@@ -146,3 +146,24 @@ def test_cli_runs_a_deepseek_layout_directory(tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip()
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_engine_batches_and_reuses_cached_prefixes(backend, v4_checkpoint):
+    """Continuous batching and the prefix cache on V4: every cache pool (window KV, compressor
+    inputs, compressed entries, indexer keys) is a function of the block's tokens, so a request that
+    reuses another's blocks continues exactly as transformers does."""
+    import deepinfer
+    from deepinfer.engine import Engine
+
+    if backend == "cpu" and not [c for c in deepinfer.candidates() if c.ok and c.name == "cpu"]:
+        pytest.skip("libdeepinfer_cpu.so not built")
+    path, hf, _ = v4_checkpoint()
+    eng = Engine.from_pretrained(path, config={"backend": backend, "precision": "f32", "max_batch": 3,
+                                               "max_seq_len": 64, "kv_block_size": 4})
+    prompts = [PROMPT[:20], PROMPT[:20] + [61, 7], PROMPT2]       # the second shares 5 full blocks
+    want = [tiny_v4.greedy(hf, p, 8) for p in prompts]
+    assert eng.generate_ids(prompts, max_new_tokens=8) == want
+    # again, one at a time: every prompt now hits cached blocks
+    assert [eng.generate_ids([p], max_new_tokens=8)[0] for p in prompts] == want
+    assert eng.block_manager.num_used_blocks == 0

@@ -107,6 +107,7 @@ class ModelRunner:
         if quantize_lm_head and QF.weight_format_of(precision) not in ("int8", "int4"):
             raise ConfigError(f"quantize_lm_head needs an int8, int4, w8a8 or w4a8 precision; this model runs "
                               f"{precision or 'as stored'}: set such a precision, or drop quantize_lm_head")
+        self._check_family_ops(backend)
         ec = ExpertCacheConfig.parse(expert_cache)
         if ec is not None and not c.n_routed_experts:
             raise ConfigError("expert_cache: this model has no routed experts (n_routed_experts is 0); drop the option")
@@ -154,6 +155,19 @@ class ModelRunner:
         self.precision_note = f"{wq}, {dtype} activations" + (", int8 per-token activations for int linears"
                                                               if self.act_quant else "") + \
             (", int8 lm_head" if quantize_lm_head else "")
+
+    def _check_family_ops(self, backend) -> None:
+        """V4 and V3.2 need ABI 1.3's ops and fields: say so before loading anything."""
+        c = self.cfg
+        if c.v4 is None and c.dsa is None:
+            return
+        name = "DeepSeek V4" if c.v4 is not None else "DeepSeek V3.2"
+        need = V4.REQUIRED_OPS if c.v4 is not None else ("indexer_topk", "layernorm")
+        missing = [op for op in need if not backend.has_op(op)]
+        if missing or backend.abi_minor < 3:
+            raise ConfigError(f"{name} needs ABI 1.3 ({', '.join(missing) or 'its new op fields'}); backend "
+                              f"{backend.name} implements ABI 1.{backend.abi_minor}{' without them' if missing else ''}:"
+                              f" update that library, or set fallback: true to run the missing ops on the reference")
 
     # ================================================================== KV cache sizing
     def _pool_layout(self) -> Optional[list]:

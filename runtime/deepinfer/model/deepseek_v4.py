@@ -40,6 +40,10 @@ SCORING = {"softmax": abi.const("DI_SCORING_SOFTMAX"), "sigmoid": abi.const("DI_
            "sqrtsoftplus": SQRTSOFTPLUS}
 
 
+# the ABI 1.3 ops a V4 step calls (besides 1.3's fields of silu_mul, moe_experts and moe_router)
+REQUIRED_OPS = ("hc_pre", "hc_post", "kv_compress", "indexer_topk", "sparse_attention")
+
+
 def step_ratios(cfg: ModelConfig) -> list:
     """The compression ratios a V4 step needs entry slots for (one input pair each)."""
     return sorted({cfg.v4.ratio(i) for i in range(cfg.num_hidden_layers)} - {0})
