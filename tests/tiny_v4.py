@@ -12,6 +12,10 @@ Layouts (make(..., layout=)):
   deepseek  DeepSeek's own names as published (`embed.weight`, `layers.N.attn.wq_a.weight`,
             `layers.N.ffn.experts.E.w1.weight`, `hc_head_fn`, ...), no `model.` prefix
   fused     transformers' module names with fused experts (save_original_format=False)
+
+make_quantized() writes the checkpoint as DeepSeek publishes V4-Flash (fp8 e4m3 projections with
+ue8m0 128x128 block scales, fp4 e2m1 routed experts with ue8m0 scales per 32 columns, BF16
+compressor / indexer projections) at QUANT_DIMS; its oracle holds the dequantized weights.
 """
 from __future__ import annotations
 
@@ -160,3 +164,177 @@ def greedy(m, ids, n: int) -> list:
         out.append(t)
         ids.append(t)
     return out
+
+
+# ---------------------------------------------------------------------------- DeepSeek's fp8 / fp4 release
+
+# dims at which DeepSeek V4's quantization blocks mean something: 128x128 fp8 blocks (q_a, q_b, o_a,
+# o_b, the shared experts and the indexer's q_b are whole blocks; kv_proj [64, 256] a partial row of
+# them) and 32-column fp4 groups of the routed experts (H 256 = 8 groups, I 128 = 4). o_lora_rank
+# 128 puts each group of the grouped output projection on its own 128-row blocks.
+QUANT_DIMS = dict(hidden_size=256, moe_intermediate_size=128, head_dim=64, q_lora_rank=128, o_lora_rank=128,
+                  index_head_dim=64, index_n_heads=4)
+# what DeepSeek-V4-Flash's config.json says; it writes "expert_dtype": "fp4" at the top level
+QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "scale_fmt": "ue8m0",
+                "weight_block_size": [128, 128]}
+# the linears DeepSeek ships in BF16 without a scale (transformers' _keep_in_fp32_modules of V4)
+BF16_LINEARS = ("self_attn.compressor.kv_proj.weight", "self_attn.compressor.gate_proj.weight",
+                "self_attn.compressor.indexer.kv_proj.weight", "self_attn.compressor.indexer.gate_proj.weight",
+                "self_attn.compressor.indexer.scorer.weights_proj.weight")
+FP8_LINEARS = ("q_a_proj.weight", "q_b_proj.weight", "kv_proj.weight", "o_a_proj.weight", "o_b_proj.weight",
+               "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight", "shared_experts.down_proj.weight")
+# e2m1 codes 0..15 (sign bit 3), as DeepSeek's inference/convert.py and transformers' Fp8Dequantize list them
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def _pow2_at_least(x: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two >= x (1 where x is 0): a ue8m0 scale."""
+    x = x.double()
+    return torch.where(x > 0, torch.exp2(torch.ceil(torch.log2(torch.where(x > 0, x, 1.0)))), 1.0).float()
+
+
+def _e8m0(s: torch.Tensor) -> torch.Tensor:
+    """Powers of two as torch.float8_e8m0fnu (the biased exponent byte, built by hand)."""
+    e = torch.log2(s.double()).round().to(torch.int64)
+    assert torch.equal(torch.exp2(e.double()).float(), s.float()) and int(e.min()) >= -127 and int(e.max()) <= 127
+    return (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def quantize_fp8_ue8m0(w: torch.Tensor, block: int = 128):
+    """e4m3 weights with one power-of-two scale per 128x128 block (DeepSeek V4's dense layers):
+    (q e4m3 [N, K], scales e8m0 [ceil(N/128), ceil(K/128)], dequantized f32 [N, K])."""
+    w = w.detach().float()
+    N, K = w.shape
+    nb, kb = -(-N // block), -(-K // block)
+    pad = torch.zeros(nb * block, kb * block)
+    pad[:N, :K] = w
+    amax = pad.abs().reshape(nb, block, kb, block).amax(dim=(1, 3))
+    s = _pow2_at_least(amax / 448.0)
+    full = s.repeat_interleave(block, 0).repeat_interleave(block, 1)[:N, :K]
+    q = (w / full).to(torch.float8_e4m3fn)
+    return q, _e8m0(s), q.float() * full
+
+
+def quantize_fp4_ue8m0(w: torch.Tensor, group: int = 32):
+    """e2m1 weights with one power-of-two scale per row and `group` columns (DeepSeek V4's routed
+    experts), stored as DeepSeek does: (I8 [N, K/2] with element 2i in the low nibble of byte i,
+    scales e8m0 [N, K/group], dequantized f32 [N, K]). Rounding to e2m1 is ml_dtypes' (to nearest,
+    ties to even)."""
+    import ml_dtypes
+    import numpy as np
+
+    w = w.detach().float()
+    N, K = w.shape
+    assert K % group == 0 and K % 2 == 0
+    g = w.reshape(N, K // group, group)
+    s = _pow2_at_least(g.abs().amax(dim=-1) / 6.0)
+    x = (g / s[..., None]).reshape(N, K).numpy()
+    codes = x.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    lut = torch.tensor(E2M1_VALUES)
+    deq = lut[torch.from_numpy(codes.astype(np.int64))] * s.repeat_interleave(group, 1)
+    return torch.from_numpy(packed.view(np.int8)), _e8m0(s), deq
+
+
+def make_quantized(out: Path, seed: int = 0, layout: str = "deepseek", expert_dtype_at: str = "top", **cfg_over):
+    """A tiny V4 checkpoint as DeepSeek publishes V4-Flash: the attention projections, the indexer's
+    q_b_proj and the shared experts fp8 e4m3 with ue8m0 128x128 block scales, the routed experts fp4
+    e2m1 (I8 [N, K/2]) with ue8m0 scales per row and 32 columns, the compressor / indexer kv_proj,
+    gate_proj and the indexer's weights_proj BF16 without a scale; routers, norms, embeddings,
+    lm_head, hyper-connections, sinks and position biases as they are (f32). QUANT_DIMS unless
+    overridden. Returns the transformers model holding the dequantized (and BF16-rounded) weights:
+    the oracle.
+
+    layout: deepseek     DeepSeek's names, scales as `X.scale` (what V4-Flash ships)
+            transformers transformers' module names, per expert, scales as `X.weight_scale_inv`
+            fused        transformers' names with its fused experts: `experts.gate_up_proj` I8 [E, 2I, H/2]
+                         + `gate_up_proj_scale_inv` [E, 2I, H/32], `experts.down_proj` [E, H, I/2] + [E, H, I/32]
+    expert_dtype_at: "top" (config.json's top level, as V4-Flash) or "quantization_config" (as
+    transformers saves it)."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    m = hf_model(seed, **{**QUANT_DIMS, **cfg_over})
+    flat = _per_expert_state(m)
+    stored, oracle = {}, {}          # transformers name -> {suffix: tensor}, transformers name -> f32 values
+    for k, v in flat.items():
+        if re.search(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$", k):
+            q, s, deq = quantize_fp4_ue8m0(v)
+            stored[k] = {"": q, "scale": s}
+            oracle[k] = deq
+        elif k.endswith(BF16_LINEARS):
+            b = v.to(torch.bfloat16)
+            stored[k] = {"": b}
+            oracle[k] = b.float()
+        elif k.endswith(FP8_LINEARS) and not k.startswith("mtp."):
+            q, s, deq = quantize_fp8_ue8m0(v)
+            stored[k] = {"": q, "scale": s}
+            oracle[k] = deq
+        else:
+            stored[k] = {"": v}
+    st = {}
+    for k, parts in stored.items():
+        for sfx, t in parts.items():
+            if layout == "deepseek":
+                d = deepseek_name(k)
+                d = re.sub(r"\.ffn\.experts\.(\d+)\.wgate\.", r".ffn.experts.\1.w1.", d)
+                d = re.sub(r"\.ffn\.experts\.(\d+)\.up_proj\.", r".ffn.experts.\1.w3.", d)
+                d = re.sub(r"\.ffn\.experts\.(\d+)\.down_proj\.", r".ffn.experts.\1.w2.", d)
+                name = d[: -len("weight")] + "scale" if sfx else d
+            elif layout in ("transformers", "fused"):
+                name = k + "_scale_inv" if sfx else k
+            else:
+                raise ValueError(layout)
+            st[name] = t.contiguous()
+    if layout == "fused":
+        st = _fuse_experts(st, m.config.n_routed_experts)
+    save_file(st, str(out / "model.safetensors"))
+    m.config.to_json_file(out / "config.json")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.pop("expert_dtype", None)
+    if expert_dtype_at == "top":
+        cfg["quantization_config"] = dict(QUANT_CONFIG)
+        cfg["expert_dtype"] = "fp4"
+    else:
+        cfg["quantization_config"] = {**QUANT_CONFIG, "expert_dtype": "fp4"}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    _load_values(m, oracle)
+    return m
+
+
+def _fuse_experts(st: dict, E: int) -> dict:
+    """Per-expert fp4 tensors (transformers' names) regrouped into transformers' fused layout."""
+    out, done = {}, set()
+    for k in list(st):
+        m = re.match(r"^(.*\.mlp\.experts\.)0\.gate_proj\.weight$", k)
+        if m is None:
+            continue
+        pre = m[1]
+        for sfx in ("", "_scale_inv"):
+            gu = [torch.cat([st[f"{pre}{e}.gate_proj.weight{sfx}"].view(torch.uint8),
+                             st[f"{pre}{e}.up_proj.weight{sfx}"].view(torch.uint8)]) for e in range(E)]
+            dn = [st[f"{pre}{e}.down_proj.weight{sfx}"].view(torch.uint8) for e in range(E)]
+            dt = st[f"{pre}0.gate_proj.weight{sfx}"].dtype
+            out[f"{pre}gate_up_proj{sfx}"] = torch.stack(gu).view(dt).contiguous()
+            out[f"{pre}down_proj{sfx}"] = torch.stack(dn).view(dt).contiguous()
+            done.update(f"{pre}{e}.{p}.weight{sfx}" for e in range(E) for p in ("gate_proj", "up_proj", "down_proj"))
+    out.update({k: v for k, v in st.items() if k not in done})
+    return out
+
+
+def _load_values(m, values: dict) -> None:
+    """Copy per-expert / per-projection values (transformers' names) into the model's parameters."""
+    sd = m.state_dict()
+    I = m.config.moe_intermediate_size
+    with torch.no_grad():
+        for k, v in values.items():
+            mm = re.match(r"^(.*\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$", k)
+            if mm is None:
+                sd[k].copy_(v)
+                continue
+            e, proj = int(mm[2]), mm[3]
+            if proj == "down":
+                sd[mm[1] + "down_proj"][e].copy_(v)
+            else:
+                sd[mm[1] + "gate_up_proj"][e, (0 if proj == "gate" else I):(I if proj == "gate" else 2 * I)].copy_(v)

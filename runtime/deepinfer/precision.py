@@ -65,11 +65,12 @@ class Probe:
     """The linear call a precision makes: activation format and weight format."""
 
     x: str            # "f32", "bf16" or "int8" (per-token int8 activations)
-    w: str            # "f32", "bf16", "int8", "int4", "uint4", "fp8"
+    w: str            # "f32", "bf16", "int8", "int4", "uint4", "fp8", "fp4" (e2m1 group 32, e8m0 scales)
 
     def describe(self, group: int) -> str:
         w = {"int8": "int8 per channel (block 1,0)", "int4": f"int4 sym group {group} (block 1,{group})",
-             "uint4": f"uint4 asym group {group}", "fp8": "fp8 e4m3 block 128x128"}.get(self.w, self.w)
+             "uint4": f"uint4 asym group {group}", "fp8": "fp8 e4m3 block 128x128",
+             "fp4": f"fp4 e2m1 group {QF.FP4_GROUP} with e8m0 scales (block 1,{QF.FP4_GROUP})"}.get(self.w, self.w)
         x = "int8 per-token activations" if self.x == "int8" else f"{self.x} activations"
         return f"weights {w}, {x}"
 
@@ -107,6 +108,10 @@ def _probe_tensors(p: Probe, group: int, scale_dtype: str = "f32") -> dict:
     elif p.w == "fp8":
         w = Tensor.empty((n, k), "e4m3", fill=0)
         w.quant = Quant(Tensor.from_numpy(np.ones((n // 128, k // 128), np.float32)), (128, 128))
+    elif p.w == "fp4":
+        g = QF.FP4_GROUP
+        scales = Tensor.from_numpy(np.ones((n, k // g), np.float32), "e8m0")
+        w = Tensor(np.zeros((n, k // 2), np.uint8), (n, k), "e2m1", quant=Quant(scales, (1, g)))
     else:
         raise ValueError(f"no probe for weight format {p.w!r}")
     out_dtype = "bf16" if p.x == "bf16" else "f32"
@@ -114,11 +119,15 @@ def _probe_tensors(p: Probe, group: int, scale_dtype: str = "f32") -> dict:
 
 
 def backend_capabilities(backend, group_size: int = 64, activation_dtype: Optional[str] = None,
-                         symmetric: bool = True, precisions=ALL_PRECISIONS, scale_dtype: str = "f32") -> dict[str, int]:
+                         symmetric: bool = True, precisions=ALL_PRECISIONS, scale_dtype: str = "f32",
+                         fp4_experts: bool = False) -> dict[str, int]:
     """{precision: abi.SUPPORT_NO / YES / SLOW} from the backend's op_query of `linear`.
 
     Paths with int8 activations also need the `quantize` op (activations are quantized per token
-    at run time). A backend that raises on a query (it should answer NO) counts as NO.
+    at run time). With `fp4_experts` (a DeepSeek V4 checkpoint whose routed experts are fp4 e2m1)
+    the fp8 path (the checkpoint as stored) also needs e2m1 weights with e8m0 group-32 scales; it
+    gets the weaker of the two answers. A backend that raises on a query (it should answer NO)
+    counts as NO.
     """
     act = activation_dtype or default_activation_dtype(backend)
     caps = {}
@@ -127,13 +136,20 @@ def backend_capabilities(backend, group_size: int = 64, activation_dtype: Option
         if not backend.has_op("linear") or (p.x == "int8" and not backend.has_op("quantize")):
             caps[prec] = abi.SUPPORT_NO
             continue
-        try:
-            args = {k: backend.upload(v) for k, v in _probe_tensors(p, group_size, scale_dtype).items()}
-            support, _ = backend.query("linear", **args)
-        except Exception:  # a query must not fail for an unsupported request; treat a failure as NO
-            support = abi.SUPPORT_NO
-        caps[prec] = int(support)
+        probes = [p] + ([Probe(p.x, "fp4")] if fp4_experts and prec == "fp8" else [])
+        answers = [_query(backend, q, group_size, scale_dtype) for q in probes]
+        caps[prec] = abi.SUPPORT_NO if abi.SUPPORT_NO in answers else \
+            abi.SUPPORT_SLOW if abi.SUPPORT_SLOW in answers else abi.SUPPORT_YES
     return caps
+
+
+def _query(backend, p: Probe, group_size: int, scale_dtype: str) -> int:
+    try:
+        args = {k: backend.upload(v) for k, v in _probe_tensors(p, group_size, scale_dtype).items()}
+        support, _ = backend.query("linear", **args)
+    except Exception:  # a query must not fail for an unsupported request; treat a failure as NO
+        support = abi.SUPPORT_NO
+    return int(support)
 
 
 def default_activation_dtype(backend) -> str:
@@ -198,22 +214,24 @@ def meminfo_available(path: str = "/proc/meminfo") -> Optional[int]:
 
 
 def weight_bytes(shapes: Mapping[str, tuple], precision: str, group_size: int = 64, symmetric: bool = True,
-                 kept_bytes_per_element: int = 2) -> int:
+                 kept_bytes_per_element: int = 2, fp4_experts: bool = False) -> int:
     """Bytes of every tensor of a model ({name: shape}) when loaded at `precision`: quantizable
     linears in the precision's weight format, everything else (embeddings, norms, router, lm_head)
-    at `kept_bytes_per_element` (4 for f32 precision)."""
+    at `kept_bytes_per_element` (4 for f32 precision). `fp4_experts`: the checkpoint's fp8 holds
+    its routed experts in fp4 (DeepSeek V4), so at fp8 (as stored) they count as fp4."""
     total = 0
     kept = 4 if precision == "f32" else kept_bytes_per_element
     for name, shape in shapes.items():
         if QF.is_quantizable(name, shape):
-            total += QF.weight_nbytes(shape, precision, group_size, symmetric)
+            fmt = "fp4" if fp4_experts and precision == "fp8" and QF.is_routed_expert(name) else precision
+            total += QF.weight_nbytes(shape, fmt, group_size, symmetric)
         else:
             total += math.prod(shape) * kept
     return total
 
 
 def resident_weight_bytes(shapes: Mapping[str, tuple], precision: str, expert_cache, group_size: int = 64,
-                          symmetric: bool = True, kept_bytes_per_element: int = 2) -> int:
+                          symmetric: bool = True, kept_bytes_per_element: int = 2, fp4_experts: bool = False) -> int:
     """weight_bytes with an expert cache (model.expert_cache): every tensor but the routed experts,
     plus what the cache allocates for them at this precision (a capacity fraction of each layer's
     experts plus the shared overflow, at most experts - slots of one layer; a byte capacity as given).
@@ -224,9 +242,9 @@ def resident_weight_bytes(shapes: Mapping[str, tuple], precision: str, expert_ca
     ec = ExpertCacheConfig.parse(expert_cache)
     experts = {n: sh for n, sh in shapes.items() if ".mlp.experts." in n}
     rest = {n: sh for n, sh in shapes.items() if n not in experts}
-    total = weight_bytes(experts, precision, group_size, symmetric, kept_bytes_per_element)
+    total = weight_bytes(experts, precision, group_size, symmetric, kept_bytes_per_element, fp4_experts)
     if not experts or total == 0:
-        return weight_bytes(rest, precision, group_size, symmetric, kept_bytes_per_element)
+        return weight_bytes(rest, precision, group_size, symmetric, kept_bytes_per_element, fp4_experts)
     layers = {n.split(".mlp.experts.")[0] for n in experts}
     E = len({(n.split(".mlp.experts.")[1].split(".")[0]) for n in experts})
     if isinstance(ec.capacity, float):
@@ -234,7 +252,7 @@ def resident_weight_bytes(shapes: Mapping[str, tuple], precision: str, expert_ca
         cache = total * n // E + (total // max(len(layers), 1)) * (E - n) // E
     else:
         cache = min(int(ec.capacity), total + total // max(len(layers), 1))
-    return weight_bytes(rest, precision, group_size, symmetric, kept_bytes_per_element) + cache
+    return weight_bytes(rest, precision, group_size, symmetric, kept_bytes_per_element, fp4_experts) + cache
 
 
 # ---------------------------------------------------------------------------- accuracy
@@ -436,7 +454,9 @@ def resolve(backend, config, shapes: Mapping[str, tuple], checkpoint_scheme=None
     scale_dtype = scheme.scale_dtype if scheme is not None and scheme.format == "int4" else "f32"
     act = config.activation_dtype if config.activation_dtype != "auto" else default_activation_dtype(backend)
     allowed = producible(scheme)
-    caps = backend_capabilities(backend, group, act, symmetric, precisions=allowed, scale_dtype=scale_dtype)
+    fp4 = scheme is not None and scheme.fp4_experts
+    caps = backend_capabilities(backend, group, act, symmetric, precisions=allowed, scale_dtype=scale_dtype,
+                                fp4_experts=fp4)
     forced = config.precision if config.precision not in POLICIES else None
     policy = config.precision if config.precision in POLICIES else "auto"
     if stored is None:   # unknown for a float checkpoint: no preference, the most accurate path first
@@ -447,8 +467,8 @@ def resolve(backend, config, shapes: Mapping[str, tuple], checkpoint_scheme=None
 
     def size(p: str) -> int:
         if ec is None:
-            return weight_bytes(shapes, p, group, symmetric, kept)
-        return resident_weight_bytes(shapes, p, ec, group, symmetric, kept)
+            return weight_bytes(shapes, p, group, symmetric, kept, fp4)
+        return resident_weight_bytes(shapes, p, ec, group, symmetric, kept, fp4)
 
     if forced is not None:
         sizes = {forced: size(forced)}

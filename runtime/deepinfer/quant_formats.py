@@ -9,6 +9,21 @@ go through it. Two families are read (`config.json` -> `quantization_config`):
   multiplies (real = q * scale_inv), so it becomes Quant(scales, (128, 128)) as is.
   Weights the release keeps in bf16 simply have no `_scale_inv`.
 
+  DeepSeek V4 adds two keys (transformers' FineGrainedFP8Config has both):
+  - `"scale_fmt": "ue8m0"`: the block scales are powers of two stored in one byte, safetensors
+    dtype F8_E8M0 (float8_e8m0fnu; a checkpoint may also hold the raw bytes as U8). The fp8_block
+    format of the ABI takes f32 scales, so these are widened (exactly) on load.
+  - `"expert_dtype": "fp4"` (V4-Flash writes it at the top level of config.json, next to
+    quantization_config; transformers moves it inside, see quantization_config_of): the routed
+    experts are e2m1, stored as I8 [N, K/2] with two elements per byte, element 2i in the low
+    nibble (DeepSeek's inference/convert.py and transformers' Fp8Dequantize unpack `b & 0xF`
+    first; torch's float4_e2m1fn_x2 documents val0 in bits 0..3), which is the ABI's own
+    DI_NIBBLE_LOW_FIRST, so the bytes are used as they lie on disk. Their `X.weight_scale_inv`
+    (DeepSeek's own layout: `X.scale`, renamed by model.v4_names) is one F8_E8M0 per row and 32
+    columns [N, K/32]: Quant(scales e8m0, (1, 32)), the ABI's fp4_g32 format, consumed as is.
+    A weight of these checkpoints without a scale (V4's compressor and indexer kv_proj /
+    gate_proj, the indexer's weights_proj: BF16) stays float.
+
 * Our own `"quant_method": "deepinfer"` (written by `deepinfer quantize`):
 
       {"quant_method": "deepinfer", "format": "int8" | "int4" | "fp8",
@@ -80,8 +95,16 @@ def weight_format_of(precision: Optional[str]) -> Optional[str]:
 
 
 # Linear layers of attention, MLP / experts and the MTP projection; everything else stays high precision.
+# V4 adds kv_proj and the grouped output projection o_a_proj / o_b_proj; its compressors' kv_proj and
+# gate_proj stay high precision (DeepSeek ships them in BF16), see is_quantizable.
 QUANTIZED_LINEARS = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
-                     "gate_proj", "up_proj", "down_proj", "eh_proj")
+                     "gate_proj", "up_proj", "down_proj", "eh_proj", "kv_proj", "o_a_proj", "o_b_proj")
+# (parent module, linear) pairs that are never quantized: V4's compressor / indexer projections
+NOT_QUANTIZED = {("compressor", "kv_proj"), ("compressor", "gate_proj"), ("indexer", "kv_proj"),
+                 ("indexer", "gate_proj")}
+# the ABI's fp4 e2m1 format DeepSeek V4's routed experts use: one e8m0 scale per row and 32 columns
+FP4_GROUP = 32
+FP4_GROUPS = tuple(f.block_cols for f in abi.FORMATS if f.q_dtype == "e2m1")    # (16, 32)
 # What `deepinfer quantize` leaves in high precision (matched as whole dotted components).
 DEFAULT_NOT_CONVERTED = ("lm_head", "embed_tokens", "mlp.gate", "shared_head", "norm", "layernorm",
                          "e_score_correction_bias")
@@ -90,7 +113,7 @@ _CONFIG_KEYS = {
     # DeepSeek's release keys, plus what transformers' FineGrainedFP8Config writes when it saves an fp8
     # model (dequantize, modules_to_convert, modules_to_not_convert; scale_fmt "float")
     "fp8": {"quant_method", "fmt", "activation_scheme", "weight_block_size", "scale_fmt", "modules_not_converted",
-            "ignored_layers", "dequantize", "modules_to_convert", "modules_to_not_convert"},
+            "ignored_layers", "dequantize", "modules_to_convert", "modules_to_not_convert", "expert_dtype"},
     "deepinfer": {"quant_method", "format", "group_size", "symmetric", "scale_dtype", "modules_not_converted",
                   "weight_block_size", "calibration", "source"},
 }
@@ -107,12 +130,24 @@ class QuantScheme:
     scale_dtype: str = "f32"           # int4 scales: f32 or bf16
     block: tuple = FP8_BLOCK           # fp8 only
     modules_not_converted: tuple = field(default=())
+    scale_fmt: str = "float"           # official fp8: "float" (f32 block scales) or "ue8m0" (powers of two, 1 byte)
+    expert_dtype: str = "fp8"          # official fp8: routed experts "fp8" or "fp4" (e2m1, DeepSeek V4)
+
+    @property
+    def fp4_experts(self) -> bool:
+        """The routed experts are stored as fp4 e2m1 (DeepSeek V4-Flash / Pro)."""
+        return self.method == "fp8" and self.expert_dtype == "fp4"
 
     def to_config(self) -> dict:
         """The quantization_config dict that `parse_quantization_config` reads back to this scheme."""
         if self.method == "fp8":
-            return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                    "weight_block_size": list(self.block), "modules_not_converted": list(self.modules_not_converted)}
+            cfg = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                   "weight_block_size": list(self.block), "modules_not_converted": list(self.modules_not_converted)}
+            if self.scale_fmt != "float":
+                cfg["scale_fmt"] = self.scale_fmt
+            if self.expert_dtype != "fp8":
+                cfg["expert_dtype"] = self.expert_dtype
+            return cfg
         cfg = {"quant_method": "deepinfer", "format": self.format, "modules_not_converted": list(self.modules_not_converted)}
         if self.format == "int4":
             cfg.update(group_size=self.group_size, symmetric=self.symmetric, scale_dtype=self.scale_dtype)
@@ -127,7 +162,24 @@ class QuantScheme:
             return f"int4 g{self.group_size} {'sym' if self.symmetric else 'asym'} ({self.scale_dtype} scales)"
         if self.format == "int8":
             return "int8 per channel"
-        return f"fp8 e4m3 block {self.block[0]}x{self.block[1]}"
+        s = f"fp8 e4m3 block {self.block[0]}x{self.block[1]}"
+        if self.scale_fmt == "ue8m0":
+            s += " (ue8m0 scales)"
+        if self.fp4_experts:
+            s += f", routed experts fp4 e2m1 group {FP4_GROUP}"
+            s += " (ue8m0 scales)" if self.scale_fmt == "ue8m0" else ""
+        return s
+
+
+def quantization_config_of(config: dict) -> Optional[dict]:
+    """config.json's quantization_config with the keys DeepSeek writes beside it folded in:
+    DeepSeek-V4-Flash has `"expert_dtype": "fp4"` at the top level (transformers'
+    DeepseekV4Config moves it into quantization_config the same way). A key already inside wins."""
+    qc = config.get("quantization_config")
+    top = config.get("expert_dtype")
+    if isinstance(qc, dict) and top is not None and "expert_dtype" not in qc and qc.get("quant_method") == "fp8":
+        qc = {**qc, "expert_dtype": top}
+    return qc
 
 
 def make_scheme(format: str, group_size: int = 64, symmetric: bool = True, scale_dtype: str = "f32",
@@ -172,6 +224,9 @@ def parse_quantization_config(qc: Optional[dict], source: str = "quantization_co
         sf = qc.get("scale_fmt")
         if sf not in (None, "float", "ue8m0"):
             raise CheckpointError(f"{source}.scale_fmt={sf!r}: expected 'float' or 'ue8m0'")
+        ed = qc.get("expert_dtype")
+        if ed not in (None, "fp8", "fp4"):
+            raise CheckpointError(f"{source}.expert_dtype={ed!r}: expected 'fp8' or 'fp4'")
         mc = qc.get("modules_to_convert")
         if mc is not None and (not isinstance(mc, (list, tuple)) or not all(isinstance(m, str) for m in mc)):
             raise CheckpointError(f"{source}.modules_to_convert must be null or a list of module names")
@@ -179,7 +234,8 @@ def parse_quantization_config(qc: Optional[dict], source: str = "quantization_co
         # same e4m3 x scale products either way, so it does not change what is computed
         if not isinstance(qc.get("dequantize", False), bool):
             raise CheckpointError(f"{source}.dequantize must be true or false")
-        return QuantScheme("fp8", "fp8", block=_block(qc, source), modules_not_converted=tuple(mnc))
+        return QuantScheme("fp8", "fp8", block=_block(qc, source), modules_not_converted=tuple(mnc),
+                           scale_fmt=sf or "float", expert_dtype=ed or "fp8")
     fmt = qc.get("format")
     if fmt not in FORMATS:
         raise CheckpointError(f"{source}.format={fmt!r} must be one of {FORMATS}")
@@ -223,10 +279,19 @@ def matches_module(module: str, pattern: str) -> bool:
 
 
 def is_quantizable(name: str, shape) -> bool:
-    """A 2-d `.weight` of one of the QUANTIZED_LINEARS (attention, MLP, experts, MTP eh_proj)."""
+    """A 2-d `.weight` of one of the QUANTIZED_LINEARS (attention, MLP, experts, MTP eh_proj), not
+    one of V4's compressor / indexer projections (NOT_QUANTIZED)."""
     if not name.endswith(".weight") or len(tuple(shape)) != 2:
         return False
-    return module_of(name).rsplit(".", 1)[-1] in QUANTIZED_LINEARS
+    parts = module_of(name).split(".")
+    if parts[-1] not in QUANTIZED_LINEARS:
+        return False
+    return len(parts) < 2 or (parts[-2], parts[-1]) not in NOT_QUANTIZED
+
+
+def is_routed_expert(name: str) -> bool:
+    """A routed expert's weight ('...mlp.experts.3.up_proj.weight'), not a shared expert's."""
+    return ".mlp.experts." in name
 
 
 def is_converted(name: str, scheme: Optional[QuantScheme]) -> bool:
@@ -289,9 +354,14 @@ def weight_from_checkpoint(get_tensor: GetTensor, name: str, quantization_config
             # its size-1 dims dropped ([2] for a [1, 2] grid); the order is the same, so reshape
             s = s.reshape(grid)
         _check_shape(name + "_scale_inv", s, grid, f"one scale per {block[0]}x{block[1]} block")
+        s = _float_scales(name + "_scale_inv", s, scheme)
         if s.dtype != np.float32:
+            # the ABI's fp8_block format takes f32 scales; bf16 / f16 / e8m0 widen exactly
             s = s.astype(np.float32)
         return Tensor.from_numpy(w, "e4m3", quant=Quant(Tensor.from_numpy(s), block))
+
+    if w.dtype == np.int8 and scheme is not None and scheme.method == "fp8":
+        return _fp4_weight(get_tensor, name, w, scheme, shape, has_tensor)
 
     if w.dtype == np.int8:
         if scheme is None or scheme.format != "int8":
@@ -346,6 +416,66 @@ def weight_from_checkpoint(get_tensor: GetTensor, name: str, quantization_config
     raise CheckpointError(f"tensor {name!r} has dtype {w.dtype}, which is no weight format deepinfer reads")
 
 
+def _float_scales(name: str, s: np.ndarray, scheme: Optional[QuantScheme]) -> np.ndarray:
+    """Scales of the official fp8 format as a float array: f32 / bf16 / f16 / e8m0 as stored; U8
+    is read as ue8m0 bytes (2^(b - 127)) when scale_fmt says ue8m0, as transformers does. An e8m0
+    byte of 255 (NaN) is a damaged scale."""
+    if s.dtype == np.uint8:
+        if scheme is None or scheme.scale_fmt != "ue8m0":
+            raise CheckpointError(f"tensor {name!r} holds bytes (U8); that is a ue8m0 scale only when "
+                                  f"quantization_config.scale_fmt is 'ue8m0'")
+        s = s.view(D.e8m0.np)
+    if s.dtype == D.e8m0.np:
+        if np.any(s.view(np.uint8) == 255):
+            raise CheckpointError(f"tensor {name!r} holds the ue8m0 NaN byte (255); the checkpoint is damaged")
+        return s
+    if s.dtype not in (np.float32, np.float16, D.bf16.np):
+        raise CheckpointError(f"tensor {name!r} has dtype {s.dtype}; scales are F32, BF16, F16 or F8_E8M0")
+    return s
+
+
+def _fp4_weight(get_tensor, name, w, scheme, shape, has_tensor) -> Tensor:
+    """DeepSeek V4's fp4 routed experts: I8 [N, K/2] holding two e2m1 codes per byte (element 2i
+    in the low nibble, the ABI's packing) and `_scale_inv` [N, K/32] (e8m0) -> an e2m1 Tensor
+    [N, K] over the stored bytes with Quant(scales, (1, 32)); nothing is unpacked or copied."""
+    if w.ndim != 2:
+        raise CheckpointError(f"fp4 tensor {name!r} must be 2-d, has shape {list(w.shape)}")
+    n, kb = w.shape
+    k = 2 * kb
+    if shape is not None:
+        if int(shape[0]) != n or (int(shape[1]) + 1) // 2 != kb:
+            raise CheckpointError(f"fp4 tensor {name!r} [{n}, {kb}] bytes (two e2m1 values each) cannot hold a "
+                                  f"[{shape[0]}, {shape[1]}] weight")
+        k = int(shape[1])
+    s = _lookup(get_tensor, name + "_scale_inv", has_tensor)
+    if s is None:
+        raise CheckpointError(f"tensor {name!r} is I8 in an fp8 checkpoint (packed fp4 e2m1) but has no "
+                              f"{name + '_scale_inv'!r}")
+    s = np.asarray(s)
+    if s.ndim != 2 or s.shape[0] != n:
+        raise CheckpointError(f"tensor {name + '_scale_inv'!r} has shape {list(s.shape)}; fp4 scales are "
+                              f"[{n}, K/{FP4_GROUP}] for the [{n}, {k}] weight")
+    groups = [g for g in sorted(FP4_GROUPS, reverse=True) if -(-k // g) == s.shape[1]]
+    if not groups:
+        raise CheckpointError(f"tensor {name + '_scale_inv'!r} has {s.shape[1]} scales per row; an fp4 weight "
+                              f"of K={k} has one per {' or '.join(map(str, FP4_GROUPS))} columns "
+                              f"({', '.join(str(-(-k // g)) for g in FP4_GROUPS)})")
+    g = groups[0]
+    s = _float_scales(name + "_scale_inv", s, scheme)
+    if s.dtype != D.e8m0.np:
+        # the ABI's fp4 formats take e8m0 (or e4m3) scales: float scales are fine when they are
+        # powers of two (what ue8m0 stores), which e8m0 holds exactly
+        f = s.astype(np.float32)
+        m, e = np.frexp(f)
+        if not (np.all(np.isfinite(f)) and np.all(f > 0) and np.all(m == 0.5) and e.min(initial=1) - 1 >= -127
+                and e.max(initial=1) - 1 <= 127):
+            raise CheckpointError(f"tensor {name + '_scale_inv'!r}: fp4 weights take power-of-two (ue8m0) scales; "
+                                  f"these {s.dtype} scales are not all powers of two")
+        s = f.astype(D.e8m0.np)
+    data = np.asarray(w).view(np.uint8)
+    return Tensor(data, (n, k), "e2m1", quant=Quant(Tensor.from_numpy(np.asarray(s)), (1, g)))
+
+
 def _scale(get_tensor, name, has_tensor, grid, allowed) -> np.ndarray:
     s = _lookup(get_tensor, name + "_scale", has_tensor)
     if s is None:
@@ -377,6 +507,11 @@ def weight_to_checkpoint(name: str, t: Tensor) -> dict[str, np.ndarray]:
     scales = np.ascontiguousarray(q.scales.numpy())
     if dt == "e4m3" and q.zeros is None and q.scales.dtype.name == "f32" and q.block[0] > 0 and q.block[1] > 0:
         return {name: np.ascontiguousarray(t.numpy()), name + "_scale_inv": scales}
+    if dt == "e2m1" and q.zeros is None and q.scales.dtype.name == "e8m0" and q.block[0] == 1 \
+            and q.block[1] in FP4_GROUPS:
+        # DeepSeek V4's fp4 layout: the packed bytes as I8 [N, ceil(K/2)], e8m0 scales beside them
+        packed = np.ascontiguousarray(t.packed_bytes()) if t.is_contiguous() and t.offset == 0 else _pack_codes(t)
+        return {name: packed.view(np.int8), name + "_scale_inv": scales}
     if dt == "int8" and tuple(q.block) == (1, 0) and q.zeros is None and q.scales.dtype.name == "f32":
         return {name: np.ascontiguousarray(t.numpy()), name + "_scale": scales.reshape(n, 1)}
     if dt in ("int4", "uint4") and q.block[0] == 1 and q.block[1] > 0 and q.scales.dtype.name in ("f32", "bf16"):
@@ -393,7 +528,8 @@ def weight_to_checkpoint(name: str, t: Tensor) -> dict[str, np.ndarray]:
             out[name + "_shape"] = np.array([n, k], np.int64)
         return out
     raise ValueError(f"{name}: no checkpoint format for {q.describe(t.dtype)} (stored formats: fp8 e4m3 "
-                     f"blocks with f32 scales, int8 block (1,0) f32, int4/uint4 block (1,g) f32/bf16)")
+                     f"blocks with f32 scales, fp4 e2m1 block (1,16|32) e8m0, int8 block (1,0) f32, "
+                     f"int4/uint4 block (1,g) f32/bf16)")
 
 
 def _pack_codes(t: Tensor) -> np.ndarray:
@@ -422,6 +558,9 @@ def weight_nbytes(shape, format: str, group_size: int = 64, symmetric: bool = Tr
     if fmt == "int4":
         groups = n * math.ceil(k / group_size)
         return n * ((k + 1) // 2) + groups * D.get(scale_dtype).nbytes(1) + (0 if symmetric else groups)
+    if fmt == "fp4":
+        # e2m1 with one e8m0 byte per FP4_GROUP columns (DeepSeek V4's routed experts)
+        return n * ((k + 1) // 2) + n * math.ceil(k / FP4_GROUP)
     raise ValueError(f"weight_nbytes: unknown format {format!r}")
 
 
@@ -432,7 +571,8 @@ def logical_shapes(entries, get_tensor: Optional[GetTensor] = None) -> dict[str,
     """{name: logical shape} of a checkpoint's tensors from {name: (dtype, stored shape)}: the
     scale / zero / shape side tensors of quantized weights are dropped and a packed int4 weight
     [N, ceil(K/2)] becomes [N, K] (K from `X.weight_shape` when get_tensor is given and it exists,
-    else 2 * ceil(K/2)). What precision.weight_bytes needs to size a pre-quantized checkpoint."""
+    else 2 * ceil(K/2)), as does a packed fp4 weight (I8 [N, K/2] with a `_scale_inv`, DeepSeek V4's
+    experts). What precision.weight_bytes needs to size a pre-quantized checkpoint."""
     names = set(entries)
     out = {}
     for name, (dtype, shape) in entries.items():
@@ -444,5 +584,7 @@ def logical_shapes(entries, get_tensor: Optional[GetTensor] = None) -> dict[str,
             if get_tensor is not None and name + "_shape" in names:
                 k = int(np.asarray(get_tensor(name + "_shape")).reshape(-1)[1])
             shape = (shape[0], k)
+        elif np.dtype(dtype) == np.int8 and len(shape) == 2 and name + "_scale_inv" in names:
+            shape = (shape[0], 2 * shape[1])
         out[name] = shape
     return out

@@ -6,7 +6,9 @@ checked against the file before anything is mapped: the 8-byte length, the JSON,
 dtype, shape and data offsets, and that the data lies inside the file; so a truncated download is
 reported by name instead of crashing a kernel later. FP8 weights of the official DeepSeek format
 (`weight` in e4m3 plus `weight_scale_inv`, one f32 per 128x128 block) become one quantized Tensor
-with Quant(scales, (128, 128)), which backends consume as is.
+with Quant(scales, (128, 128)), which backends consume as is. DeepSeek V4's release adds ue8m0
+scales (F8_E8M0) and fp4 routed experts (I8 [N, K/2], two e2m1 per byte, with F8_E8M0 scales per
+row and 32 columns); quant_formats describes both.
 
 Two layouts of routed experts are read, and the rest of the engine sees only the first:
   hub    one tensor per expert: `mlp.experts.{e}.{gate,up,down}_proj.weight` (+ `weight_scale_inv`
@@ -15,7 +17,9 @@ Two layouts of routed experts are read, and the rest of the engine sees only the
          `save_pretrained(..., save_original_format=False)` (and early 5.x releases by default):
          `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows, then up rows) and
          `mlp.experts.down_proj` [E, H, I]; fp8 adds `gate_up_proj_scale_inv` [E, 2I/128, H/128]
-         and `down_proj_scale_inv` [E, H/128, I/128] (transformers' integrations/finegrained_fp8.py).
+         and `down_proj_scale_inv` [E, H/128, I/128] (transformers' integrations/finegrained_fp8.py);
+         fp4 experts (I8 [E, 2I, H/2], [E, H, I/2]) have a scale row per weight row
+         ([E, 2I, H/32], [E, H, I/32]).
 A fused tensor is presented under the hub names of its experts, each a view into the memory map
 (`gate_up_proj[e, :I]` is contiguous), so one expert loads alone without reading the others.
 """
@@ -46,6 +50,8 @@ _ST_DTYPES = {
     "BF16": np.dtype(ml_dtypes.bfloat16),
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    # ue8m0 block scales (DeepSeek V4, transformers' scale_fmt "ue8m0"): torch.float8_e8m0fnu
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
     "F64": np.dtype(np.float64),
     "I64": np.dtype(np.int64),
     "I32": np.dtype(np.int32),
@@ -123,6 +129,11 @@ class SafetensorsFile:
         if not isinstance(e, dict):
             raise self._corrupt(f"tensor {name!r} has a malformed header entry {reprlib.repr(e)} (not an object)")
         dt_name, shape, offsets = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+        if dt_name == "F4":
+            # torch.float4_e2m1fn_x2 as safetensors writes it: the shape counts elements, two per byte
+            raise CheckpointError(f"{self.path}: tensor {name!r} has dtype F4 (packed float4_e2m1fn_x2), which "
+                                  f"deepinfer does not read; DeepSeek publishes fp4 weights as I8 [N, K/2] (two "
+                                  f"e2m1 per byte, element 2i in the low nibble): store them that way")
         if not isinstance(dt_name, str) or dt_name not in _ST_DTYPES:
             raise self._corrupt(f"tensor {name!r} has unknown dtype {reprlib.repr(dt_name)}")
         if not (isinstance(shape, list) and len(shape) <= _MAX_NDIM and all(_is_count(s) for s in shape)):
@@ -229,7 +240,9 @@ class TensorStore:
         for name in list(self.where):
             m = _FUSED.match(name)
             if m is not None:
-                self._add_fused(name, m["prefix"], m["proj"], block_rows)
+                # fp4 experts (I8 in an fp8 checkpoint, DeepSeek V4) have one scale row per weight row
+                fp4 = fp8 and self.where[name].entries[name][0] == np.int8
+                self._add_fused(name, m["prefix"], m["proj"], 1 if fp4 else block_rows)
         self._names = [n for n in self.where if n not in self._fused] + list(self.views)
 
     def _rename(self, renames: dict) -> None:
@@ -467,8 +480,9 @@ class Checkpoint(TensorStore):
 
     def weight(self, name: str, shape, dtype: Optional[str] = None) -> Tensor:
         """A linear weight [N, K]: plain float (cast to `dtype` when given), or quantized as stored
-        (official fp8 e4m3 with 128x128 scales, or deepinfer's int8 / int4 formats; see
-        quant_formats) with its Quant, consumed by backends as is."""
+        (official fp8 e4m3 with 128x128 scales, DeepSeek V4's fp4 e2m1 experts with e8m0 scales per
+        32 columns, or deepinfer's int8 / int4 formats; see quant_formats) with its Quant, consumed
+        by backends as is."""
         from .. import quant_formats as QF
 
         if name not in self:

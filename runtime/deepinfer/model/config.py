@@ -333,7 +333,8 @@ def _v4_from_dict(f: "_Fields", d: dict, source: str) -> "ModelConfig":
     transformers' DeepseekV4Config (V4-Flash), which is the executable description we match."""
     from .. import quant_formats as QF
 
-    scheme = QF.parse_quantization_config(d.get("quantization_config"), f"{source}: quantization_config")
+    # V4-Flash writes expert_dtype beside quantization_config (QF.quantization_config_of folds it in)
+    scheme = QF.parse_quantization_config(QF.quantization_config_of(d), f"{source}: quantization_config")
     block = scheme.block if scheme is not None and scheme.format == "fp8" else None
     vocab = f.integer("vocab_size", 129280)
     L = f.integer("num_hidden_layers", 43)
