@@ -1,6 +1,7 @@
 /* MLA attention: mla_prefill (un-absorbed, causal within each packed sequence) and mla_decode
- * (absorbed kv_b over the paged latent cache). Softmax is the two-pass max/exp form in f32; dot
- * products go through the same gemm_dot kernel as linear so they use SIMD where available. */
+ * (absorbed kv_b over the paged latent cache; with indices, 1.3, over the listed positions only).
+ * Softmax is the two-pass max/exp form in f32; dot products go through the same gemm_dot kernel as
+ * linear so they use SIMD where available. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -144,12 +145,18 @@ DI_Status op_mla_prefill(DI_Context* ctx, const DI_MLAPrefillArgs* a, int query)
  * all of them. Each token's arithmetic stays what it is alone, so its output does not depend on
  * the others. */
 #define DEC_GROUP 8
+static int cmp_pos(const void* x, const void* y) {
+    int32_t a = *(const int32_t*)x, b = *(const int32_t*)y;
+    return (a > b) - (a < b);
+}
 typedef struct {
     const DI_MLADecodeArgs* a;
     int64_t T, H, Dn, Dr, Dv, Dc, BS, hb, nhb;
     const int64_t* g0;     /* g0[g]: first token of group g; g0[ng]: T */
     int64_t ng;
     int qd, wd, cd, od;
+    int sparse;            /* indices present (V3.2): each token attends its listed positions only */
+    int64_t KI;            /* indices.shape[1] */
     float scale;
     const Kernels* k;
     DI_Status oom;
@@ -168,6 +175,32 @@ static const float* cache_rows(const DecodeJob* j, const int32_t* bt, int64_t p0
     return chunk;
 }
 
+/* The positions token t attends with indices (V3.2's sparse MLA): the listed p with 0 <= p < L,
+ * ascending, each once (a position listed twice counts once); returns how many. */
+static int64_t listed_positions(const DI_MLADecodeArgs* a, int64_t t, int64_t KI, int64_t L, int32_t* pos) {
+    const int32_t* li = (const int32_t*)t_row(&a->indices, DT_I32, t);
+    int64_t n = 0;
+    for (int64_t i = 0; i < KI; i++)
+        if (li[i] >= 0 && li[i] < L) pos[n++] = li[i];
+    if (n > 1) {
+        qsort(pos, (size_t)n, sizeof(int32_t), cmp_pos);
+        int64_t m = 1;
+        for (int64_t i = 1; i < n; i++)
+            if (pos[i] != pos[m - 1]) pos[m++] = pos[i];
+        n = m;
+    }
+    return n;
+}
+
+/* rows pos[0 .. n) of a sequence, their first `width` values converted into chunk (row stride Dc + Dr) */
+static const float* listed_rows(const DecodeJob* j, const int32_t* bt, const int32_t* pos, int n, int64_t width,
+                                float* chunk) {
+    const DI_Tensor* c = &j->a->cache;
+    for (int r = 0; r < n; r++)
+        load_row(j->cd, t_row2(c, j->cd, bt[pos[r] / j->BS], pos[r] % j->BS), 0, width, chunk + r * (j->Dc + j->Dr));
+    return chunk;
+}
+
 static void decode_task(void* arg, int64_t task, int worker) {
     (void)worker;
     DecodeJob* j = (DecodeJob*)arg;
@@ -177,15 +210,23 @@ static void decode_task(void* arg, int64_t task, int worker) {
     int64_t Dc = j->Dc, Dr = j->Dr, Dn = j->Dn, Dv = j->Dv, Dw = Dc + Dr;
     int64_t t0 = j->g0[g], nt = j->g0[g + 1] - t0;
     int32_t seq = ((const int32_t*)t_base(&a->token_seq))[t0 * a->token_seq.strides[0]];
+    /* L[u]: how many keys token u attends, positions [0, L[u]), or with indices its L[u] listed ones */
     int64_t L[DEC_GROUP], Lmax = 0;
     for (int64_t u = 0; u < nt; u++) {
         L[u] = ((const int32_t*)t_base(&a->kv_len))[(t0 + u) * a->kv_len.strides[0]];
+        if (j->sparse && L[u] > j->KI) L[u] = j->KI;   /* the bound for the scratch; counted below */
         if (L[u] > Lmax) Lmax = L[u];
     }
     size_t need = (size_t)(nt * nh * Dw + nt * nh * Lmax + DEC_CHUNK * Dw + nh * nt * Dc + nt * Dn + Dc + Dn + Dr +
                            nt * Dv + 16);
-    float* mem = di_malloc(need * sizeof(float));
+    float* mem = di_malloc(need * sizeof(float) + (j->sparse ? (size_t)(nt * j->KI) * sizeof(int32_t) : 0));
     if (!mem) { j->oom = 1; return; }
+    int32_t* pos = (int32_t*)(mem + need);   /* sparse: [nt][KI] listed positions */
+    if (j->sparse)
+        for (int64_t u = 0; u < nt; u++) {
+            int64_t len = ((const int32_t*)t_base(&a->kv_len))[(t0 + u) * a->kv_len.strides[0]];
+            L[u] = listed_positions(a, t0 + u, j->KI, len, pos + u * j->KI);
+        }
     /* per token and head [q_lat (Dc), q_pe (Dr)]: the layout of a cache row, so a score is one dot
      * product; o_lat per head and token, so a head's tokens are the x rows of one rowdot4x call */
     float* qcat = mem;                       /* [nt][nh][Dw] */
@@ -234,7 +275,15 @@ static void decode_task(void* arg, int64_t task, int worker) {
     int64_t step = j->cd == DT_F32 ? j->BS : DEC_CHUNK, crs = j->cd == DT_F32 ? a->cache.strides[1] : Dw;
     /* pass 1: scores, one dot of [q_lat, q_pe] with each cache row [latent, k_pe]; each token
      * takes the rows below its own length, in the steps it takes alone */
-    for (int64_t p0 = 0; p0 < Lmax; p0 += step) {
+    if (j->sparse)   /* every token its own rows: gathered, converted, DEC_CHUNK at a time */
+        for (int64_t u = 0; u < nt; u++)
+            for (int64_t p0 = 0; p0 < L[u]; p0 += DEC_CHUNK) {
+                int n = (int)(L[u] - p0 < DEC_CHUNK ? L[u] - p0 : DEC_CHUNK);
+                const float* rows = listed_rows(j, bt, pos + u * j->KI + p0, n, Dw, chunk);
+                for (int64_t i = 0; i < nh; i++)
+                    K->dot_rows(qcat + (u * nh + i) * Dw, rows, Dw, n, Dw, sc + (u * nh + i) * Lmax + p0);
+            }
+    for (int64_t p0 = 0; !j->sparse && p0 < Lmax; p0 += step) {
         const float* rows = cache_rows(j, bt, p0, (int)(Lmax - p0 < step ? Lmax - p0 : step), Dw, chunk);
         for (int64_t u = 0; u < nt; u++) {
             if (p0 >= L[u]) continue;
@@ -249,7 +298,15 @@ static void decode_task(void* arg, int64_t task, int worker) {
             for (int64_t c = 0; c < Dc; c++) olat[(i * nt + u) * Dc + c] = 0.0f;
         }
     /* pass 2: o_lat = softmax @ c */
-    for (int64_t p0 = 0; p0 < Lmax; p0 += step) {
+    if (j->sparse)
+        for (int64_t u = 0; u < nt; u++)
+            for (int64_t p0 = 0; p0 < L[u]; p0 += DEC_CHUNK) {
+                int n = (int)(L[u] - p0 < DEC_CHUNK ? L[u] - p0 : DEC_CHUNK);
+                const float* rows = listed_rows(j, bt, pos + u * j->KI + p0, n, Dc, chunk);
+                for (int64_t i = 0; i < nh; i++)
+                    K->wsum_rows(sc + (u * nh + i) * Lmax + p0, rows, Dw, n, Dc, olat + (i * nt + u) * Dc);
+            }
+    for (int64_t p0 = 0; !j->sparse && p0 < Lmax; p0 += step) {
         const float* rows = cache_rows(j, bt, p0, (int)(Lmax - p0 < step ? Lmax - p0 : step), Dc, chunk);
         for (int64_t u = 0; u < nt; u++) {
             if (p0 >= L[u]) continue;
@@ -320,9 +377,14 @@ DI_Status op_mla_decode(DI_Context* ctx, const DI_MLADecodeArgs* a, int query) {
     if ((st = check_dim(&v, &a->token_seq, "token_seq", 0, T))) return st;
     if ((st = check_dim(&v, &a->kv_len, "kv_len", 0, T))) return st;
     if ((st = check_dim(&v, &a->out, "out", 0, T)) || (st = check_dim(&v, &a->out, "out", 1, H))) return st;
+    int sparse = tensor_present(&v, &a->indices);   /* 1.3; absent for an older caller */
+    if (sparse) {
+        if ((st = check_tensor(&v, &a->indices, "indices", 2, 2, DTM(DT_I32), 0))) return st;
+        if ((st = check_dim(&v, &a->indices, "indices", 0, T))) return st;
+    }
     if (query) return DI_OK;
     int64_t NB = a->cache.shape[0], BS = a->cache.shape[1], S = a->block_table.shape[0],
-            MB = a->block_table.shape[1];
+            MB = a->block_table.shape[1], KI = sparse ? a->indices.shape[1] : 0;
     const int32_t* ts = (const int32_t*)t_base(&a->token_seq);
     const int32_t* kl = (const int32_t*)t_base(&a->kv_len);
     for (int64_t t = 0; t < T; t++) {
@@ -334,6 +396,8 @@ DI_Status op_mla_decode(DI_Context* ctx, const DI_MLADecodeArgs* a, int query) {
             return di_fail(ctx, DI_INVALID_ARGUMENT, "mla_decode: kv_len[%lld]=%lld outside [0, MB*BS=%lld]",
                            (long long)t, (long long)L, (long long)(MB * BS));
         const int32_t* bt = (const int32_t*)t_row(&a->block_table, DT_I32, s);
+        /* every block below kv_len, with indices too (the reference's rule): the sparse path reads
+         * only listed positions, but a bad table is the caller's bug either way */
         for (int64_t b = 0; b < (L + BS - 1) / (BS ? BS : 1); b++)
             if (bt[b] < 0 || bt[b] >= NB)
                 return di_fail(ctx, DI_INVALID_ARGUMENT, "mla_decode: block_table[%lld, %lld]=%d outside [0, NB=%lld)",
@@ -344,6 +408,7 @@ DI_Status op_mla_decode(DI_Context* ctx, const DI_MLADecodeArgs* a, int query) {
     memset(&j, 0, sizeof j);
     j.a = a; j.T = T; j.H = H; j.Dn = Dn; j.Dr = Dr; j.Dv = Dv; j.Dc = Dc; j.BS = BS; j.scale = a->scale;
     j.qd = dt_id(a->q.dtype); j.wd = dt_id(a->wkv_b.dtype); j.cd = dt_id(a->cache.dtype); j.od = dt_id(a->out.dtype);
+    j.sparse = sparse; j.KI = KI;
     j.k = kernels();
     int64_t* g0 = di_malloc((size_t)(T + 1) * sizeof(int64_t));
     if (!g0) return DI_OOM(ctx, "mla_decode");
@@ -362,7 +427,10 @@ DI_Status op_mla_decode(DI_Context* ctx, const DI_MLADecodeArgs* a, int query) {
     j.nhb = (H + j.hb - 1) / j.hb;
     /* work: the latent keys each token reads, per head, plus the absorbed projections */
     int64_t keys = 0;
-    for (int64_t t = 0; t < T; t++) keys += ((const int32_t*)t_base(&a->kv_len))[t * a->kv_len.strides[0]];
+    for (int64_t t = 0; t < T; t++) {
+        int64_t L = ((const int32_t*)t_base(&a->kv_len))[t * a->kv_len.strides[0]];
+        keys += sparse && L > KI ? KI : L;
+    }
     pool_run(ctx->pool, ng * j.nhb, decode_task, &j, (keys + T * (Dn + Dv)) * H * (Dc + Dr));
     free(g0);
     if (j.oom) return DI_OOM(ctx, "mla_decode");

@@ -7,6 +7,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <math.h>
 #include <time.h>
 
 #include "deepinfer_abi.h"
@@ -290,6 +291,10 @@ typedef struct {
     void (*dot_rows)(const float* q, const float* rows, int64_t ld, int n, int64_t D, float* out);
     void (*wsum_rows)(const float* w, const float* rows, int64_t ld, int n, int64_t D, float* acc);
     void (*softmax)(float* s, int64_t n, float scale);
+    /* wsum_rows for four weight rows at once (acc[h][0:D] += sum_r w[h][r] * row r, h < 4): each row
+     * is loaded once for the four, and every element gets wsum_rows's FMAs in wsum_rows's order, so
+     * the bits are the same. NULL: call wsum_rows per weight row */
+    void (*wsum_rows4)(const float* const w[4], const float* rows, int64_t ld, int n, int64_t D, float* const acc[4]);
     int amx;                  /* AMX tiles usable (amx_init succeeded and the ISA cap allows them) */
     const char* name;
 } Kernels;
@@ -315,6 +320,17 @@ DI_HIDDEN DI_Status check_weight(VC* v, const DI_Tensor* w, const char* name, in
 #define DI_OP_DECL(id, name, T, minor) DI_HIDDEN DI_Status op_##name(DI_Context* ctx, const T* args, int query);
 DI_OPS(DI_OP_DECL)
 #undef DI_OP_DECL
+
+/* silu(g) * u, with V4's clipped SwiGLU when limit > 0 (g = min(g, limit), u = clamp(u, -limit,
+ * limit); comparisons keep a NaN as torch's clamp does). silu_mul and both moe_experts paths share
+ * it, so a (token, k) pair's activation has the same bits whichever path computes it. */
+static inline float di_swiglu(float g, float u, float limit) {
+    if (limit > 0.0f) {
+        g = g > limit ? limit : g;
+        u = u > limit ? limit : u < -limit ? -limit : u;
+    }
+    return g / (1.0f + expf(-g)) * u;
+}
 
 /* returned by an op in query mode only: supported, but by a fallback (op_query says SLOW) */
 #define DI_QUERY_SLOW 1000

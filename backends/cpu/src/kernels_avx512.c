@@ -641,6 +641,43 @@ static K512 void wsum_rows_512(const float* w, const float* rows, int64_t ld, in
     }
 }
 
+/* wsum_rows_512 for four weight rows: 64 columns (4 registers) of four accumulators held across all
+ * rows, each row's 4 vectors loaded once and fed to four FMAs each; per element the FMAs of
+ * wsum_rows_512 in its order (r ascending), so the sums are bit-identical to four calls of it */
+static K512 void wsum_rows4_512(const float* const w[4], const float* rows, int64_t ld, int n, int64_t D,
+                                float* const acc[4]) {
+    int64_t d0 = 0;
+    for (; d0 + 64 <= D; d0 += 64) {
+        __m512 v[4][4];
+        for (int h = 0; h < 4; h++)
+            for (int i = 0; i < 4; i++) v[h][i] = _mm512_loadu_ps(acc[h] + d0 + 16 * i);
+        for (int r = 0; r < n; r++) {
+            const float* rr = rows + r * ld + d0;
+            __m512 x0 = _mm512_loadu_ps(rr), x1 = _mm512_loadu_ps(rr + 16), x2 = _mm512_loadu_ps(rr + 32),
+                   x3 = _mm512_loadu_ps(rr + 48);
+            for (int h = 0; h < 4; h++) {
+                __m512 wr = _mm512_set1_ps(w[h][r]);
+                v[h][0] = _mm512_fmadd_ps(wr, x0, v[h][0]);
+                v[h][1] = _mm512_fmadd_ps(wr, x1, v[h][1]);
+                v[h][2] = _mm512_fmadd_ps(wr, x2, v[h][2]);
+                v[h][3] = _mm512_fmadd_ps(wr, x3, v[h][3]);
+            }
+        }
+        for (int h = 0; h < 4; h++)
+            for (int i = 0; i < 4; i++) _mm512_storeu_ps(acc[h] + d0 + 16 * i, v[h][i]);
+    }
+    for (; d0 < D; d0 += 16) {
+        __mmask16 m = D - d0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - d0)) - 1u);
+        __m512 v[4];
+        for (int h = 0; h < 4; h++) v[h] = _mm512_maskz_loadu_ps(m, acc[h] + d0);
+        for (int r = 0; r < n; r++) {
+            __m512 x = _mm512_maskz_loadu_ps(m, rows + r * ld + d0);
+            for (int h = 0; h < 4; h++) v[h] = _mm512_fmadd_ps(_mm512_set1_ps(w[h][r]), x, v[h]);
+        }
+        for (int h = 0; h < 4; h++) _mm512_mask_storeu_ps(acc[h] + d0, m, v[h]);
+    }
+}
+
 /* exp(x) for x <= 0 (softmax after the max is subtracted): 2^(x log2 e) split into 2^n * 2^f,
  * 2^f by a degree-6 polynomial on [-0.5, 0.5] (relative error ~2e-7, that of expf to a few ulp);
  * below -87 the result is 0 */
@@ -987,6 +1024,7 @@ int kernels_avx512(Kernels* k) {
     k->gemm_dot = gemm_dot_512;
     k->dot_rows = dot_rows_512;
     k->wsum_rows = wsum_rows_512;
+    k->wsum_rows4 = wsum_rows4_512;
     k->softmax = softmax_512;
     k->rowdot[DT_F32] = rowdot_f32;
     k->rowdot[DT_BF16] = rowdot_bf16;

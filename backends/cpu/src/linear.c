@@ -820,7 +820,7 @@ static void expert_task(void* arg, int64_t t, int worker) {
     DI_Status st = lin_f32_serial(j->ctx, "moe_experts", x, H, n, &j->a->w_gate[e], g, I);
     if (!st) st = lin_f32_serial(j->ctx, "moe_experts", x, H, n, &j->a->w_up[e], u, I);
     if (!st) {
-        for (int64_t i = 0; i < n * I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        for (int64_t i = 0; i < n * I; i++) g[i] = di_swiglu(g[i], u[i], j->a->swiglu_limit);
         st = lin_f32_serial(j->ctx, "moe_experts", g, I, n, &j->a->w_down[e], j->yb + j->off[e] * H, H);
     }
     if (st) atomic_store(&j->st, (int)st);
@@ -875,6 +875,10 @@ DI_Status op_moe_experts(DI_Context* ctx, const DI_MoEExpertsArgs* a, int query)
         return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_experts: num_experts=%d is negative", a->num_experts);
     if (a->accumulate != 0 && a->accumulate != 1)
         return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_experts: accumulate=%d, expected 0 or 1", a->accumulate);
+    /* swiglu_limit (1.3) is 0 for an older caller (its struct ends before it) */
+    if (!(a->swiglu_limit >= 0.0f) || isinf(a->swiglu_limit))
+        return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_experts: swiglu_limit=%g, expected finite and >= 0 "
+                       "(0: no clipping)", (double)a->swiglu_limit);
     int E = a->num_experts;
     if (E > 0 && (!a->w_gate || !a->w_up || !a->w_down))
         return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_experts: w_%s is NULL with num_experts=%d",
@@ -958,10 +962,7 @@ DI_Status op_moe_experts(DI_Context* ctx, const DI_MoEExpertsArgs* a, int query)
         }
         st = lin_f32_multi(ctx, "moe_experts", spec, ns);
         if (!st) {
-            for (int64_t i = 0; i < total * I; i++) {
-                float g = gb[i];
-                gb[i] = g / (1.0f + expf(-g)) * ub[i];
-            }
+            for (int64_t i = 0; i < total * I; i++) gb[i] = di_swiglu(gb[i], ub[i], a->swiglu_limit);
             ns = 0;
             for (int e = 0; e < E; e++)
                 if (count[e]) spec[ns++] = (LinSpec){gb + off[e] * I, I, count[e], &a->w_down[e], yb + off[e] * H, H};

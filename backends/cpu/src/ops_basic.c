@@ -148,6 +148,7 @@ typedef struct {
     const DI_Tensor *a, *b, *out;
     int ad, bd, od, kind;
     int64_t C, rows, per;
+    float limit;   /* silu_mul: clipped SwiGLU when > 0 */
     Scratch s;
 } EwJob;
 
@@ -163,14 +164,14 @@ static void ew_task(void* arg, int64_t task, int worker) {
         case EW_ADD: for (int64_t c = 0; c < j->C; c++) x[c] += y[c]; break;
         case EW_MUL: for (int64_t c = 0; c < j->C; c++) x[c] *= y[c]; break;
         default:
-            for (int64_t c = 0; c < j->C; c++) x[c] = x[c] / (1.0f + expf(-x[c])) * y[c];
+            for (int64_t c = 0; c < j->C; c++) x[c] = di_swiglu(x[c], y[c], j->limit);
         }
         store_row(j->od, row_ptr(j->out, j->od, r), x, j->C);
     }
 }
 
 static DI_Status ew_run(DI_Context* ctx, VC* v, const DI_Tensor* a, const char* an, const DI_Tensor* b,
-                        const char* bn, const DI_Tensor* out, int kind, int nlo, int nhi) {
+                        const char* bn, const DI_Tensor* out, int kind, int nlo, int nhi, float limit) {
     DI_Status st;
     if ((st = check_tensor(v, a, an, nlo, nhi, DTM_FLOAT_ACT, 0))) return st;
     if ((st = check_tensor(v, b, bn, nlo, nhi, DTM_FLOAT_ACT, 0))) return st;
@@ -180,7 +181,7 @@ static DI_Status ew_run(DI_Context* ctx, VC* v, const DI_Tensor* a, const char* 
     if (v->query) return DI_OK;
     EwJob j;
     memset(&j, 0, sizeof j);
-    j.a = a; j.b = b; j.out = out; j.kind = kind;
+    j.a = a; j.b = b; j.out = out; j.kind = kind; j.limit = limit;
     j.ad = dt_id(a->dtype); j.bd = dt_id(b->dtype); j.od = dt_id(out->dtype);
     j.C = n_cols(a);
     j.rows = n_rows(a);
@@ -193,15 +194,19 @@ static DI_Status ew_run(DI_Context* ctx, VC* v, const DI_Tensor* a, const char* 
 
 DI_Status op_add(DI_Context* ctx, const DI_BinaryArgs* a, int query) {
     VC v = {ctx, "add", query};
-    return ew_run(ctx, &v, &a->a, "a", &a->b, "b", &a->out, EW_ADD, 0, DI_MAX_DIMS);
+    return ew_run(ctx, &v, &a->a, "a", &a->b, "b", &a->out, EW_ADD, 0, DI_MAX_DIMS, 0.0f);
 }
 DI_Status op_mul(DI_Context* ctx, const DI_BinaryArgs* a, int query) {
     VC v = {ctx, "mul", query};
-    return ew_run(ctx, &v, &a->a, "a", &a->b, "b", &a->out, EW_MUL, 0, DI_MAX_DIMS);
+    return ew_run(ctx, &v, &a->a, "a", &a->b, "b", &a->out, EW_MUL, 0, DI_MAX_DIMS, 0.0f);
 }
 DI_Status op_silu_mul(DI_Context* ctx, const DI_SiluMulArgs* a, int query) {
     VC v = {ctx, "silu_mul", query};
-    return ew_run(ctx, &v, &a->gate, "gate", &a->up, "up", &a->out, EW_SILU_MUL, 2, 2);
+    /* limit (1.3) is 0 for an older caller (its struct ends before it) */
+    if (!(a->limit >= 0.0f) || isinf(a->limit))
+        return di_fail(ctx, DI_INVALID_ARGUMENT, "silu_mul: limit=%g, expected finite and >= 0 (0: no clipping)",
+                       (double)a->limit);
+    return ew_run(ctx, &v, &a->gate, "gate", &a->up, "up", &a->out, EW_SILU_MUL, 2, 2, a->limit);
 }
 
 /* ------------------------------------------------------------------ concat */
@@ -381,35 +386,67 @@ DI_Status op_moe_router(DI_Context* ctx, const DI_MoERouterArgs* a, int query) {
     if ((st = check_dim(&v, &a->topk_ids, "topk_ids", 0, T))) return st;
     if ((st = check_same_shape(&v, &a->topk_ids, "topk_ids", &a->topk_weights, "topk_weights"))) return st;
     int64_t K = a->topk_ids.shape[1];
-    if (K > E)
-        return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_router: top-k K=%lld > E=%lld experts", (long long)K,
-                       (long long)E);
-    if (a->scoring != DI_SCORING_SOFTMAX && a->scoring != DI_SCORING_SIGMOID)
-        return di_fail(ctx, DI_UNIMPLEMENTED, "moe_router: scoring=%d is not implemented (0 softmax, 1 sigmoid)",
-                       a->scoring);
-    if (a->group_score != DI_GROUP_SCORE_MAX && a->group_score != DI_GROUP_SCORE_SUM_TOP2)
-        return di_fail(ctx, DI_UNIMPLEMENTED, "moe_router: group_score=%d is not implemented", a->group_score);
-    if (a->n_group < 1)
-        return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_router: n_group=%d, expected >= 1", a->n_group);
-    if (a->n_group > 1) {
-        if (E % a->n_group)
-            return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_router: E=%lld experts do not split into n_group=%d "
-                           "equal groups", (long long)E, a->n_group);
-        if (a->topk_group < 1 || a->topk_group > a->n_group)
-            return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_router: topk_group=%d, expected 1..n_group=%d",
-                           a->topk_group, a->n_group);
+    /* hash routing (1.3): both tensors or neither; absent for an older caller */
+    int has_tid = tensor_present(&v, &a->token_ids), has_ht = tensor_present(&v, &a->hash_table);
+    if (has_tid != has_ht)
+        return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_router: %s is present without %s (hash routing takes both)",
+                       has_tid ? "token_ids" : "hash_table", has_tid ? "hash_table" : "token_ids");
+    int hashed = has_tid;
+    if (hashed) {
+        if ((st = check_tensor(&v, &a->token_ids, "token_ids", 1, 1, DTM(DT_I32), 0))) return st;
+        if ((st = check_dim(&v, &a->token_ids, "token_ids", 0, T))) return st;
+        if ((st = check_tensor(&v, &a->hash_table, "hash_table", 2, 2, DTM(DT_I32), 0))) return st;
+        if ((st = check_dim(&v, &a->hash_table, "hash_table", 1, K))) return st;
     }
+    if (a->scoring != DI_SCORING_SOFTMAX && a->scoring != DI_SCORING_SIGMOID && a->scoring != DI_SCORING_SQRTSOFTPLUS)
+        return di_fail(ctx, DI_UNIMPLEMENTED, "moe_router: scoring=%d is not implemented (0 softmax, 1 sigmoid, "
+                       "2 sqrtsoftplus)", a->scoring);
+    if (a->n_group < 0)
+        return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_router: n_group=%d is negative (0 or 1: no grouping)",
+                       a->n_group);
+    /* group settings are checked as always; hash routing selects nothing, so it does not use them */
+    int G = a->n_group > 1 ? a->n_group : 1;
+    if (G > 1) {
+        if (a->group_score != DI_GROUP_SCORE_MAX && a->group_score != DI_GROUP_SCORE_SUM_TOP2)
+            return di_fail(ctx, DI_UNIMPLEMENTED, "moe_router: group_score=%d is not implemented", a->group_score);
+        if (E % G)
+            return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_router: E=%lld experts do not split into n_group=%d "
+                           "equal groups", (long long)E, G);
+        if (a->topk_group < 1 || a->topk_group > G)
+            return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_router: topk_group=%d, expected 1..n_group=%d",
+                           a->topk_group, G);
+        if (a->group_score == DI_GROUP_SCORE_SUM_TOP2 && E / G < 2)
+            return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_router: SUM_TOP2 needs at least 2 experts per group, got "
+                           "%lld", (long long)(E / G));
+    }
+    int64_t eligible = G > 1 ? (int64_t)a->topk_group * (E / G) : E;
+    if (!hashed && K > eligible)
+        return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_router: top-k K=%lld > %lld experts eligible for selection",
+                       (long long)K, (long long)eligible);
     if (a->norm_topk_prob != 0 && a->norm_topk_prob != 1)
         return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_router: norm_topk_prob=%d, expected 0 or 1",
                        a->norm_topk_prob);
     if (query) return DI_OK;
-    float* sc = di_malloc((size_t)(2 * E + a->n_group + 1) * sizeof(float));
+    if (hashed) {   /* ids and table entries are on the host: out of range is INVALID_ARGUMENT */
+        int64_t V = a->hash_table.shape[0];
+        for (int64_t t = 0; t < T; t++) {
+            int32_t id = ((const int32_t*)t_base(&a->token_ids))[t * a->token_ids.strides[0]];
+            if (id < 0 || id >= V)
+                return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_router: token_ids[%lld]=%d outside [0, V=%lld) of "
+                               "hash_table", (long long)t, id, (long long)V);
+            const int32_t* hr = (const int32_t*)t_row(&a->hash_table, DT_I32, id);
+            for (int64_t k = 0; k < K; k++)
+                if (hr[k] < 0 || hr[k] >= E)
+                    return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_router: hash_table[%d, %lld]=%d outside [0, E=%lld)",
+                                   id, (long long)k, hr[k], (long long)E);
+        }
+    }
+    float* sc = di_malloc((size_t)(2 * E + G + 1) * sizeof(float));
     if (!sc) return DI_OOM(ctx, "moe_router");
     float* sel = sc + E;
     float* gs = sel + E;
     const float* bias = has_bias ? (const float*)t_base(&a->bias) : NULL;
     int64_t bst = has_bias ? a->bias.strides[0] : 0;
-    int G = a->n_group;
     int64_t gsz = G > 1 ? E / G : E;
     for (int64_t t = 0; t < T; t++) {
         const float* lg = (const float*)t_row(&a->logits, DT_F32, t);
@@ -419,50 +456,66 @@ DI_Status op_moe_router(DI_Context* ctx, const DI_MoERouterArgs* a, int query) {
             float sum = 0.0f;
             for (int64_t e = 0; e < E; e++) { sc[e] = expf(lg[e] - mx); sum += sc[e]; }
             for (int64_t e = 0; e < E; e++) sc[e] /= sum;
-        } else {
+        } else if (a->scoring == DI_SCORING_SIGMOID) {
             for (int64_t e = 0; e < E; e++) sc[e] = 1.0f / (1.0f + expf(-lg[e]));
-        }
-        for (int64_t e = 0; e < E; e++) sel[e] = bias ? sc[e] + bias[e * bst] : sc[e];
-        if (G > 1) {
-            for (int g = 0; g < G; g++) {
-                const float* s = sel + g * gsz;
-                float m1 = -INFINITY, m2 = -INFINITY;
-                for (int64_t i = 0; i < gsz; i++) {
-                    if (s[i] > m1) { m2 = m1; m1 = s[i]; }
-                    else if (s[i] > m2) m2 = s[i];
-                }
-                gs[g] = a->group_score == DI_GROUP_SCORE_MAX ? m1 : (gsz >= 2 ? m1 + m2 : m1);
+        } else {
+            /* V4: sqrt(softplus(v)), softplus = v itself above 20 (torch's threshold); in f64 and
+             * rounded once, so the score is the correctly rounded value selection ties are judged on */
+            for (int64_t e = 0; e < E; e++) {
+                double x = lg[e];
+                sc[e] = (float)sqrt(x > 20.0 ? x : log1p(exp(x)));
             }
-            /* keep the topk_group best groups (ties to the lower group), mask the rest to -inf */
-            unsigned char keep[1024];
-            unsigned char* kp = G <= 1024 ? keep : malloc((size_t)G);
-            if (!kp) { free(sc); return DI_OOM(ctx, "moe_router"); }
-            memset(kp, 0, (size_t)G);
-            for (int r = 0; r < a->topk_group; r++) {
-                int best = -1;
-                for (int g = 0; g < G; g++)
-                    if (!kp[g] && (best < 0 || gs[g] > gs[best])) best = g;
-                kp[best] = 1;
-            }
-            for (int g = 0; g < G; g++)
-                if (!kp[g])
-                    for (int64_t i = 0; i < gsz; i++) sel[g * gsz + i] = -INFINITY;
-            if (kp != keep) free(kp);
         }
         int32_t* oid = (int32_t*)t_row(&a->topk_ids, DT_I32, t);
         float* ow = (float*)t_row(&a->topk_weights, DT_F32, t);
-        /* K picks of the largest sel, ties to the lower index; picked experts are marked NaN-free
-         * by tracking them in oid (K is small) */
-        for (int64_t k = 0; k < K; k++) {
-            int64_t best = -1;
-            for (int64_t e = 0; e < E; e++) {
-                int taken = 0;
-                for (int64_t q = 0; q < k; q++) if (oid[q] == e) { taken = 1; break; }
-                if (taken) continue;
-                if (best < 0 || sel[e] > sel[best]) best = e;
+        if (hashed) {   /* the token's experts in table order; no selection */
+            int32_t id = ((const int32_t*)t_base(&a->token_ids))[t * a->token_ids.strides[0]];
+            const int32_t* hr = (const int32_t*)t_row(&a->hash_table, DT_I32, id);
+            for (int64_t k = 0; k < K; k++) {
+                oid[k] = hr[k];
+                ow[k] = sc[hr[k]];
             }
-            oid[k] = (int32_t)best;
-            ow[k] = sc[best];
+        } else {
+            for (int64_t e = 0; e < E; e++) sel[e] = bias ? sc[e] + bias[e * bst] : sc[e];
+            if (G > 1) {
+                for (int g = 0; g < G; g++) {
+                    const float* s = sel + g * gsz;
+                    float m1 = -INFINITY, m2 = -INFINITY;
+                    for (int64_t i = 0; i < gsz; i++) {
+                        if (s[i] > m1) { m2 = m1; m1 = s[i]; }
+                        else if (s[i] > m2) m2 = s[i];
+                    }
+                    gs[g] = a->group_score == DI_GROUP_SCORE_MAX ? m1 : (gsz >= 2 ? m1 + m2 : m1);
+                }
+                /* keep the topk_group best groups (ties to the lower group), mask the rest to -inf */
+                unsigned char keep[1024];
+                unsigned char* kp = G <= 1024 ? keep : malloc((size_t)G);
+                if (!kp) { free(sc); return DI_OOM(ctx, "moe_router"); }
+                memset(kp, 0, (size_t)G);
+                for (int r = 0; r < a->topk_group; r++) {
+                    int best = -1;
+                    for (int g = 0; g < G; g++)
+                        if (!kp[g] && (best < 0 || gs[g] > gs[best])) best = g;
+                    kp[best] = 1;
+                }
+                for (int g = 0; g < G; g++)
+                    if (!kp[g])
+                        for (int64_t i = 0; i < gsz; i++) sel[g * gsz + i] = -INFINITY;
+                if (kp != keep) free(kp);
+            }
+            /* K picks of the largest sel, ties to the lower index; picked experts are marked NaN-free
+             * by tracking them in oid (K is small) */
+            for (int64_t k = 0; k < K; k++) {
+                int64_t best = -1;
+                for (int64_t e = 0; e < E; e++) {
+                    int taken = 0;
+                    for (int64_t q = 0; q < k; q++) if (oid[q] == e) { taken = 1; break; }
+                    if (taken) continue;
+                    if (best < 0 || sel[e] > sel[best]) best = e;
+                }
+                oid[k] = (int32_t)best;
+                ow[k] = sc[best];
+            }
         }
         if (a->norm_topk_prob) {
             float sum = 0.0f;

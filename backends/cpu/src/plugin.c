@@ -24,7 +24,9 @@
  *                     compile to nothing elsewhere).
  *   ops_basic.c       embedding, rmsnorm, rope, add, mul, silu_mul, concat, mla_cache_write,
  *                     moe_router, sample, spec_verify.
- *   attention.c       mla_prefill and mla_decode.
+ *   attention.c       mla_prefill and mla_decode (dense, or V3.2's listed positions).
+ *   ops_v4.c          the DeepSeek V4 / V3.2 ops of ABI 1.3: hc_pre, hc_post, kv_compress,
+ *                     indexer_topk, sparse_attention, layernorm.
  *   graph.c           graph capture: ops issued on a captured stream are recorded (args deep-copied)
  *                     and replayed natively by graph_launch, so a decode step is one call.
  *
@@ -512,7 +514,7 @@ static DI_Status api_device_count(int32_t* out) {
 /* One row per op of the header's op table (DI_OPS): its name and body (args struct sizes are
  * di_check_args_size's, from the same table). */
 typedef DI_Status (*op_impl)(DI_Context*, const void*, int);
-static const struct { const char* name; op_impl fn; } k_ops[DI_OP_COUNT_V1_2] = {
+static const struct { const char* name; op_impl fn; } k_ops[DI_OP_COUNT_V1_3] = {
 #define E(id, name, T, minor) [id] = {#name, (op_impl)op_##name},
     DI_OPS(E)
 #undef E
@@ -557,7 +559,7 @@ static DI_Status api_op_query(DI_Context* ctx, int32_t op, const void* args, DI_
     if (st) return st;
     out->support = DI_SUPPORT_NO;
     out->workspace_size = 0;
-    if (op < 0 || op >= DI_OP_COUNT_V1_2) {
+    if (op < 0 || op >= DI_OP_COUNT_V1_3) {
         di_fail(ctx, DI_OK, "op_query: op %d is not an op of ABI 1.%d", op, DI_ABI_MINOR);
         return DI_OK;
     }
@@ -659,6 +661,12 @@ static const DI_Api k_api = {
     .mem_copy_async = api_mem_copy_async,
     .device_count = api_device_count,
     .spec_verify = api_spec_verify,
+    .hc_pre = api_hc_pre,
+    .hc_post = api_hc_post,
+    .kv_compress = api_kv_compress,
+    .indexer_topk = api_indexer_topk,
+    .sparse_attention = api_sparse_attention,
+    .layernorm = api_layernorm,
 };
 
 static const DI_Api* get_api(uint32_t major) { return major == DI_ABI_MAJOR ? &k_api : NULL; }
