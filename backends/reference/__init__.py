@@ -2,7 +2,8 @@
 backend is certified against.
 
 Each op is one plain function in a module by topic (quant, linear, norm, rope, attention, moe,
-elementwise, sampling) whose keyword parameters are exactly the fields of the op's args struct in
+elementwise, sampling; 1.3: hyper for hyper-connections, sparse for V4's compressed and sparse
+attention and the lightning indexer) whose keyword parameters are exactly the fields of the op's args struct in
 deepinfer_abi.h. Inputs are read into float64 (float32 where the README defines f32 semantics:
 dequantize, quantize, the residual sum of rmsnorm) and each output is rounded once to its dtype.
 """
@@ -15,11 +16,13 @@ from .attention import mla_cache_write, mla_decode, mla_prefill
 from .common import unsupported, write, write_4bit
 from .elementwise import add, concat, embedding, mul, silu_mul
 from .linear import linear
+from .hyper import hc_post, hc_pre
 from .moe import moe_experts, moe_router
-from .norm import rmsnorm
+from .norm import layernorm, rmsnorm
 from .quant import dequantize, dequantize_array, quantize, quantize_array
 from .rope import inv_freq, rope
 from .sampling import sample, spec_verify, splitmix64
+from .sparse import indexer_topk, kv_compress, sparse_attention
 
 # op name -> function, in DI_OpId order
 OPS = {
@@ -40,6 +43,12 @@ OPS = {
     "concat": concat,
     "sample": sample,
     "spec_verify": spec_verify,
+    "hc_pre": hc_pre,
+    "hc_post": hc_post,
+    "kv_compress": kv_compress,
+    "indexer_topk": indexer_topk,
+    "sparse_attention": sparse_attention,
+    "layernorm": layernorm,
 }
 
 if list(OPS) != abi.OP_NAMES:  # the header is the source of truth for the op set

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import cast, check_arg, check_dim, f32, read, read_index, write
-def softmax(scores: np.ndarray) -> np.ndarray:
-    e = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
+from .common import cast, check_arg, check_dim, f32, read, read_index, softmax, write
 
 
 def mla_cache_write(latent=None, k_pe=None, slots=None, cache=None) -> None:
@@ -76,8 +73,9 @@ def mla_prefill(q=None, kv=None, k_pe=None, cu_seqlens=None, out=None, scale=Non
 
 
 def mla_decode(q=None, wkv_b=None, cache=None, block_table=None, token_seq=None, kv_len=None, out=None,
-               scale=None) -> None:
-    """Attention of each query token over its sequence's paged latent cache, kv_b_proj absorbed."""
+               scale=None, indices=None) -> None:
+    """Attention of each query token over its sequence's paged latent cache, kv_b_proj absorbed; with
+    indices (1.3, V3.2's sparse attention) only over the listed positions below kv_len[t]."""
     op = "mla_decode"
     check_arg(op, "q", q)
     check_arg(op, "wkv_b", wkv_b)
@@ -102,6 +100,9 @@ def mla_decode(q=None, wkv_b=None, cache=None, block_table=None, token_seq=None,
         raise ValueError(f"{op}: cache.shape[2]={W}, wkv_b.shape[1]={Dc} and q.shape[2]={Dq} do not split into "
                          f"Dc + Dr and Dn + Dr")
     check_dim(op, "wkv_b.shape[0]", wkv_b.shape[0], H * (Dn + Dv), "H * (Dn + Dv)")
+    if indices is not None:
+        check_arg(op, "indices", indices)
+        check_dim(op, "indices.shape[0]", indices.shape[0], T, "q.shape[0]")
     seq, length = read_index(token_seq), read_index(kv_len)
     table = read_index(block_table)
     for t in range(T):
@@ -116,16 +117,20 @@ def mla_decode(q=None, wkv_b=None, cache=None, block_table=None, token_seq=None,
     W_kv = read(wkv_b).reshape(H, Dn + Dv, Dc)
     W_uk, W_uv = W_kv[:, :Dn], W_kv[:, Dn:]      # [H, Dn, Dc], [H, Dv, Dc]
     qv, cv = read(q), read(cache)
+    idx = read_index(indices) if indices is not None else None
     y = np.zeros((T, H, Dv))
     for t in range(T):
         n = length[t]
-        if n == 0:
+        if idx is None:
+            p = np.arange(n)
+        else:   # entries < 0 or >= kv_len are skipped, a position listed twice counts once
+            p = np.unique(idx[t][(idx[t] >= 0) & (idx[t] < n)])
+        if len(p) == 0:
             continue   # no keys: a zero row
-        p = np.arange(n)
-        rows = cv[table[seq[t], p // BS], p % BS]          # [n, Dc + Dr]
+        rows = cv[table[seq[t], p // BS], p % BS]          # [len(p), Dc + Dr]
         c, kpe = rows[:, :Dc], rows[:, Dc:]
         q_lat = np.einsum("hd,hdc->hc", qv[t, :, :Dn], W_uk)   # [H, Dc]
-        score = scale * (q_lat @ c.T + qv[t, :, Dn:] @ kpe.T)   # [H, n]
+        score = scale * (q_lat @ c.T + qv[t, :, Dn:] @ kpe.T)   # [H, len(p)]
         o_lat = softmax(score) @ c                                # [H, Dc]
         y[t] = np.einsum("hvc,hc->hv", W_uv, o_lat)
     write(out, y)

@@ -229,3 +229,39 @@ def write_4bit(t: Tensor, values: np.ndarray) -> None:
     nh = high.shape[-1]
     packed[..., :nh] = (packed[..., :nh] & 0x0F) | (high << 4)
     dest[...] = packed
+
+
+def sigmoid(v: np.ndarray) -> np.ndarray:
+    """1 / (1 + exp(-v)), written so that exp never overflows (no warnings for large |v|)."""
+    e = np.exp(-np.abs(v))
+    return np.where(v >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+def softmax(scores: np.ndarray, axis: int = -1) -> np.ndarray:
+    e = np.exp(scores - scores.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def check_pow2(op: str, name: str, value: int) -> None:
+    """The 1.3 paged layouts (kv_compress, indexer_topk, sparse_attention) need block sizes and
+    ratios that are powers of two: only then does one divide the other, so that an entry's slot
+    (pe % BS) / ratio always falls inside its block of max(1, BS / ratio) entries."""
+    if value < 1 or value & (value - 1):
+        raise ValueError(f"{op}: {name}={value} must be a power of two (abi/README.md section 8)")
+
+
+def check_nonneg_finite(op: str, name: str, value: float) -> None:
+    if not (np.isfinite(value) and value >= 0):
+        raise ValueError(f"{op}: {name}={value} must be finite and >= 0")
+
+
+def blocks_of(op: str, table: np.ndarray, seq: int, pos: np.ndarray, BS: int, NB: int, what: str) -> np.ndarray:
+    """The cache blocks holding positions `pos` of sequence `seq` (block_table[seq, pos // BS]),
+    checked: a block id outside [0, NB) is INVALID_ARGUMENT, never a read out of bounds."""
+    pos = np.asarray(pos, np.int64)
+    b = table[seq, pos // BS]
+    bad = (b < 0) | (b >= NB)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"{op}: block_table[{seq}, {pos[i] // BS}]={b[i]} outside [0, {NB}) ({what} {pos[i]})")
+    return b

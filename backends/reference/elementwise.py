@@ -3,11 +3,30 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import check_arg, check_dim, read, read_index, write
+from .common import check_arg, check_dim, f32, read, read_index, write
+
+
 def silu(v: np.ndarray) -> np.ndarray:
     """v / (1 + exp(-v)), written so that exp never overflows for large negative v."""
     e = np.exp(-np.abs(v))
     return np.where(v >= 0, v / (1.0 + e), v * e / (1.0 + e))
+
+
+def swiglu_limit(op: str, name: str, value) -> float:
+    """A 1.3 clipping limit (silu_mul.limit, moe_experts.swiglu_limit): 0 = none, else > 0."""
+    v = f32(value, op, name)
+    if not (np.isfinite(v) and v >= 0):
+        raise ValueError(f"{op}: {name}={v} must be finite and >= 0 (0 = no clipping)")
+    return v
+
+
+def clipped_swiglu(gate: np.ndarray, up: np.ndarray, limit: float) -> np.ndarray:
+    """silu(gate) * up; with limit > 0 (V4's clipped SwiGLU) gate = min(gate, limit) and
+    up = clamp(up, -limit, limit) first. gate has no lower clip: silu of a large negative is 0."""
+    if limit > 0:
+        gate = np.minimum(gate, limit)
+        up = np.clip(up, -limit, limit)
+    return silu(gate) * up
 
 
 def embedding(ids=None, table=None, out=None) -> None:
@@ -47,12 +66,13 @@ def mul(a=None, b=None, out=None) -> None:
     write(out, read(a) * read(b))
 
 
-def silu_mul(gate=None, up=None, out=None) -> None:
+def silu_mul(gate=None, up=None, out=None, limit=None) -> None:
+    """out = silu(gate) * up, gate and up clipped first when limit > 0 (1.3)."""
     op = "silu_mul"
     for name, t in (("gate", gate), ("up", up), ("out", out)):
         check_arg(op, name, t)
     _same_shapes(op, gate=gate, up=up, out=out)
-    write(out, silu(read(gate)) * read(up))
+    write(out, clipped_swiglu(read(gate), read(up), swiglu_limit(op, "limit", limit)))
 
 
 def concat(a=None, b=None, out=None) -> None:

@@ -7,11 +7,13 @@ from deepinfer import abi
 
 from .common import (check_arg, check_dim, check_shape, f32, failed_precondition, i32, read, read_index, unsupported,
                      write)
-from .elementwise import silu
+from .elementwise import clipped_swiglu
+from .elementwise import swiglu_limit as _swiglu_limit   # the parameter of moe_experts has this name
 from .linear import weight_values
 
 SCORING_SOFTMAX = abi.const("DI_SCORING_SOFTMAX")
 SCORING_SIGMOID = abi.const("DI_SCORING_SIGMOID")
+SCORING_SQRTSOFTPLUS = abi.const("DI_SCORING_SQRTSOFTPLUS")
 GROUP_SCORE_MAX = abi.const("DI_GROUP_SCORE_MAX")
 GROUP_SCORE_SUM_TOP2 = abi.const("DI_GROUP_SCORE_SUM_TOP2")
 
@@ -22,8 +24,25 @@ def top_indices(values: np.ndarray, k: int) -> np.ndarray:
     return order[..., :k]
 
 
+def router_scores(x: np.ndarray, scoring: int) -> np.ndarray:
+    """The per-expert scores of a row of router logits (float64)."""
+    if scoring == SCORING_SOFTMAX:
+        e = np.exp(x - x.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)
+    if scoring == SCORING_SIGMOID:
+        return 1.0 / (1.0 + np.exp(-x))
+    # sqrt(softplus(v)), softplus(v) = log(1 + exp(v)); v itself above 20 as torch does (threshold 20),
+    # where the two differ by log1p(exp(-20)) ~ 2e-9, far below f32 resolution there
+    with np.errstate(over="ignore"):
+        sp = np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
+    return np.sqrt(sp)
+
+
 def moe_router(logits=None, bias=None, topk_ids=None, topk_weights=None, scoring=None, n_group=None,
-               topk_group=None, group_score=None, norm_topk_prob=None, routed_scaling_factor=None) -> None:
+               topk_group=None, group_score=None, norm_topk_prob=None, routed_scaling_factor=None,
+               token_ids=None, hash_table=None) -> None:
+    """topk_ids = the K experts of largest score (+ bias), group-limited; or (1.3, hash routing)
+    hash_table[token_ids[t]]. topk_weights = their unbiased scores, normalised and scaled."""
     op = "moe_router"
     check_arg(op, "logits", logits)
     check_arg(op, "topk_ids", topk_ids)
@@ -35,12 +54,22 @@ def moe_router(logits=None, bias=None, topk_ids=None, topk_weights=None, scoring
     if bias is not None:
         check_arg(op, "bias", bias)
         check_dim(op, "bias.shape[0]", bias.shape[0], E, "logits.shape[1]")
+    hashed = token_ids is not None or hash_table is not None
+    if hashed:
+        if token_ids is None or hash_table is None:
+            have, lack = ("token_ids", "hash_table") if token_ids is not None else ("hash_table", "token_ids")
+            raise ValueError(f"{op}: hash routing needs token_ids and hash_table together ({have} without {lack})")
+        check_arg(op, "token_ids", token_ids)
+        check_arg(op, "hash_table", hash_table)
+        check_dim(op, "token_ids.shape[0]", token_ids.shape[0], T, "logits.shape[0]")
+        check_dim(op, "hash_table.shape[1]", hash_table.shape[1], K, "topk_ids.shape[1]")
     scoring, group_score = i32(scoring, op, "scoring"), i32(group_score, op, "group_score")
     n_group, topk_group = i32(n_group, op, "n_group"), i32(topk_group, op, "topk_group")
     norm = i32(norm_topk_prob, op, "norm_topk_prob") != 0
     route_scale = f32(routed_scaling_factor, op, "routed_scaling_factor")
-    if scoring not in (SCORING_SOFTMAX, SCORING_SIGMOID):
-        raise unsupported(op, f"scoring={scoring} (known: {SCORING_SOFTMAX} softmax, {SCORING_SIGMOID} sigmoid)")
+    if scoring not in (SCORING_SOFTMAX, SCORING_SIGMOID, SCORING_SQRTSOFTPLUS):
+        raise unsupported(op, f"scoring={scoring} (known: {SCORING_SOFTMAX} softmax, {SCORING_SIGMOID} sigmoid, "
+                              f"{SCORING_SQRTSOFTPLUS} sqrtsoftplus)")
     if n_group < 0:
         raise ValueError(f"{op}: n_group={n_group} is negative")
     grouped = n_group > 1   # 0 (a zero-filled struct) and 1 both mean no grouping
@@ -54,29 +83,40 @@ def moe_router(logits=None, bias=None, topk_ids=None, topk_weights=None, scoring
             raise ValueError(f"{op}: topk_group={topk_group} outside [1, n_group={n_group}]")
         if group_score == GROUP_SCORE_SUM_TOP2 and E // n_group < 2:
             raise ValueError(f"{op}: SUM_TOP2 needs at least 2 experts per group, got {E // n_group}")
-    eligible = topk_group * (E // n_group) if grouped else E
-    if K > eligible:
-        raise ValueError(f"{op}: topk_ids.shape[1]={K} > {eligible} experts eligible for selection")
-
-    x = read(logits)
-    if scoring == SCORING_SOFTMAX:
-        e = np.exp(x - x.max(axis=-1, keepdims=True))
-        scores = e / e.sum(axis=-1, keepdims=True)
+    if hashed:
+        # the table chooses; the ids are the host's to check (README: INVALID_ARGUMENT on host libraries)
+        tok, table = read_index(token_ids), read_index(hash_table)
+        V = table.shape[0]
+        bad = (tok < 0) | (tok >= V)
+        if bad.any():
+            t = int(np.argmax(bad))
+            raise ValueError(f"{op}: token_ids[{t}]={tok[t]} outside [0, hash_table.shape[0]={V})")
+        ids = table[tok]                                        # [T, K], in table order
+        bad = (ids < 0) | (ids >= E)
+        if bad.any():
+            t, k = (int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(f"{op}: hash_table[{tok[t]}, {k}]={ids[t, k]} (token_ids[{t}]) is not an expert in "
+                             f"[0, {E})")
     else:
-        scores = 1.0 / (1.0 + np.exp(-x))
-    sel = scores + read(bias)[None, :] if bias is not None else scores.copy()
-    if grouped:
-        groups = sel.reshape(T, n_group, E // n_group)
-        if group_score == GROUP_SCORE_MAX:
-            gscore = groups.max(axis=-1)
-        else:
-            gscore = np.sort(groups, axis=-1)[..., -2:].sum(axis=-1)
-        keep = top_indices(gscore, topk_group)                  # ties: the lower group wins
-        dropped = np.ones((T, n_group), bool)
-        np.put_along_axis(dropped, keep, False, axis=-1)
-        # DeepSeek's model.py masks with -inf (HF's remote code used 0.0; see the README)
-        sel = np.where(np.repeat(dropped, E // n_group, axis=-1), -np.inf, sel)
-    ids = top_indices(sel, K)
+        eligible = topk_group * (E // n_group) if grouped else E
+        if K > eligible:
+            raise ValueError(f"{op}: topk_ids.shape[1]={K} > {eligible} experts eligible for selection")
+
+    scores = router_scores(read(logits), scoring)
+    if not hashed:
+        sel = scores + read(bias)[None, :] if bias is not None else scores.copy()
+        if grouped:
+            groups = sel.reshape(T, n_group, E // n_group)
+            if group_score == GROUP_SCORE_MAX:
+                gscore = groups.max(axis=-1)
+            else:
+                gscore = np.sort(groups, axis=-1)[..., -2:].sum(axis=-1)
+            keep = top_indices(gscore, topk_group)                  # ties: the lower group wins
+            dropped = np.ones((T, n_group), bool)
+            np.put_along_axis(dropped, keep, False, axis=-1)
+            # DeepSeek's model.py masks with -inf (HF's remote code used 0.0; see the README)
+            sel = np.where(np.repeat(dropped, E // n_group, axis=-1), -np.inf, sel)
+        ids = top_indices(sel, K)
     weights = np.take_along_axis(scores, ids, axis=-1)
     if norm:
         weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
@@ -91,8 +131,9 @@ def resident(w) -> bool:
 
 
 def moe_experts(x=None, topk_ids=None, topk_weights=None, num_experts=None, accumulate=None,
-                w_gate=None, w_up=None, w_down=None, out=None) -> None:
-    """out[t] (+)= sum_k w[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]) for e = topk_ids[t, k] in [0, E)."""
+                w_gate=None, w_up=None, w_down=None, out=None, swiglu_limit=None) -> None:
+    """out[t] (+)= sum_k w[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]) for e = topk_ids[t, k] in [0, E)
+    (1.3: gate and up clipped first when swiglu_limit > 0)."""
     op = "moe_experts"
     check_arg(op, "x", x)
     check_arg(op, "topk_ids", topk_ids)
@@ -104,6 +145,7 @@ def moe_experts(x=None, topk_ids=None, topk_weights=None, num_experts=None, accu
     check_shape(op, "topk_weights", topk_weights, (T, K))
     check_shape(op, "out", out, (T, H))
     accumulate = i32(accumulate, op, "accumulate") != 0
+    limit = _swiglu_limit(op, "swiglu_limit", swiglu_limit)
     for name, lst in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         if lst is None or isinstance(lst, (str, bytes)) or not hasattr(lst, "__len__"):
             raise TypeError(f"{op}: {name} must be a list of Tensors (None = not resident)")
@@ -132,7 +174,7 @@ def moe_experts(x=None, topk_ids=None, topk_weights=None, num_experts=None, accu
         up = weight_values(op, f"w_up[{e}]", w_up[e])
         down = weight_values(op, f"w_down[{e}]", w_down[e])
         tok, slot = np.nonzero(ids == e)           # every (token, k) routed to expert e
-        h = silu(xv[tok] @ gate.T) * (xv[tok] @ up.T)
+        h = clipped_swiglu(xv[tok] @ gate.T, xv[tok] @ up.T, limit)
         pair[tok, slot] = wts[tok, slot][:, None] * (h @ down.T)
     # summed in k order: the result never depends on how the experts are numbered (section 8)
     y = np.zeros((T, H))

@@ -5,6 +5,7 @@ args struct are all read from it here, never restated by hand.
 """
 from __future__ import annotations
 
+import numbers
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -275,6 +276,18 @@ API_NON_OP_FIELDS = [f for f in _API_FIELDS[4:] if f not in OPS]
 # entries appended in 1.1 (a 1.0 library's table ends before them), in 1.2, ...
 API_V1_1_FIELDS = [f for f in _API_FIELDS if API_ENTRY_SINCE.get(f) == 1]
 API_V1_2_FIELDS = [f for f in _API_FIELDS if API_ENTRY_SINCE.get(f) == 2]
+API_V1_3_FIELDS = [f for f in _API_FIELDS if API_ENTRY_SINCE.get(f) == 3]
+
+
+def field_is_set(value) -> bool:
+    """Whether a keyword argument sets its args-struct field: a tensor or descriptor array given, or a
+    scalar other than zero. A zero scalar is exactly what a caller of an older minor leaves there (its
+    struct ends before the field, which the library reads as zero), so it never needs a newer library."""
+    if value is None:
+        return False
+    if isinstance(value, numbers.Number):   # Python and NumPy scalars alike
+        return bool(value != 0)   # NaN != 0: set (and invalid, which the library is left to say)
+    return True
 
 
 def args_struct_size(op: str, minor: int = ABI_MINOR) -> int:

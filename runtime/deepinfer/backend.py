@@ -613,11 +613,13 @@ class NativeBackend(Backend):
         minor = self.abi_minor
         for name, _minor in spec.appended:
             # a library of an older minor knows its struct only up to that minor's size: it would
-            # answer UNIMPLEMENTED for the bytes past it (or, if careless, ignore them); refuse here
-            if _minor > minor and kwargs.get(name) is not None:
+            # answer UNIMPLEMENTED for the bytes past it (or, if careless, ignore them); refuse here.
+            # A scalar field left at 0 (silu_mul.limit = 0: no clipping) is what an older caller sends.
+            if _minor > minor and abi.field_is_set(kwargs.get(name)):
+                what = "write" if name in {a.name for a in spec.args if a.written} else "read"
                 raise UnsupportedOpError(op, abi.UNIMPLEMENTED, "UNIMPLEMENTED",
                                          f"{op}: `{name}` is ABI 1.{_minor}; backend {self.name!r} implements ABI "
-                                         f"1.{minor} and cannot write it (leave {name} out)")
+                                         f"1.{minor} and cannot {what} it (leave {name} out)")
         args = ffi.new(struct + "*")
         keep: list = [args]
         args.header.struct_size = ffi.sizeof(struct)

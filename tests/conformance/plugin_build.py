@@ -14,6 +14,8 @@ ABI_DIR = ROOT / "abi"
 ABI_V1_0_DIR = Path(__file__).resolve().parent / "abi_v1_0"
 # and of the 1.1 headers (deepinfer_abi.h and deepinfer_abi_check.h): every 1.1 library already shipped
 ABI_V1_1_DIR = Path(__file__).resolve().parent / "abi_v1_1"
+# and of the 1.2 headers: every 1.2 library already shipped
+ABI_V1_2_DIR = Path(__file__).resolve().parent / "abi_v1_2"
 PLUGINS = Path(__file__).resolve().parent / "plugins"
 THOROUGH = os.environ.get("DEEPINFER_CONFORMANCE_THOROUGH", "") not in ("", "0")
 PROFILE = "thorough" if THOROUGH else "quick"

@@ -1,8 +1,9 @@
-"""ABI 1.0, 1.1 and 1.2 side by side: 1.0 and 1.1 libraries keep loading and passing under this
-runtime, the current library still serves runtimes that only know 1.0 or 1.1 (a 1.1 host sends the
-smaller 1.1 DI_SampleArgs), the runtime refuses a 1.2 field for an older library instead of letting it
-be ignored, and the padding rule that made 1.0 unsafe to grow is gone (the check is shown to catch
-it in the frozen 1.0 header)."""
+"""ABI 1.0 to 1.3 side by side: 1.0, 1.1 and 1.2 libraries keep loading and passing under this
+runtime, the current library still serves runtimes that only know an older minor (a 1.1 host sends
+the smaller 1.1 DI_SampleArgs, a 1.2 host the 1.2 DI_MLADecodeArgs and DI_SiluMulArgs), the runtime
+refuses a field newer than a library's minor instead of letting it be ignored (a 1.3 scalar such as
+silu_mul's limit only when it is not zero), and the padding rule that made 1.0 unsafe to grow is gone
+(the check is shown to catch it in the frozen 1.0 header)."""
 from __future__ import annotations
 
 import cffi
@@ -12,10 +13,12 @@ import pytest
 from deepinfer import abi
 from deepinfer.conformance import run_conformance, summary
 from deepinfer.loader import probe
-from plugin_build import ABI_V1_0_DIR, ABI_V1_1_DIR, PROFILE
+from plugin_build import ABI_V1_0_DIR, ABI_V1_1_DIR, ABI_V1_2_DIR, PROFILE
 
 V1_0_TEXT = (ABI_V1_0_DIR / "deepinfer_abi.h").read_text()
 V1_1_TEXT = (ABI_V1_1_DIR / "deepinfer_abi.h").read_text()
+V1_2_TEXT = (ABI_V1_2_DIR / "deepinfer_abi.h").read_text()
+OLD_TEXTS = {0: V1_0_TEXT, 1: V1_1_TEXT, 2: V1_2_TEXT}
 
 
 def _padded_structs(f: cffi.FFI) -> dict:
@@ -44,12 +47,20 @@ def test_padding_check_catches_the_1_0_structs_and_passes_1_1():
     assert _padded_structs(abi.ffi) == {}
 
 
-@pytest.mark.parametrize("minor", [0, 1])
+def test_the_frozen_headers_are_the_versions_they_say():
+    for minor, text in OLD_TEXTS.items():
+        assert f"#define DI_ABI_MINOR {minor}\n" in text, minor
+    assert abi.ABI_MINOR == 3 and abi.API_V1_3_FIELDS == ["hc_pre", "hc_post", "kv_compress", "indexer_topk",
+                                                           "sparse_attention", "layernorm"]
+
+
+@pytest.mark.parametrize("minor", [0, 1, 2])
 def test_older_structs_keep_their_sizes(minor):
-    """Named reserved fields took the padding's place (1.1) and 1.2 only appended DI_ARGS_SINCE fields:
-    the current header's struct, cut at version 1.<minor>, has exactly that version's size and offsets,
-    so a 1.<minor> library sees a struct_size it knows and a 1.<minor> host sends one the library takes."""
-    old = _ffi(V1_0_TEXT if minor == 0 else V1_1_TEXT)
+    """Named reserved fields took the padding's place (1.1) and 1.2 and 1.3 only appended DI_ARGS_SINCE
+    fields (1.3's scalars with a reserved partner, so no struct has padding): the current header's
+    struct, cut at version 1.<minor>, has exactly that version's size and offsets, so a 1.<minor> library
+    sees a struct_size it knows and a 1.<minor> host sends one the library takes."""
+    old = _ffi(OLD_TEXTS[minor])
     by_struct = {abi.OP_SPECS[op].struct: op for op in abi.OP_NAMES}
     typedefs, _, _ = old.list_types()
     for name in typedefs:
@@ -243,5 +254,159 @@ def test_the_runtime_refuses_a_1_2_field_for_a_1_1_table(cpu_lib):
                 call()
         be.sample(**kw)
         assert kw["out"].numpy()[0] == 1
+    finally:
+        be.close()
+
+
+# ---------------------------------------------------------------------------- 1.3 against 1.2
+
+
+def _silu(v):
+    return v / (1.0 + np.exp(-v))
+
+
+def test_a_1_2_runtime_runs_the_1_3_extended_ops_on_the_current_library(cpu_lib):
+    """A host with the 1.2 header sends the 1.2 DI_SiluMulArgs and DI_MLADecodeArgs. The current library
+    takes those sizes and never reads past them: the bytes after them here hold what a 1.3 caller would
+    have put in `limit` and `indices`, which must be ignored (no clipping, dense attention)."""
+    f = _ffi(V1_2_TEXT)
+    lib = f.dlopen(str(cpu_lib))
+    info = lib.deepinfer_plugin_info()
+    assert (info.abi_major, info.abi_minor) == (1, abi.ABI_MINOR)
+    api = info.get_api(1)
+    opts = f.new("DI_ContextOptions*", {"struct_size": f.sizeof("DI_ContextOptions")})
+    ctx = f.new("DI_Context**")
+    assert api.context_create(opts, ctx) == 0
+    try:
+        rng = np.random.default_rng(5)
+        # silu_mul: a limit of 0.25 past the 1.2 struct would clip almost every element
+        gate = (rng.standard_normal((3, 16)) * 3).astype(np.float32)
+        up = (rng.standard_normal((3, 16)) * 3).astype(np.float32)
+        out = np.full((3, 16), np.nan, np.float32)
+        n12 = f.sizeof("DI_SiluMulArgs")
+        assert n12 == abi.args_struct_size("silu_mul", 2) < abi.ffi.sizeof("DI_SiluMulArgs")
+        buf = abi.ffi.new("DI_SiluMulArgs*")
+        buf.limit = 0.25
+        a = f.cast("DI_SiluMulArgs*", abi.ffi.cast("void*", buf))
+        a.header.struct_size = n12
+        for name, arr in (("gate", gate), ("up", up), ("out", out)):
+            _host_tensor(f, getattr(a, name), arr, 2)
+        st = api.silu_mul(ctx[0], a)
+        assert st == 0, f.string(api.last_error(ctx[0]))
+        np.testing.assert_allclose(out, _silu(gate.astype(np.float64)) * up, rtol=1e-5, atol=1e-6)
+        a.header.struct_size = n12 + 4     # between two versions' sizes: no caller's
+        assert api.silu_mul(ctx[0], a) == abi.INVALID_ARGUMENT
+
+        # mla_decode: an `indices` descriptor selecting one position past the 1.2 struct
+        T, H, Dn, Dr, Dv, Dc, NB, BS = 2, 2, 4, 2, 4, 8, 3, 4
+        q = rng.standard_normal((T, H, Dn + Dr)).astype(np.float32)
+        wkv_b = (rng.standard_normal((H * (Dn + Dv), Dc)) / 3).astype(np.float32)
+        cache = rng.standard_normal((NB, BS, Dc + Dr)).astype(np.float32)
+        table = np.array([[2, 0, 1]], np.int32)
+        token_seq, kv_len = np.zeros(T, np.int32), np.array([7, 10], np.int32)
+        idx = np.zeros((T, 1), np.int32)
+        got = np.full((T, H, Dv), np.nan, np.float32)
+        mbuf = abi.ffi.new("DI_MLADecodeArgs*")
+        _host_tensor(abi.ffi, mbuf.indices, idx, 0)
+        m = f.cast("DI_MLADecodeArgs*", abi.ffi.cast("void*", mbuf))
+        m.header.struct_size = f.sizeof("DI_MLADecodeArgs")
+        assert m.header.struct_size == abi.args_struct_size("mla_decode", 2)
+        for name, arr, code in (("q", q, 2), ("wkv_b", wkv_b, 2), ("cache", cache, 2), ("block_table", table, 0),
+                                ("token_seq", token_seq, 0), ("kv_len", kv_len, 0), ("out", got, 2)):
+            _host_tensor(f, getattr(m, name), arr, code)
+        m.scale = 0.4
+        st = api.mla_decode(ctx[0], m)
+        assert st == 0, f.string(api.last_error(ctx[0]))
+        from deepinfer.reference import ReferenceBackend
+        from deepinfer.tensor import Tensor
+        want = Tensor.empty((T, H, Dv), "f32")
+        ReferenceBackend().mla_decode(q=Tensor.from_numpy(q), wkv_b=Tensor.from_numpy(wkv_b),
+                                      cache=Tensor.from_numpy(cache), block_table=Tensor.from_numpy(table),
+                                      token_seq=Tensor.from_numpy(token_seq), kv_len=Tensor.from_numpy(kv_len),
+                                      out=want, scale=0.4)
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-5)
+    finally:
+        api.context_destroy(ctx[0])
+
+
+def test_a_1_2_build_of_the_tiny_plugin_loads_and_passes_under_1_3(plugin_factory):
+    """The tiny plugin built against the frozen 1.2 header says 1.2 and passes L0 and L1 under this
+    runtime; 1.3's ops are not in its table, and the runtime refuses silu_mul's 1.3 `limit` for it
+    unless it is 0 (what a 1.2 caller's struct holds there)."""
+    from deepinfer.errors import UnsupportedOpError
+    from deepinfer.loader import load_library
+    from deepinfer.tensor import Tensor
+
+    lib = plugin_factory("libdeepinfer_tiny12.so", abi="1.2", TEST_NAME='"tiny12"')
+    c = probe(lib)
+    assert c.ok and c.abi_version == "1.2", c.reason
+    assert not set(abi.API_V1_3_FIELDS) & set(c.ops) and "silu_mul" in c.ops
+    cert = run_conformance(str(lib), levels=("L0", "L1"), profile=PROFILE, isolate=False, only_ops=["silu_mul"])
+    assert cert["passed"], summary(cert)
+    # the suite does not hold the 1.3 cases against it: they are "unsupported", not failures
+    l1 = cert["levels"]["L1"]["results"]
+    assert any("limit" in r["case"] and r["status"] == "unsupported" for r in l1)
+    assert any("limit" not in r["case"] and r["status"] == "pass" for r in l1)
+    be = load_library(lib)
+    try:
+        g = Tensor.from_numpy(np.array([[-1.0, 3.0]], np.float32))
+        u = Tensor.from_numpy(np.array([[2.0, -4.0]], np.float32))
+        out = Tensor.empty((1, 2), "f32", fill=np.nan)
+        for call in (lambda: be.silu_mul(gate=g, up=u, out=out, limit=1.0),
+                     lambda: be.prepare("silu_mul", gate=g, up=u, out=out, limit=np.float32(1.0))):
+            with pytest.raises(UnsupportedOpError,
+                               match=r"`limit` is ABI 1\.3; backend 'tiny12' implements ABI 1\.2 and cannot read it"):
+                call()
+        be.silu_mul(gate=g, up=u, out=out, limit=0.0)
+        np.testing.assert_allclose(out.numpy(), _silu(np.array([[-1.0, 3.0]])) * [[2.0, -4.0]], rtol=1e-6)
+        with pytest.raises(UnsupportedOpError, match="does not implement hc_pre"):
+            be.hc_pre(x=g)
+    finally:
+        be.close()
+
+
+def test_a_current_build_of_the_tiny_plugin_clips_silu_mul(plugin_factory):
+    """The tiny plugin rebuilt against the 1.3 header implements silu_mul's limit (L1's limit cases) and
+    takes a 1.2 caller's smaller struct (L0's older-struct_size check)."""
+    lib = plugin_factory("libdeepinfer_tiny13.so", abi="current", TEST_NAME='"tiny13"')
+    cert = run_conformance(str(lib), levels=("L0", "L1"), profile=PROFILE, isolate=False, only_ops=["silu_mul"])
+    assert cert["passed"], summary(cert)
+    l0 = {r["case"]: r["status"] for r in cert["levels"]["L0"]["results"] if r["op"] == "silu_mul"}
+    older = [k for k in l0 if k.startswith("struct_size of ABI 1.2")]
+    assert older and all(l0[k] == "pass" for k in older), l0
+    assert any("limit" in r["case"] and r["status"] == "pass" for r in cert["levels"]["L1"]["results"])
+
+
+def test_the_runtime_refuses_1_3_fields_for_a_1_2_table(cpu_lib):
+    """The CPU library's table presented as a 1.2 library's: every 1.3 field of an older op is refused
+    with a message that says why (a scalar only when it is not zero), and the 1.3 ops are not offered."""
+    from deepinfer.backend import BackendInfo, NativeBackend
+    from deepinfer.conformance import cases as C
+    from deepinfer.conformance.harness import Materialized
+    from deepinfer.errors import UnsupportedOpError
+
+    ffi = abi.ffi
+    lib = ffi.dlopen(str(cpu_lib))
+    real = lib.deepinfer_plugin_info().get_api(1)
+    api = ffi.new("DI_Api*")
+    ffi.memmove(api, real, ffi.sizeof("DI_Api"))
+    api.abi_minor = 2
+    api.struct_size = ffi.offsetof("DI_Api", "hc_pre")
+    be = NativeBackend(lib, api, BackendInfo("cpu12", "test", "cpu", str(cpu_lib), "1.2"))
+    try:
+        assert not set(abi.API_V1_3_FIELDS) & set(be.ops()) and "spec_verify" in be.ops()
+        for op, fields in (("mla_decode", ["indices"]), ("moe_router", ["token_ids", "hash_table"]),
+                           ("moe_experts", ["swiglu_limit"]), ("silu_mul", ["limit"])):
+            case = C.a_full_case(op)
+            m = Materialized(be, case)
+            with pytest.raises(UnsupportedOpError, match=rf"`{fields[0]}` is ABI 1\.3; backend 'cpu12' implements "
+                                                         rf"ABI 1\.2"):
+                be.call(op, **m.kwargs)
+            plain = C.without_fields(case, fields)
+            m = Materialized(be, plain)
+            kw = dict(m.kwargs)
+            if op in ("moe_experts", "silu_mul"):
+                kw[fields[0]] = 0.0          # a zero scalar is what a 1.2 caller sends: allowed
+            be.call(op, **kw)
     finally:
         be.close()

@@ -11,7 +11,7 @@ quantized format, L3 streams and graph capture (libraries that have them). The s
 """
 from .cli import main
 from .runner import LEVELS, run_conformance, run_level, summary
-from .tolerances import TOLERANCES_V1, TOLERANCES_V2, TOLERANCES_VERSION
+from .tolerances import TOLERANCES_V1, TOLERANCES_V2, TOLERANCES_V3, TOLERANCES_VERSION
 
 __all__ = ["main", "run_conformance", "run_level", "summary", "LEVELS", "TOLERANCES_V1", "TOLERANCES_V2",
-           "TOLERANCES_VERSION"]
+           "TOLERANCES_V3", "TOLERANCES_VERSION"]

@@ -54,7 +54,8 @@ class Case:
     scalars: dict = field(default_factory=dict)
     check: list = field(default_factory=lambda: ["out"])   # outputs compared ("out.scales": quantize)
     tol_key: str = "f32"
-    compare: str = "close"     # close | exact | router | sample
+    tol_keys: dict = field(default_factory=dict)   # per-output overrides of tol_key (hc_pre's f32 post, comb)
+    compare: str = "close"     # close | exact | router | sample | spec_verify | indexer
     expect: str = "OK"         # a status name for cases that must fail (FAILED_PRECONDITION, ...)
     seed: int = 0
 
@@ -327,7 +328,9 @@ def mla_prefill(seed, seqlens, H, Dn, Dr, Dv, dtype) -> Case:
                 dtype, t, {"scale": 1.0 / math.sqrt(Dn + Dr)}, tol_key=dtype, seed=seed)
 
 
-def mla_decode(seed, T, S, H, Dn, Dr, Dv, Dc, NB, BS, MB, dtype, zero_len=True) -> Case:
+def mla_decode(seed, T, S, H, Dn, Dr, Dv, Dc, NB, BS, MB, dtype, zero_len=True, indices=0) -> Case:
+    """indices=K > 0: V3.2's sparse form (1.3), K positions per token, with -1, out-of-range and repeated
+    entries mixed in and one row whose entries are all invalid (a zero row)."""
     rng = np.random.default_rng(seed)
     table = rng.permutation(NB)[: S * MB] if NB >= S * MB else rng.integers(0, NB, S * MB)
     table = table.reshape(S, MB)
@@ -340,8 +343,30 @@ def mla_decode(seed, T, S, H, Dn, Dr, Dv, Dc, NB, BS, MB, dtype, zero_len=True) 
          "cache": plain(rng, (NB, BS, Dc + Dr), dtype),
          "block_table": ints(table), "token_seq": ints(token_seq), "kv_len": ints(kv_len),
          "out": out((T, H, Dv), dtype)}
-    return Case("mla_decode", f"mla_decode {dtype} {_shape_str(T=T, S=S, H=H, Dn=Dn, Dr=Dr, Dv=Dv, Dc=Dc, BS=BS, MB=MB)}",
-                dtype, t, {"scale": 1.0 / math.sqrt(Dn + Dr)}, tol_key=dtype, seed=seed)
+    if indices:
+        t["indices"] = ints(_sparse_indices(rng, kv_len, indices))
+    name = f"mla_decode {dtype} {_shape_str(T=T, S=S, H=H, Dn=Dn, Dr=Dr, Dv=Dv, Dc=Dc, BS=BS, MB=MB)}" + \
+        (f" indices K={indices}" if indices else "")
+    return Case("mla_decode", name, f"{dtype}+indices" if indices else dtype, t, {"scale": 1.0 / math.sqrt(Dn + Dr)},
+                tol_key=dtype, seed=seed)
+
+
+def _sparse_indices(rng, visible, K: int) -> np.ndarray:
+    """[T, K] int32 selections of positions (or entries) below visible[t]: mostly valid ones, plus -1,
+    values at and far past visible[t] and repeats, which every consumer skips or counts once. The last
+    row of several holds no valid entry at all (a zero row without a window or a sink)."""
+    T = len(visible)
+    idx = np.empty((T, K), np.int64)
+    for t in range(T):
+        n = int(visible[t])
+        row = list(rng.permutation(n)[: K - K // 4])
+        while len(row) < K:
+            junk = [-1, n, n + 3, 10**6] + ([row[int(rng.integers(0, len(row)))]] if row else [])
+            row.append(junk[int(rng.integers(0, len(junk)))])
+        idx[t] = rng.permutation(np.asarray(row, np.int64))
+    if T > 2:
+        idx[-1] = rng.choice(np.array([-1, -5, int(visible[-1]), 2**31 - 1]), K)
+    return idx.astype(np.int32)
 
 
 ROUTER_CONFIGS = {
@@ -354,6 +379,19 @@ ROUTER_CONFIGS = {
     # DeepSeek-V3: sigmoid, correction bias, top-2-sum group score, normalised, scaled
     "v3": dict(E=32, K=4, scoring=1, n_group=4, topk_group=2, group_score=1, norm_topk_prob=1,
                routed_scaling_factor=2.5, bias=True),
+    # DeepSeek-V4 (1.3): sqrt(softplus) scores, correction bias, no groups, normalised, scaled
+    "v4": dict(E=32, K=6, scoring=2, n_group=1, topk_group=1, group_score=0, norm_topk_prob=1,
+               routed_scaling_factor=1.5, bias=True),
+    # the same with logits past softplus's threshold of 20 (softplus(v) = v there)
+    "v4-large-logits": dict(E=16, K=4, scoring=2, n_group=1, topk_group=1, group_score=0, norm_topk_prob=1,
+                            routed_scaling_factor=1.5, bias=True, logit_scale=15.0),
+    # V4's first layers (1.3): hash routing, the experts of each token id from a table (the bias is given,
+    # as the model has one, and must not be used)
+    "v4-hash": dict(E=32, K=6, scoring=2, n_group=1, topk_group=1, group_score=0, norm_topk_prob=1,
+                    routed_scaling_factor=1.5, bias=True, vocab=50),
+    # hash routing with softmax scores and no normalisation
+    "hash-softmax": dict(E=16, K=3, scoring=0, n_group=1, topk_group=1, group_score=0, norm_topk_prob=0,
+                         routed_scaling_factor=1.0, bias=False, vocab=7),
 }
 
 
@@ -361,19 +399,23 @@ def moe_router(seed, T, config="v3") -> Case:
     rng = np.random.default_rng(seed)
     c = dict(ROUTER_CONFIGS[config])
     E, K, has_bias = c.pop("E"), c.pop("K"), c.pop("bias")
-    t = {"logits": plain(rng, (T, E), "f32", scale=2.0)}
+    vocab, logit_scale = c.pop("vocab", 0), c.pop("logit_scale", 2.0)
+    t = {"logits": plain(rng, (T, E), "f32", scale=logit_scale)}
     if has_bias:
         t["bias"] = plain(rng, (E,), "f32", scale=0.3)
     t["topk_ids"] = out((T, K), "int32")
     t["topk_weights"] = out((T, K), "f32")
+    if vocab:   # every token id of the vocabulary maps to K distinct experts, in no particular order
+        t["token_ids"] = ints(rng.integers(0, vocab, T))
+        t["hash_table"] = ints(np.stack([rng.permutation(E)[:K] for _ in range(vocab)]))
     return Case("moe_router", f"moe_router {config} T={T} E={E} K={K}", config, t, c,
                 check=["topk_ids", "topk_weights"], tol_key="f32", compare="router", seed=seed)
 
 
 def moe_experts(seed, T, E, K, H, I, dtype, wfmt=None, routing="random", accumulate=0,
-                absent=(), expect="OK") -> Case:
+                absent=(), expect="OK", limit=0.0) -> Case:
     """routing: random | one (every token to expert 0) | skip (ids -1 and E mixed in);
-    absent: experts whose weights are not resident (data NULL)."""
+    absent: experts whose weights are not resident (data NULL); limit > 0: V4's clipped SwiGLU (1.3)."""
     rng = np.random.default_rng(seed)
     wfmt = wfmt or dtype
     quantized = wfmt in WEIGHT_FORMATS
@@ -408,8 +450,12 @@ def moe_experts(seed, T, E, K, H, I, dtype, wfmt=None, routing="random", accumul
     else:
         t["out"] = out((T, H), dtype)
     name = f"moe_experts {dtype} w={wfmt} {_shape_str(T=T, E=E, K=K, H=H, I=I)} routing={routing}" \
-           f"{' accumulate' if accumulate else ''}{' absent=' + str(list(absent)) if absent else ''}"
-    return Case("moe_experts", name, f"x={dtype} w={wfmt}", t, {"num_experts": E, "accumulate": accumulate},
+           f"{' accumulate' if accumulate else ''}{' absent=' + str(list(absent)) if absent else ''}" \
+           f"{f' swiglu_limit={limit:g}' if limit else ''}"
+    scal = {"num_experts": E, "accumulate": accumulate}
+    if limit:   # only when set: a 1.2 library runs every other case
+        scal["swiglu_limit"] = limit
+    return Case("moe_experts", name, f"x={dtype} w={wfmt}" + (" limit" if limit else ""), t, scal,
                 tol_key=_tol(dtype, quantized), expect=expect, seed=seed)
 
 
@@ -422,12 +468,15 @@ def binary(op, seed, shape, dtype, alias=None, view=False) -> Case:
                 dtype, t, tol_key=dtype, seed=seed)
 
 
-def silu_mul(seed, T, I, dtype, view=False) -> Case:
+def silu_mul(seed, T, I, dtype, view=False, limit=0.0) -> Case:
+    """limit > 0: V4's clipped SwiGLU (1.3); gate and up are drawn wide enough that many values clip."""
     rng = np.random.default_rng(seed)
     t = {"gate": plain(rng, (T, I), dtype, scale=3.0, pad=(0, I) if view else (0, 0)),
-         "up": plain(rng, (T, I), dtype, pad=(I, 0) if view else (0, 0)),
+         "up": plain(rng, (T, I), dtype, scale=2.0 if limit else 1.0, pad=(I, 0) if view else (0, 0)),
          "out": out((T, I), dtype)}
-    return Case("silu_mul", f"silu_mul {dtype} {_shape_str(T=T, I=I)}{' view' if view else ''}", dtype, t,
+    scal = {"limit": limit} if limit else {}
+    return Case("silu_mul", f"silu_mul {dtype} {_shape_str(T=T, I=I)}{' view' if view else ''}"
+                f"{f' limit={limit:g}' if limit else ''}", dtype + (" limit" if limit else ""), t, scal,
                 tol_key=dtype, seed=seed)
 
 
@@ -506,6 +555,168 @@ def spec_verify(seed, T, V, mode="mixed", draft="logits", ties=False) -> Case:
     name = f"spec_verify {mode} draft={draft}{' ties' if ties else ''} T={T} V={V}"
     return Case("spec_verify", name, f"{mode}/{draft}", t, check=["out", "accepted"], tol_key="exact",
                 compare="spec_verify", seed=seed)
+
+
+# ====================================================================== 1.3: DeepSeek V4 and V3.2
+
+
+def _block_table(rng, seqlens, BS: int, low=None) -> tuple[np.ndarray, int]:
+    """A scattered block table for sequences of seqlens tokens: each sequence's blocks are distinct ids
+    of a pool in random order (NB = all of them plus two spare blocks). Columns a sequence does not
+    reach hold -1, as do the columns wholly below low[s] (blocks a sliding window has given back):
+    an op must never read them."""
+    S = len(seqlens)
+    MB = max([1] + [-(-int(n) // BS) for n in seqlens])
+    used = [-(-int(n) // BS) for n in seqlens]
+    NB = sum(used) + 2
+    ids = iter(rng.permutation(NB))
+    table = np.full((S, MB), -1, np.int64)
+    for s in range(S):
+        for c in range(used[s]):
+            table[s, c] = next(ids)
+        if low is not None:
+            table[s, : int(low[s]) // BS] = -1
+    return table, NB
+
+
+def hc_pre(seed, T, N, H, dtype, head=False, iters=20, view=False, hc_eps=1e-6) -> Case:
+    """A block's hyper-connection (M = (2 + N) * N: pre, post, comb) or the head's (M = N: pre only).
+    fn is scaled so that the mixes are O(1): the sigmoids and the softmax stay away from saturation.
+    hc_eps: V4's 1e-6 is below f32 resolution in every term it enters; a larger one makes it count."""
+    rng = np.random.default_rng(seed)
+    M = N if head else (2 + N) * N
+    t = {"x": plain(rng, (T, N, H), dtype, pad=(2, 3) if view else (0, 0)),
+         "fn": plain(rng, (M, N * H), "f32", scale=1 / math.sqrt(N * H)),
+         "base": plain(rng, (M,), "f32", scale=0.5),
+         "scale": TSpec("f32", (1 if head else 3,), rng.uniform(0.5, 2.0, 1 if head else 3).astype(np.float32)),
+         "out": out((T, H), dtype)}
+    check = ["out"]
+    if not head:
+        t["post"] = out((T, N), "f32")
+        t["comb"] = out((T, N, N), "f32")
+        check += ["post", "comb"]
+    # the head passes the model's Sinkhorn count too (the runtime fills it from the config); it is unused
+    name = f"hc_pre {dtype} {_shape_str(T=T, N=N, H=H)} {'head' if head else f'block iters={iters}'}" \
+           f"{' view' if view else ''}{f' hc_eps={hc_eps:g}' if hc_eps != 1e-6 else ''}"
+    return Case("hc_pre", name, f"{dtype} {'head' if head else 'block'}", t,
+                {"eps": 1e-6, "hc_eps": hc_eps, "sinkhorn_iters": iters}, check=check, tol_key=dtype,
+                tol_keys={"post": "f32", "comb": "f32"}, seed=seed)
+
+
+def hc_post(seed, T, N, H, dtype, ydtype=None, view=False) -> Case:
+    rng = np.random.default_rng(seed)
+    ydtype = ydtype or dtype
+    comb = rng.uniform(0.0, 1.0, (T, N, N))
+    comb = comb / comb.sum(axis=1, keepdims=True)      # roughly what Sinkhorn leaves (not symmetric)
+    t = {"x": plain(rng, (T, N, H), dtype, pad=(1, 4) if view else (0, 0)),
+         "y": plain(rng, (T, H), ydtype, pad=(3, 0) if view else (0, 0)),
+         "post": TSpec("f32", (T, N), rng.uniform(0.0, 2.0, (T, N)).astype(np.float32)),
+         "comb": TSpec("f32", (T, N, N), comb.astype(np.float32)),
+         "out": out((T, N, H), dtype, pad=(0, 2) if view else (0, 0))}
+    name = f"hc_post x={dtype} y={ydtype} {_shape_str(T=T, N=N, H=H)}{' view' if view else ''}"
+    return Case("hc_post", name, f"{dtype} y={ydtype}", t, tol_key=dtype, seed=seed)
+
+
+def kv_compress(seed, ratio, overlap, BS, W, seqlens, dtype, rows="some") -> Case:
+    """Sequences of seqlens staged tokens in a scattered paged cache. rows: "all" (every position of
+    every sequence, a prefill) or "some" (window-closing rows, window 0's among them, and others, in
+    random order)."""
+    rng = np.random.default_rng(seed)
+    table, NB = _block_table(rng, seqlens, BS)
+    picks = []
+    for s, n in enumerate(seqlens):
+        if rows == "all":
+            picks += [(s, p) for p in range(n)]
+            continue
+        closing = [p for p in range(ratio - 1, n, ratio)]
+        picks += [(s, p) for i, p in enumerate(closing) if i == 0 or rng.random() < 0.6]
+        picks += [(s, int(p)) for p in rng.integers(0, n, min(3, n))]
+    order = rng.permutation(len(picks)) if rows != "all" else np.arange(len(picks))
+    seq = np.array([picks[i][0] for i in order], np.int64)
+    pos = np.array([picks[i][1] for i in order], np.int64)
+    T = len(pos)
+    D = W // 2 if overlap else W
+    t = {"staged": plain(rng, (NB, BS, 2 * W), dtype, scale=1.5),
+         "position_bias": plain(rng, (ratio, W), "f32", scale=0.5),
+         "block_table": ints(table), "token_seq": ints(seq), "positions": ints(pos),
+         "out": out((T, D), dtype)}
+    name = f"kv_compress {dtype} ratio={ratio} overlap={overlap} BS={BS} W={W} seqlens={list(seqlens)} rows={rows}"
+    return Case("kv_compress", name, f"{dtype} ratio={ratio} overlap={overlap}", t,
+                {"ratio": ratio, "overlap": overlap}, tol_key=dtype, seed=seed)
+
+
+def _rows_over(rng, seqlens, T, zero_len=True) -> tuple[np.ndarray, np.ndarray]:
+    """T query rows over the sequences: (token_seq, kv_len), kv_len mostly near the sequence's end (a
+    decode or verification step) and one empty row."""
+    S = len(seqlens)
+    seq = rng.integers(0, S, T)
+    lens = np.array([int(rng.integers(max(1, seqlens[s] - 8), seqlens[s] + 1)) if rng.random() < 0.7
+                     else int(rng.integers(1, seqlens[s] + 1)) for s in seq], np.int64)
+    if zero_len and T > 1:
+        lens[0] = 0
+    return seq, lens
+
+
+def indexer_topk(seed, T, seqlens, NI, Di, K, ratio, BS, dtype, ties=False) -> Case:
+    """ties: some entries share their key exactly (equal scores: either may be chosen at the cut)."""
+    rng = np.random.default_rng(seed)
+    table, NB = _block_table(rng, seqlens, BS)
+    seq, lens = _rows_over(rng, seqlens, T)
+    CB = max(1, BS // ratio)
+    keys = randn(rng, (NB, CB, Di), dtype)
+    if ties and NB * CB > 3:
+        flat = keys.reshape(NB * CB, Di)
+        flat[1::3] = flat[0]
+    t = {"q": plain(rng, (T, NI, Di), dtype), "weights": plain(rng, (T, NI), "f32"),
+         "keys": TSpec(dtype, (NB, CB, Di), keys), "block_table": ints(table), "token_seq": ints(seq),
+         "kv_len": ints(lens), "out": out((T, K), "int32")}
+    name = f"indexer_topk {dtype} ratio={ratio} BS={BS} {_shape_str(T=T, NI=NI, Di=Di, K=K)} " \
+           f"seqlens={list(seqlens)}{' ties' if ties else ''}"
+    return Case("indexer_topk", name, f"{dtype} ratio={ratio}", t,
+                {"scale": Di ** -0.5, "ratio": ratio, "block_size": BS}, tol_key="exact", compare="indexer", seed=seed)
+
+
+def sparse_attention(seed, T, seqlens, NH, D, BS, window, dtype, ratio=0, indices=0, sinks=False) -> Case:
+    """ratio > 0: with comp_cache (entries of ratio tokens); indices=K > 0: only K listed entries per row
+    (invalid and repeated ones mixed in); sinks: a sink logit per head. Without comp_cache and with a
+    window, the blocks wholly below every row's window hold -1 (released)."""
+    rng = np.random.default_rng(seed)
+    seq, lens = _rows_over(rng, seqlens, T)
+    low = None
+    if not ratio and window:
+        low = [min([max(0, int(L) - window) for q, L in zip(seq, lens) if q == s] or [0]) for s in range(len(seqlens))]
+    table, NB = _block_table(rng, seqlens, BS, low)
+    t = {"q": plain(rng, (T, NH, D), dtype), "kv_cache": plain(rng, (NB, BS, D), dtype)}
+    if ratio:
+        t["comp_cache"] = plain(rng, (NB, max(1, BS // ratio), D), dtype)
+        if indices:
+            t["indices"] = ints(_sparse_indices(rng, lens // ratio, indices))
+    if sinks:
+        t["sinks"] = TSpec("f32", (NH,), (rng.standard_normal(NH) * 2.0).astype(np.float32))
+    t.update({"block_table": ints(table), "token_seq": ints(seq), "kv_len": ints(lens), "out": out((T, NH, D), dtype)})
+    parts = [f"window={window}"] + ([f"comp ratio={ratio}"] if ratio else []) + \
+        ([f"indices K={indices}"] if indices and ratio else []) + (["sinks"] if sinks else [])
+    name = f"sparse_attention {dtype} BS={BS} {_shape_str(T=T, NH=NH, D=D)} seqlens={list(seqlens)} {' '.join(parts)}"
+    fmt = f"{dtype} " + ("window" if not ratio else "comp+indices" if indices else "comp")
+    # ratio 0 without comp_cache: the field is unused (a sliding-window layer has no compressor)
+    return Case("sparse_attention", name, fmt, t, {"scale": D ** -0.5, "window": window, "ratio": ratio},
+                tol_key=dtype, seed=seed)
+
+
+def layernorm(seed, T, H, dtype, bias=True, wdtype=None, offset=0.0, view=False, eps=1e-6) -> Case:
+    """offset: added to every x (a mean far from zero: a one-pass variance loses precision)."""
+    rng = np.random.default_rng(seed)
+    wdtype = wdtype or dtype
+    x = plain(rng, (T, H), dtype, pad=(3, 1) if view else (0, 0))
+    if offset:
+        x.values = (np.asarray(x.values, np.float32) + offset).astype(np_dtype(dtype))
+    t = {"x": x, "weight": plain(rng, (H,), wdtype)}
+    if bias:
+        t["bias"] = plain(rng, (H,), wdtype)
+    t["out"] = out((T, H), dtype)
+    name = f"layernorm {dtype} w={wdtype} {_shape_str(T=T, H=H)}{' bias' if bias else ''}" \
+           f"{f' offset={offset:g}' if offset else ''}{' view' if view else ''}"
+    return Case("layernorm", name, dtype, t, {"eps": eps}, tol_key=dtype, seed=seed)
 
 
 # ====================================================================== generators
@@ -714,6 +925,10 @@ def gen_mla_decode(p, s):
         yield mla_decode(s(), 3, 1, 3, 4, 2, 6, 12, 5, 5, 4, dt)
         # DeepSeek's latent shape: more tokens than one 16-token tile, contexts over many chunks
         yield mla_decode(s(), 20, 3, 3, 128, 64, 128, 512, 64, 16, 20, dt)
+        # 1.3: V3.2's sparse attention over listed positions (-1, out of range and repeats among them)
+        yield mla_decode(s(), 6, 2, 2, 8, 4, 8, 16, 8, 4, 3, dt, indices=5)
+        yield mla_decode(s(), 5, 2, 2, 8, 4, 8, 16, 12, 4, 5, dt, indices=32)   # K > kv_len: every position once
+        yield mla_decode(s(), 12, 3, 3, 128, 64, 128, 512, 64, 16, 20, dt, indices=64)
         for _ in range(p.random_draws):
             r = s.rng
             S = int(r.integers(1, 4))
@@ -750,6 +965,12 @@ def gen_moe_experts(p, s):
         yield moe_experts(s(), 150, 8, 2, 256, 128, "bf16", wf)
     yield moe_experts(s(), 40, 8, 3, 256, 160, "bf16", routing="skip", accumulate=1, absent=(7,))
     yield moe_experts(s(), 3, 8, 0, 256, 128, "bf16", accumulate=1)   # top-k of 0: out keeps its values
+    # 1.3: V4's clipped SwiGLU (limits at which many of the unit-sized activations clip, and V4's 10)
+    for dt in FLOATS:
+        yield moe_experts(s(), 6, 5, 2, 24, 40, dt, routing="skip", limit=0.5)
+    yield moe_experts(s(), 4, 4, 2, 40, 24, "bf16", "int4/g32/sym/f32", limit=0.7, accumulate=1)
+    yield moe_experts(s(), 150, 8, 2, 256, 128, "bf16", "e4m3/128x128/f32", limit=0.7)
+    yield moe_experts(s(), 5, 4, 2, 16, 24, "f32", limit=10.0)
     for _ in range(p.random_draws):
         r = s.rng
         yield moe_experts(s(), int(r.integers(1, 10)), int(r.integers(1, 8)), int(r.integers(1, 3)),
@@ -782,6 +1003,8 @@ def gen_silu_mul(p, s):
         yield silu_mul(s(), 0, 8, dt)
         yield silu_mul(s(), 3, 33, dt, view=True)
         yield silu_mul(s(), 1, 1, dt)
+        yield silu_mul(s(), 5, 70, dt, limit=1.5)    # 1.3: V4's clipped SwiGLU
+        yield silu_mul(s(), 3, 33, dt, view=True, limit=0.25)
         for _ in range(p.random_draws):
             yield silu_mul(s(), int(s.rng.integers(1, 9)), int(s.rng.integers(1, 200)), dt,
                            view=bool(s.rng.integers(0, 2)))
@@ -828,6 +1051,112 @@ def gen_spec_verify(p, s):
                               ties=bool(s.rng.integers(0, 2)))
 
 
+def gen_hc_pre(p, s):
+    for dt in FLOATS:
+        yield hc_pre(s(), 0, 4, 16, dt)
+        yield hc_pre(s(), 5, 4, 64, dt)                     # V4's N = 4
+        yield hc_pre(s(), 5, 4, 64, dt, head=True)
+        yield hc_pre(s(), 3, 1, 8, dt)                      # one stream: comb is 1x1
+        yield hc_pre(s(), 4, 2, 33, dt, iters=1, view=True)  # Sinkhorn's first column pass only
+        yield hc_pre(s(), 2, 3, 40, dt, iters=3, head=True, view=True)
+        yield hc_pre(s(), 4, 4, 24, dt, iters=4, hc_eps=0.02)
+        yield hc_pre(s(), 3, 4, 24, dt, head=True, hc_eps=0.02)
+        for _ in range(p.random_draws):
+            r = s.rng
+            yield hc_pre(s(), int(r.integers(1, 9)), int(r.integers(1, 6)), int(r.integers(1, 130)), dt,
+                         head=bool(r.integers(0, 2)), iters=int(r.integers(1, 25)), view=bool(r.integers(0, 2)))
+
+
+def gen_hc_post(p, s):
+    for dt in FLOATS:
+        yield hc_post(s(), 0, 4, 16, dt)
+        yield hc_post(s(), 5, 4, 64, dt)
+        yield hc_post(s(), 3, 1, 7, dt, view=True)
+        yield hc_post(s(), 4, 3, 33, dt, ydtype="f32" if dt == "bf16" else "bf16", view=True)
+        for _ in range(p.random_draws):
+            r = s.rng
+            yield hc_post(s(), int(r.integers(1, 9)), int(r.integers(1, 6)), int(r.integers(1, 200)), dt,
+                          view=bool(r.integers(0, 2)))
+
+
+# (ratio, overlap, block sizes: one below the ratio, one above): V4's CSA (4, overlapping), HCA (128),
+# and ratio 1 (an entry per token)
+KV_COMPRESS_CONFIGS = ((4, 1, (2, 16)), (4, 0, (2, 16)), (128, 0, (16, 256)), (1, 0, (4,)), (1, 1, (4,)))
+
+
+def gen_kv_compress(p, s):
+    for dt in FLOATS:
+        yield kv_compress(s(), 4, 1, 16, 8, [0], dt)
+        for ratio, overlap, sizes in KV_COMPRESS_CONFIGS:
+            lens = [3 * ratio + 1, ratio - 1 or 1, 2 * ratio] if ratio > 1 else [5, 1, 9]
+            for BS in sizes:
+                W = 8 if ratio == 128 else 12
+                yield kv_compress(s(), ratio, overlap, BS, W, lens, dt, rows="some")
+            yield kv_compress(s(), ratio, overlap, sizes[0], 16, lens[:1], dt, rows="all")
+        for _ in range(p.random_draws):
+            r = s.rng
+            ratio, overlap, sizes = KV_COMPRESS_CONFIGS[int(r.integers(0, len(KV_COMPRESS_CONFIGS)))]
+            lens = [int(n) for n in r.integers(1, 4 * ratio + 2, int(r.integers(1, 4)))]
+            yield kv_compress(s(), ratio, overlap, sizes[int(r.integers(0, len(sizes)))], 2 * int(r.integers(1, 9)),
+                              lens, dt)
+
+
+def gen_indexer_topk(p, s):
+    for dt in FLOATS:
+        yield indexer_topk(s(), 0, [8], 2, 16, 4, 4, 16, dt)
+        yield indexer_topk(s(), 9, [70, 23, 41], 4, 32, 8, 4, 16, dt)     # CSA: 4 entries a block
+        yield indexer_topk(s(), 9, [70, 23, 41], 4, 32, 8, 4, 2, dt)      # block smaller than the ratio
+        yield indexer_topk(s(), 7, [40, 9], 3, 16, 64, 1, 8, dt)          # V3.2: a token per entry; K > visible
+        yield indexer_topk(s(), 6, [600, 300], 2, 16, 3, 128, 64, dt)     # HCA-sized entries
+        yield indexer_topk(s(), 8, [90, 50], 4, 16, 6, 4, 16, dt, ties=True)
+        yield indexer_topk(s(), 5, [30], 2, 8, 0, 4, 8, dt)               # K = 0
+        for _ in range(p.random_draws):
+            r = s.rng
+            ratio = [1, 4, 128][int(r.integers(0, 3))]
+            BS = 2 ** int(r.integers(0, 9))
+            lens = [int(n) for n in r.integers(1, 40 * ratio if ratio < 128 else 700, int(r.integers(1, 4)))]
+            yield indexer_topk(s(), int(r.integers(1, 12)), lens, int(r.integers(1, 6)), int(r.integers(1, 40)),
+                               int(r.integers(1, 40)), ratio, BS, dt)
+
+
+def gen_sparse_attention(p, s):
+    for dt in FLOATS:
+        yield sparse_attention(s(), 0, [8], 2, 16, 4, 0, dt)
+        # sliding window only: the whole past (window 0) and a window (released blocks hold -1)
+        yield sparse_attention(s(), 7, [30, 9, 17], 3, 32, 4, 0, dt)
+        yield sparse_attention(s(), 7, [30, 9, 17], 3, 32, 4, 8, dt, sinks=True)
+        # HCA: every visible entry of 128 tokens, blocks below and above the ratio
+        for BS in (16, 256):
+            yield sparse_attention(s(), 6, [300, 140, 60], 2, 16, BS, 16, dt, ratio=128, sinks=True)
+        # CSA: the indexer's entries of 4 tokens (-1, out of range and repeats among them)
+        for BS in (2, 16):
+            yield sparse_attention(s(), 8, [45, 13, 30], 3, 16, BS, 8, dt, ratio=4, indices=6, sinks=True)
+        yield sparse_attention(s(), 6, [45, 20], 2, 16, 16, 0, dt, ratio=4, indices=5)
+        yield sparse_attention(s(), 6, [45, 20], 2, 16, 8, 4, dt, ratio=4)                # every entry, no sink
+        yield sparse_attention(s(), 5, [25, 12], 2, 16, 4, 3, dt, ratio=1, indices=4, sinks=True)
+        for _ in range(p.random_draws):
+            r = s.rng
+            ratio = [0, 1, 4, 128][int(r.integers(0, 4))]
+            lens = [int(n) for n in r.integers(1, 300 if ratio == 128 else 60, int(r.integers(1, 4)))]
+            yield sparse_attention(s(), int(r.integers(1, 9)), lens, int(r.integers(1, 5)), 2 * int(r.integers(1, 17)),
+                                   2 ** int(r.integers(0, 6)), int(r.integers(0, 20)), dt, ratio=ratio,
+                                   indices=int(r.integers(0, 10)) if ratio else 0, sinks=bool(r.integers(0, 2)))
+
+
+def gen_layernorm(p, s):
+    for dt in FLOATS:
+        yield layernorm(s(), 0, 16, dt)
+        yield layernorm(s(), 1, 1, dt)
+        yield layernorm(s(), 3, 67, dt, view=True)
+        yield layernorm(s(), 5, 40, dt, bias=False)
+        yield layernorm(s(), 4, 128, dt, wdtype="f32" if dt == "bf16" else "bf16")   # V3.2: f32 weights
+        yield layernorm(s(), 4, 96, dt, offset=8.0)
+        for _ in range(p.random_draws):
+            r = s.rng
+            yield layernorm(s(), int(r.integers(1, 12)), int(r.integers(1, 300)), dt, bias=bool(r.integers(0, 2)),
+                            view=bool(r.integers(0, 2)))
+
+
 def _large(op: str, s: _Seeds):
     """A few cases big enough to reach a library's threaded and vectorised paths (blocked loops,
     work split across threads, tails of SIMD widths)."""
@@ -863,6 +1192,19 @@ def _large(op: str, s: _Seeds):
         yield moe_router(s(), 512, "v3")
     elif op == "embedding":
         yield embedding(s(), 300, 1000, 513, "bf16")
+    elif op == "hc_pre":
+        yield hc_pre(s(), 16, 4, 4096, "bf16")                      # V4-Flash's hidden size
+    elif op == "hc_post":
+        yield hc_post(s(), 16, 4, 4096, "bf16")
+    elif op == "kv_compress":
+        yield kv_compress(s(), 4, 1, 64, 1024, [300, 77], "bf16", rows="all")   # V4's CSA: 2 x 512
+        yield kv_compress(s(), 128, 0, 64, 512, [520], "bf16")
+    elif op == "indexer_topk":
+        yield indexer_topk(s(), 12, [3000, 1200], 64, 128, 512, 4, 64, "bf16")  # V4's indexer shapes
+    elif op == "sparse_attention":
+        yield sparse_attention(s(), 8, [900, 400], 16, 512, 64, 128, "bf16", ratio=4, indices=64, sinks=True)
+    elif op == "layernorm":
+        yield layernorm(s(), 64, 2049, "bf16")
 
 
 GENERATORS: dict[str, Callable] = {
@@ -883,6 +1225,12 @@ GENERATORS: dict[str, Callable] = {
     "concat": gen_concat,
     "sample": gen_sample,
     "spec_verify": gen_spec_verify,
+    "hc_pre": gen_hc_pre,
+    "hc_post": gen_hc_post,
+    "kv_compress": gen_kv_compress,
+    "indexer_topk": gen_indexer_topk,
+    "sparse_attention": gen_sparse_attention,
+    "layernorm": gen_layernorm,
 }
 # the suite covers every op of the header; a new op without a generator fails here, not silently
 _missing = set(abi.OP_NAMES) - set(GENERATORS)
@@ -909,9 +1257,26 @@ def l2_cases(profile="default", seed: int = 0) -> list[Case]:
     return list(gen_dequantize_l2(p, _Seeds(4242 + seed)))
 
 
+def without_fields(case: Case, fields) -> Case:
+    """The same call with some args-struct fields left out (absent tensors, zero scalars) and their
+    outputs no longer compared: what a caller that does not know those fields sends."""
+    import dataclasses
+
+    fields = set(fields)
+    return dataclasses.replace(case, name=f"{case.name} without {', '.join(sorted(fields))}",
+                               tensors={k: v for k, v in case.tensors.items() if k not in fields},
+                               scalars={k: v for k, v in case.scalars.items() if k not in fields},
+                               check=[c for c in case.check if c not in fields])
+
+
 def a_full_case(op: str) -> Case:
     """A small successful call that also sets every field appended after the op (DI_ARGS_SINCE)."""
-    full = {"sample": lambda: sample(1, 3, 8, "mixed", probs=True)}
+    full = {"sample": lambda: sample(1, 3, 8, "mixed", probs=True),
+            # 1.3's appended fields
+            "mla_decode": lambda: mla_decode(1, 3, 1, 1, 4, 2, 4, 8, 2, 2, 2, "f32", zero_len=False, indices=3),
+            "moe_router": lambda: moe_router(1, 3, "hash-softmax"),
+            "moe_experts": lambda: moe_experts(1, 2, 2, 1, 8, 4, "f32", routing="all", limit=0.3),
+            "silu_mul": lambda: silu_mul(1, 2, 8, "f32", limit=1.0)}
     return full[op]() if op in full else a_valid_case(op)
 
 
@@ -935,5 +1300,12 @@ def a_valid_case(op: str) -> Case:
         "concat": lambda: concat(1, 2, 3, 4, "f32"),
         "sample": lambda: sample(1, 2, 8, "greedy"),
         "spec_verify": lambda: spec_verify(1, 2, 8, "greedy", "greedy"),
+        # 1.3's ops, with every optional argument (so that the checks reach them)
+        "hc_pre": lambda: hc_pre(1, 2, 2, 8, "f32", iters=3),
+        "hc_post": lambda: hc_post(1, 2, 2, 8, "f32"),
+        "kv_compress": lambda: kv_compress(1, 2, 1, 2, 4, [8], "f32", rows="all"),
+        "indexer_topk": lambda: indexer_topk(1, 3, [16], 2, 8, 3, 2, 4, "f32"),
+        "sparse_attention": lambda: sparse_attention(1, 3, [12], 2, 8, 4, 6, "f32", ratio=2, indices=3, sinks=True),
+        "layernorm": lambda: layernorm(1, 3, 16, "f32"),
     }
     return small[op]()

@@ -283,12 +283,9 @@ def compare_close(got: np.ndarray, want: np.ndarray, tol: TOL.Tol, what: str) ->
 
 def _router_select_scores(case: Case) -> np.ndarray:
     """sel = scores + bias in f64, as the spec defines it (used only to recognise ties)."""
-    logits = np.asarray(case.tensors["logits"].values, np.float64)
-    if case.scalars["scoring"] == abi.const("DI_SCORING_SIGMOID"):
-        scores = 1 / (1 + np.exp(-logits))
-    else:
-        e = np.exp(logits - logits.max(axis=-1, keepdims=True))
-        scores = e / e.sum(axis=-1, keepdims=True)
+    from ..reference.moe import router_scores
+
+    scores = router_scores(np.asarray(case.tensors["logits"].values, np.float64), case.scalars["scoring"])
     b = case.tensors.get("bias")
     return scores + (np.asarray(b.values, np.float64) if b is not None else 0.0)
 
@@ -302,18 +299,80 @@ def _cmp_router(case: Case, got: dict, want: dict) -> tuple[Optional[str], float
     if np.any((gi < 0) | (gi >= case.tensors["logits"].shape[1])):
         r = np.argwhere((gi < 0) | (gi >= case.tensors["logits"].shape[1]))[0]
         return f"topk_ids: id {gi[tuple(r)]} out of range at {r.tolist()} (poison = never written?)", 0, 0
-    sel = _router_select_scores(case)
     rows_ok = np.ones(gi.shape[0], bool)
-    for t in np.nonzero(np.any(gi != wi, axis=1))[0]:
-        # a mismatch is acceptable only between experts whose selection scores tie
-        diff = gi[t] != wi[t]
-        if np.all(np.abs(sel[t, gi[t][diff]] - sel[t, wi[t][diff]]) <= TOL.ROUTER_TIE_EPS * (1 + np.abs(sel[t, wi[t][diff]]))):
-            rows_ok[t] = False    # tie: skip the weights of this row
-            continue
-        return (f"topk_ids row {t}: got {gi[t].tolist()}, want {wi[t].tolist()} (selection scores "
-                f"{np.round(sel[t, gi[t]], 6).tolist()} vs {np.round(sel[t, wi[t]], 6).tolist()})"), 0, 0
+    if "hash_table" in case.tensors:
+        # hash routing (1.3): the table chooses, so the ids are exact, in table order
+        bad = np.nonzero(np.any(gi != wi, axis=1))[0]
+        if len(bad):
+            t = int(bad[0])
+            return (f"topk_ids row {t} (hash routing, token id {int(case.tensors['token_ids'].values[t])}): got "
+                    f"{gi[t].tolist()}, want the table's row {wi[t].tolist()} in table order"), 0, 0
+    else:
+        sel = _router_select_scores(case)
+        for t in np.nonzero(np.any(gi != wi, axis=1))[0]:
+            # a mismatch is acceptable only between experts whose selection scores tie
+            diff = gi[t] != wi[t]
+            if np.all(np.abs(sel[t, gi[t][diff]] - sel[t, wi[t][diff]]) <= TOL.ROUTER_TIE_EPS * (1 + np.abs(sel[t, wi[t][diff]]))):
+                rows_ok[t] = False    # tie: skip the weights of this row
+                continue
+            return (f"topk_ids row {t}: got {gi[t].tolist()}, want {wi[t].tolist()} (selection scores "
+                    f"{np.round(sel[t, gi[t]], 6).tolist()} vs {np.round(sel[t, wi[t]], 6).tolist()})"), 0, 0
     tol = TOL.lookup("moe_router", "f32")
     return compare_close(got["topk_weights"][rows_ok], want["topk_weights"][rows_ok], tol, "topk_weights")
+
+
+def _indexer_scores(case: Case, t: int) -> tuple[np.ndarray, np.ndarray]:
+    """(scores, magnitudes) of every visible entry of row t, recomputed in f64 from the case: the score
+    as the spec defines it, and scale * sum_h |w_h| * sum_i |q_hi * k_i|, the sum of the magnitudes of
+    its terms, which scales what accumulating the dots and the head sum in f32 can change it by."""
+    from ..reference.sparse import entry_rows
+
+    tn, sc = case.tensors, case.scalars
+    ratio, BS = int(sc["ratio"]), int(sc["block_size"])
+    n = int(tn["kv_len"].values[t]) // ratio
+    keys = np.asarray(tn["keys"].values, np.float64)
+    rows = entry_rows("indexer_topk", keys, np.asarray(tn["block_table"].values, np.int64),
+                      int(tn["token_seq"].values[t]), np.arange(n), ratio, BS, "keys")
+    q = np.asarray(tn["q"].values[t], np.float64)
+    w = np.asarray(tn["weights"].values[t], np.float64)
+    scale = float(np.float32(sc["scale"]))
+    score = scale * (w @ np.maximum(q @ rows.T, 0.0))
+    bound = abs(scale) * (np.abs(w) @ (np.abs(q) @ np.abs(rows).T))
+    return score, bound
+
+
+def _cmp_indexer(case: Case, got: np.ndarray, want: np.ndarray) -> Optional[str]:
+    """Row by row: the got ids are distinct visible entries, as many as the reference's, then -1; the set
+    may differ from the reference's only by swapping entries whose scores differ by at most
+    INDEXER_TIE_EPS times their terms' magnitudes (which of two near-equal scores is larger is f32 noise). The order of
+    the selected ids is the spec's (descending score) but not compared: every consumer (sparse_attention,
+    mla_decode) treats them as a set."""
+    got, want = got.astype(np.int64), want.astype(np.int64)
+    if got.shape != want.shape:
+        return f"out: shape {got.shape} != {want.shape}"
+    ratio = int(case.scalars["ratio"])
+    for t in range(got.shape[0]):
+        g, w = got[t], want[t]
+        k = int(np.count_nonzero(w >= 0))          # the reference fills min(K, visible) then -1
+        visible = int(case.tensors["kv_len"].values[t]) // ratio
+        if np.any(g[k:] != -1):
+            return f"row {t}: {k} of {visible} entries are selectable, so out[{t}, {k}:] must be -1; got {g.tolist()}"
+        sel = g[:k]
+        if np.any((sel < 0) | (sel >= visible)):
+            return (f"row {t}: {sel.tolist()} holds an entry outside [0, {visible}) (poison = never written? "
+                    f"or a -1 before the last selectable entry)")
+        if len(set(sel.tolist())) != k:
+            return f"row {t}: an entry is selected twice: {sel.tolist()}"
+        extra, missing = sorted(set(sel.tolist()) - set(w[:k].tolist())), sorted(set(w[:k].tolist()) - set(sel.tolist()))
+        if not extra:
+            continue
+        score, bound = _indexer_scores(case, t)
+        worst = min(extra, key=lambda e: score[e])
+        best = max(missing, key=lambda e: score[e])
+        if score[worst] < score[best] - TOL.INDEXER_TIE_EPS * (bound[worst] + bound[best]):
+            return (f"row {t}: selected entry {worst} (score {score[worst]:.9g}) over entry {best} (score "
+                    f"{score[best]:.9g}) that scores higher; not a tie within INDEXER_TIE_EPS={TOL.INDEXER_TIE_EPS}")
+    return None
 
 
 def _splitmix64(x: int) -> int:
@@ -526,8 +585,9 @@ def _check_case(target, case, ref, tolerances, o: Outcome) -> None:
         o.status, o.message = "unsupported", f"{case.op} not in the library's table"
         return
     minor = getattr(target, "abi_minor", abi.ABI_MINOR)
-    newer = [f for f, m in abi.OP_SPECS[case.op].appended if m > minor and f in case.tensors]
-    if newer:   # e.g. sample's probs (1.2) for a 1.1 library: the runtime never passes it
+    given = {**case.tensors, **case.scalars}
+    newer = [f for f, m in abi.OP_SPECS[case.op].appended if m > minor and abi.field_is_set(given.get(f))]
+    if newer:   # e.g. sample's probs (1.2) for a 1.1 library, silu_mul's limit (1.3) for a 1.2 one
         o.status, o.message = "unsupported", (f"{', '.join(newer)}: newer than the library's ABI 1.{minor} "
                                               f"(DI_ARGS_SINCE)")
         return
@@ -593,10 +653,15 @@ def _check_case(target, case, ref, tolerances, o: Outcome) -> None:
         msg = _cmp_spec_verify(case, got, want)
         if msg:
             problems.append(msg)
+    elif case.compare == "indexer":
+        msg = _cmp_indexer(case, got["out"], want["out"])
+        if msg:
+            problems.append(msg)
     else:
         table = tolerances or TOL.CURRENT
-        tol = TOL.EXACT if case.compare == "exact" else TOL.lookup(case.op, case.tol_key, table)
         for n in case.check:
+            tol = TOL.EXACT if case.compare == "exact" else TOL.lookup(case.op, case.tol_keys.get(n, case.tol_key),
+                                                                        table)
             msg, me, nm = compare_close(got[n], want[n], tol, n)
             o.max_err, o.nmse = max(o.max_err, me), max(o.nmse, nm)
             if msg:

@@ -2,7 +2,7 @@
 
 The table is versioned: a certificate records TOLERANCES_VERSION and the exact values it used, so a
 certificate stays meaningful after the bounds are tightened. Never edit a published table in
-place; add TOLERANCES_V2 and point CURRENT at it.
+place; add the next version (v2 for ABI 1.2, v3 for 1.3) and point CURRENT at it.
 
 An element passes when |got - want| <= rtol * |want| + atol_rel * rms(want), where rms(want) is
 the root mean square of the whole expected tensor (so elements near zero after cancellation are
@@ -84,11 +84,35 @@ TOLERANCES_V2: dict[str, dict[str, Tol]] = {
     "spec_verify":     {"exact": EXACT},
 }
 
+# v3 (ABI 1.3): v2 unchanged (the 1.3 fields of existing ops, mla_decode's indices, hash routing,
+# sqrtsoftplus and the SwiGLU limits, are judged by their op's v2 bounds), plus the six new ops.
+TOLERANCES_V3: dict[str, dict[str, Tol]] = {
+    **TOLERANCES_V2,
+    # sigmoids, a softmax and Sinkhorn's divisions; mixes are dots over N * H (16384 in V4-Flash)
+    # accumulated in f32. post and comb are f32 outputs whatever x is (key "f32").
+    "hc_pre":           {"f32": _F32_TRANSCENDENTAL, "bf16": _BF16},
+    "hc_post":          {"f32": _F32, "bf16": _BF16},
+    # a softmax over the window's slots per feature
+    "kv_compress":      {"f32": _F32_TRANSCENDENTAL, "bf16": _BF16},
+    # entry ids: the sets must agree except for swaps between entries whose scores are within
+    # INDEXER_TIE_EPS of each other (harness._cmp_indexer)
+    "indexer_topk":     {"exact": EXACT},
+    # as mla_decode: exp inside, and a bf16 rounding of the probabilities allowed in the middle
+    "sparse_attention": {"f32": _F32_TRANSCENDENTAL, "bf16": _BF16_CHAINED},
+    # rsqrt, and a one-pass f32 variance (E[x^2] - mean^2) is allowed: a mean of a few times the
+    # spread costs ~mean^2/var * 2^-24 relative
+    "layernorm":        {"f32": _F32_TRANSCENDENTAL, "bf16": _BF16},
+}
+
 SAMPLE_BOUNDARY_EPS = 1e-5
 ROUTER_TIE_EPS = 1e-5
+# indexer_topk: two entries' scores tie when they differ by at most this times the sum of their terms'
+# magnitudes, scale * sum_h |w_h| * sum_i |q_hi * k_i|: accumulating Di products and NI heads in f32
+# moves a score by at most about (Di + NI) * 2^-24 of that (1.1e-5 for V4's 128 and 64), typically far less
+INDEXER_TIE_EPS = 1e-5
 
-TOLERANCES_VERSION = "v2"
-CURRENT = TOLERANCES_V2
+TOLERANCES_VERSION = "v3"
+CURRENT = TOLERANCES_V3
 
 
 def lookup(op: str, key: str, table: dict | None = None) -> Tol:

@@ -267,6 +267,15 @@ typedef float (*binop)(float, float);
 static float op_add(float a, float b) { return a + b; }
 static float op_mul(float a, float b) { return a * b; }
 static float op_silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+#if DI_ABI_MINOR >= 3
+/* 1.3's clipped SwiGLU: elementwise() takes a plain function, so the limit of the running call sits here */
+static _Thread_local float t_limit;
+static float op_silu_mul_clipped(float g, float u) {
+    g = g < t_limit ? g : t_limit;
+    u = u < -t_limit ? -t_limit : u > t_limit ? t_limit : u;
+    return op_silu_mul(g, u);
+}
+#endif
 
 static void elementwise(const DI_Tensor* a, const DI_Tensor* b, const DI_Tensor* o, binop f) {
     int nd = a->ndim;
@@ -316,10 +325,37 @@ static DI_Status binary(DI_Context* ctx, const DI_BinaryArgs* args, const char* 
 static DI_Status tiny_add(DI_Context* ctx, const DI_BinaryArgs* args) { return binary(ctx, args, "add", op_add, 0); }
 static DI_Status tiny_mul(DI_Context* ctx, const DI_BinaryArgs* args) { return binary(ctx, args, "mul", op_mul, 0); }
 
-static DI_Status silu_mul_impl(DI_Context* ctx, const DI_SiluMulArgs* args, int validate_only) {
+static void silu_mul_run(const DI_SiluMulArgs* a) {
+#if DI_ABI_MINOR >= 3
+    if (a->limit > 0) {
+        t_limit = a->limit;
+        elementwise(&a->gate, &a->up, &a->out, op_silu_mul_clipped);
+        return;
+    }
+#endif
+    elementwise(&a->gate, &a->up, &a->out, op_silu_mul);
+}
+
+static DI_Status silu_mul_impl(DI_Context* ctx, const DI_SiluMulArgs* in, int validate_only) {
     const char* op = "silu_mul";
+    const DI_SiluMulArgs* args = in;
+#if DI_ABI_MINOR >= 3
+    /* 1.3 appended `limit`: an older caller's struct ends just before it. That size is accepted, and the
+     * call runs on a zero-filled copy (limit 0, no clipping), never reading past the caller's bytes. */
+    DI_SiluMulArgs local;
+    if (ctx && in && in->header.struct_size == offsetof(DI_SiluMulArgs, limit)) {
+        memset(&local, 0, sizeof local);
+        memcpy(&local, in, offsetof(DI_SiluMulArgs, limit));
+        local.header.struct_size = sizeof local;
+        args = &local;
+    }
+#endif
     DI_Status st = check_header(ctx, args, sizeof(DI_SiluMulArgs), op);
     if (st) return st;
+#if DI_ABI_MINOR >= 3
+    if (!(args->limit >= 0 && args->limit <= 3.4e38f))
+        return fail(ctx, DI_INVALID_ARGUMENT, "%s: limit=%g must be finite and >= 0", op, (double)args->limit);
+#endif
     if ((st = check_tensor(ctx, op, "gate", &args->gate, 2, 2, 1))) return st;
     if ((st = check_tensor(ctx, op, "up", &args->up, 2, 2, 1))) return st;
     if ((st = check_tensor(ctx, op, "out", &args->out, 2, 2, 1))) return st;
@@ -333,7 +369,7 @@ static DI_Status silu_mul_impl(DI_Context* ctx, const DI_SiluMulArgs* args, int 
     if (c < 0)
         return fail(ctx, DI_RESOURCE_EXHAUSTED, "%s: out of memory while capturing", op);
     if (!c)
-        elementwise(&args->gate, &args->up, &args->out, op_silu_mul);
+        silu_mul_run(args);
     return ok(ctx);
 }
 
@@ -528,9 +564,7 @@ static DI_Status tiny_graph_launch(DI_Context* ctx, DI_Graph* g, DI_Stream s) {
         switch (r->op) {
         case DI_OP_ADD: elementwise(&r->args.binary.a, &r->args.binary.b, &r->args.binary.out, op_add); break;
         case DI_OP_MUL: elementwise(&r->args.binary.a, &r->args.binary.b, &r->args.binary.out, op_mul); break;
-        case DI_OP_SILU_MUL:
-            elementwise(&r->args.silu_mul.gate, &r->args.silu_mul.up, &r->args.silu_mul.out, op_silu_mul);
-            break;
+        case DI_OP_SILU_MUL: silu_mul_run(&r->args.silu_mul); break;
         case DI_OP_EMBEDDING: {
             DI_EmbeddingArgs a = r->args.embedding;
             a.header.stream = NULL;
