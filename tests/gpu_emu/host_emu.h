@@ -1,6 +1,7 @@
-// A host emulation of the few GPU runtime pieces that backends/cuda/src/device.cuh, sort_rows.cuh and
-// sample_rows.cuh use, so their block-level algorithms (lane groups, shuffles, scans, the portable sort) run on a CPU
-// in CI. gpu_runtime.cuh includes it when the test build defines DI_GPU_HOST_EMU="host_emu.h".
+// A host emulation of the few GPU runtime pieces that backends/cuda/src/device.cuh, sort_rows.cuh,
+// sample_rows.cuh and v4_kernels.cuh use, so their block-level algorithms (lane groups, shuffles,
+// scans, the portable sort) and the ABI 1.3 kernels run on a CPU in CI. gpu_runtime.cuh includes it
+// when the test build defines DI_GPU_HOST_EMU="host_emu.h".
 //
 // A block is blockDim.x std::threads. __syncthreads is a barrier over all of them. A shuffle is an
 // exchange through memory between two barriers of the calling thread's group of DI_WARP_SIZE lanes,
@@ -81,6 +82,11 @@ inline void run_block(unsigned threads, const std::function<void()>& body) {
     for (unsigned w = 0; w < threads / DI_WARP_SIZE; ++w) pthread_barrier_destroy(&warp_bar[w]);
 }
 
+// Dynamic shared memory of the one block that runs (v4_kernels.cuh's DI_DYN_SMEM): 256 KB, more
+// than any GPU gives a block, so a launch the library would make always fits.
+inline std::vector<uint64_t> dyn_smem_buf(1 << 15);
+inline void* dyn_smem() { return dyn_smem_buf.data(); }
+
 }  // namespace di_emu
 
 #define threadIdx (di_emu::thread_idx)
@@ -136,3 +142,4 @@ inline __half __float2half_rn(float f) {
     return r;
 }
 inline unsigned short __half_as_ushort(__half h) { return h.bits; }
+inline float rsqrtf(float x) { return 1.f / sqrtf(x); }

@@ -355,7 +355,7 @@ template <int F, int NT, int KS>
 __global__ __launch_bounds__(128, NT == 1 ? decode_min_blocks<F>() : 1) void k_gate_up(const MoeMat mg, const __grid_constant__ MoePtrs pg,
                                                  const MoeMat mu, const __grid_constant__ MoePtrs pu,
                                                  MoePlan plan, const char* x, int64_t x_rs, int Ktop,
-                                                 uint16_t* h) {
+                                                 float limit, uint16_t* h) {
     __shared__ float red[KS > 1 ? (KS - 1) * 2 * NT * 4 * 32 : 1];
     const int item_i = blockIdx.y;
     if (item_i >= *plan.n_items) return;
@@ -393,7 +393,11 @@ __global__ __launch_bounds__(128, NT == 1 ? decode_min_blocks<F>() : 1) void k_g
             const int j = n * 8 + 2 * c + (e & 1);
             if (j >= item.z) continue;
             const int64_t row = r0 + g + (e >> 1) * 8;
-            const float gv = acc[0][n][e], uv = acc[1][n][e];
+            float gv = acc[0][n][e], uv = acc[1][n][e];
+            if (limit > 0.f) {   // clipped SwiGLU (1.3)
+                gv = fminf(gv, limit);
+                uv = fminf(fmaxf(uv, -limit), limit);
+            }
             const float hv = gv / (1.f + __expf(-gv)) * uv;
             h[(int64_t)(item.y + j) * I + row] = f_to_bf16(hv);
         }
@@ -447,18 +451,18 @@ __global__ __launch_bounds__(128, NT == 1 ? decode_min_blocks<F>() : 1) void k_d
 
 template <int F>
 void launch_gate_up(MoeShape sh, int max_items, const MoeMat& mg, const MoePtrs& pg, const MoeMat& mu,
-                    const MoePtrs& pu, MoePlan plan, const char* x, int64_t x_rs, int Ktop, uint16_t* h,
+                    const MoePtrs& pu, MoePlan plan, const char* x, int64_t x_rs, int Ktop, float limit, uint16_t* h,
                     cudaStream_t s) {
     if (sh == MOE_DECODE) {
         dim3 grid((unsigned)ceil_div(mg.N, 16), (unsigned)max_items);
-        k_gate_up<F, 1, KS_DECODE><<<grid, 128, 0, s>>>(mg, pg, mu, pu, plan, x, x_rs, Ktop, h);
+        k_gate_up<F, 1, KS_DECODE><<<grid, 128, 0, s>>>(mg, pg, mu, pu, plan, x, x_rs, Ktop, limit, h);
     } else if (sh == MOE_PREFILL) {  // never planned for the narrow formats (moe_needs_narrow_prefill)
         dim3 grid((unsigned)ceil_div(mg.N, 64), (unsigned)max_items);
         if constexpr (!moe_needs_narrow_prefill(F))
-            k_gate_up<F, 8, 1><<<grid, 128, 0, s>>>(mg, pg, mu, pu, plan, x, x_rs, Ktop, h);
+            k_gate_up<F, 8, 1><<<grid, 128, 0, s>>>(mg, pg, mu, pu, plan, x, x_rs, Ktop, limit, h);
     } else {
         dim3 grid((unsigned)ceil_div(mg.N, 64), (unsigned)max_items);
-        k_gate_up<F, 4, 1><<<grid, 128, 0, s>>>(mg, pg, mu, pu, plan, x, x_rs, Ktop, h);
+        k_gate_up<F, 4, 1><<<grid, 128, 0, s>>>(mg, pg, mu, pu, plan, x, x_rs, Ktop, limit, h);
     }
 }
 
@@ -482,8 +486,8 @@ void launch_down(MoeShape sh, int max_items, const MoeMat& md, const MoePtrs& pd
 #define DI_MOE_MMA_DEFINE(name, F)                                                                           \
     void launch_moe_gate_up_##name(MoeShape sh, int max_items, const MoeMat& mg, const MoePtrs& pg,         \
                                    const MoeMat& mu, const MoePtrs& pu, MoePlan plan, const char* x,         \
-                                   int64_t x_rs, int Ktop, uint16_t* h, cudaStream_t s) {                    \
-        moe::launch_gate_up<F>(sh, max_items, mg, pg, mu, pu, plan, x, x_rs, Ktop, h, s);                   \
+                                   int64_t x_rs, int Ktop, float limit, uint16_t* h, cudaStream_t s) {       \
+        moe::launch_gate_up<F>(sh, max_items, mg, pg, mu, pu, plan, x, x_rs, Ktop, limit, h, s);            \
     }                                                                                                        \
     void launch_moe_down_##name(MoeShape sh, int max_items, const MoeMat& md, const MoePtrs& pd, MoePlan plan, \
                                 const uint16_t* h, float* y, cudaStream_t s) {                               \

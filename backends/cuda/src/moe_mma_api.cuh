@@ -70,12 +70,13 @@ int    mma_format(const QTensor& w);
 int64_t row_bytes(const QTensor& w);  // bytes between rows of w.q
 MoeMat mat_of(const QTensor& w);      // the kernels' view of w's layout
 
-// gate_up: h[pos, i] = silu(gate_e x[t]) * up_e x[t] (bf16), pos = position in plan.sorted, t = p / Ktop.
+// gate_up: h[pos, i] = silu(gate_e x[t]) * up_e x[t] (bf16), pos = position in plan.sorted, t = p / Ktop;
+//          limit > 0 (V4's clipped SwiGLU) clips gate above and up on both sides first.
 // down:    y[p, c]  = down_e h[pos] (f32), p = plan.sorted[pos].
 #define DI_MOE_MMA_DECL(name)                                                                                \
     void launch_moe_gate_up_##name(MoeShape sh, int max_items, const MoeMat& mg, const MoePtrs& pg,         \
                                    const MoeMat& mu, const MoePtrs& pu, MoePlan plan, const char* x,         \
-                                   int64_t x_rs, int Ktop, uint16_t* h, cudaStream_t s);                     \
+                                   int64_t x_rs, int Ktop, float limit, uint16_t* h, cudaStream_t s);        \
     void launch_moe_down_##name(MoeShape sh, int max_items, const MoeMat& md, const MoePtrs& pd, MoePlan plan, \
                                 const uint16_t* h, float* y, cudaStream_t s);
 DI_MOE_MMA_DECL(bf16)

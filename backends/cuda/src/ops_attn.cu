@@ -8,6 +8,7 @@
 #include <algorithm>
 
 #include "device.cuh"
+#include "v4_api.cuh"
 
 using namespace di;
 
@@ -360,9 +361,16 @@ DI_Status op_mla_prefill(DI_Context* ctx, const DI_MLAPrefillArgs* a, OpMode* mo
 //   merge  o_lat[t, h] = LSE-weighted sum of the active chunks' states.
 //   uv     out[t, h] = W_uv[h] @ o_lat[t, h]: a block owns one head, 16 value rows and up to 16
 //          tokens.
+// With `indices` (1.3, V3.2's sparse MLA) a fifth kernel runs first: launch_clean_indices (ops_v4.cu)
+// turns each row into its distinct valid positions, ascending, and attn walks that list instead of
+// [0, kv_len): a token's "length" is then its count of listed positions, and everything else
+// (chunking, merge) is unchanged.
 struct DecodeDims {
     int64_t T, H, S, MB, NB, BS;
     int     Dn, Dr, Dv, Dc, splits;
+    const int* list;   // [T, K] cleaned indices, or NULL: positions [0, kv_len)
+    const int* cnt;    // [T] their counts
+    int64_t    K;
 };
 
 constexpr int MLA_TT = 16;        // tokens per qlat / uv block
@@ -412,10 +420,11 @@ __global__ __launch_bounds__(256) void k_mla_qlat(DTensor q, DTensor w, float* q
     }
 }
 
+// the number of positions token t attends: kv_len[t], or its count of cleaned indices
 __device__ __forceinline__ int64_t decode_len(const DTensor& seq, const DTensor& kvl, const DecodeDims& d, int64_t t,
                                               int64_t* s_out) {
     int64_t s = load_i(seq.dt, seq.base, t * seq.strides[0]);
-    int64_t len = load_i(kvl.dt, kvl.base, t * kvl.strides[0]);
+    int64_t len = d.list ? d.cnt[t] : load_i(kvl.dt, kvl.base, t * kvl.strides[0]);
     if (s < 0 || s >= d.S) len = 0;
     if (len < 0) len = 0;
     if (len > d.MB * d.BS) len = d.MB * d.BS;  // never index past the block table
@@ -465,7 +474,8 @@ __global__ __launch_bounds__(256) void k_mla_attn(const float* qf, DTensor cache
 #pragma unroll
         for (int r = 0; r < NQ; ++r) acc[g][r] = 0.f;
     }
-    for (int64_t p = p0 + warp; p < p1; p += 8) {
+    for (int64_t i = p0 + warp; i < p1; i += 8) {
+        const int64_t p = d.list ? d.list[t * d.K + i] : i;   // the i-th attended position
         int64_t blk = load_i(btab.dt, btab.base, s * btab.strides[0] + p / d.BS);
         if (blk < 0 || blk >= d.NB) continue;  // a hole in the block table is masked, never read
         const int64_t ro = blk * cache.strides[0] + (p % d.BS) * cache.strides[1];
@@ -603,7 +613,7 @@ __global__ __launch_bounds__(256) void k_mla_uv(const float* ol, DTensor w, DTen
 DI_Status op_mla_decode(DI_Context* ctx, const DI_MLADecodeArgs* a, OpMode* mode) {
     const char* op = "mla_decode";
     DI_TRY(check_header(ctx, op, a, sizeof(*a), "DI_MLADecodeArgs"));
-    QTensor q, w, cache, btab, seq, kvl, out;
+    QTensor q, w, cache, btab, seq, kvl, out, idx;
     DI_TRY(take_tensor(ctx, mode, op, "q", a->q, 3, 0, &q));
     DI_TRY(take_tensor(ctx, mode, op, "wkv_b", a->wkv_b, 2, 0, &w));
     DI_TRY(take_tensor(ctx, mode, op, "cache", a->cache, 3, 0, &cache));
@@ -638,6 +648,18 @@ DI_Status op_mla_decode(DI_Context* ctx, const DI_MLADecodeArgs* a, OpMode* mode
     DI_TRY(need_shape(ctx, op, "kv_len", kvl.q, 0, d.T, "q.shape[0]"));
     DI_TRY(need_shape(ctx, op, "out", out.q, 0, d.T, "q.shape[0]"));
     DI_TRY(need_shape(ctx, op, "out", out.q, 1, d.H, "q.shape[1]"));
+    // indices (1.3): absent for an older caller (api.cu zeroes what it does not know); in op_query a
+    // descriptor with a shape and no data counts as present
+    const bool has_idx = a->indices.data || (!mode->launch && a->indices.ndim > 0);
+    if (has_idx) {
+        DI_TRY(take_tensor(ctx, mode, op, "indices", a->indices, 2, 0, &idx));
+        DI_NEED_DT(ctx, op, "indices", idx.q.dt, DT_I32);
+        DI_TRY(need_shape(ctx, op, "indices", idx.q, 0, d.T, "q.shape[0]"));
+        d.K = idx.q.shape[1];
+        if (d.K > clean_indices_max_k())
+            return set_error(ctx, DI_UNIMPLEMENTED, "%s: indices has %lld columns, over the %lld this GPU's cleaning sorts",
+                             op, (long long)d.K, (long long)clean_indices_max_k());
+    }
     if (d.Dc + d.Dr > LANES * ATT_DEC_MAXQ)
         return set_error(ctx, DI_UNIMPLEMENTED, "%s: Dc + Dr = %d exceeds this kernel's %d", op, d.Dc + d.Dr,
                          LANES * ATT_DEC_MAXQ);
@@ -646,7 +668,7 @@ DI_Status op_mla_decode(DI_Context* ctx, const DI_MLADecodeArgs* a, OpMode* mode
         return set_error(ctx, DI_UNIMPLEMENTED, "%s: Dn=%d / Dc=%d too large for this kernel", op, d.Dn, d.Dc);
     // Splits: enough (token, head group, chunk) blocks for two waves at any batch; how many of them
     // work is decided on the device from kv_len (decode_chunk), so the grid never depends on it.
-    const int64_t cap = d.MB * d.BS, TH = d.T * d.H;
+    const int64_t cap = has_idx ? std::min(d.MB * d.BS, d.K) : d.MB * d.BS, TH = d.T * d.H;
     const int64_t TG = d.T * ceil_div(d.H, MLA_HG);  // blocks per split
     const int64_t sms = ctx->sm_count > 0 ? ctx->sm_count : 132;
     int64_t splits = ceil_div(2 * sms, TG > 0 ? TG : 1);
@@ -656,7 +678,8 @@ DI_Status op_mla_decode(DI_Context* ctx, const DI_MLADecodeArgs* a, OpMode* mode
     d.splits = (int)splits;
     const uint64_t qf_bytes = align256((uint64_t)TH * (d.Dc + d.Dr) * 4);   // later reused for o_lat
     const uint64_t part_bytes = align256((uint64_t)TH * splits * (d.Dc + 2) * 4);
-    mode->workspace = qf_bytes + part_bytes;
+    const uint64_t clean_bytes = has_idx ? clean_indices_bytes(d.T, d.K) : 0;
+    mode->workspace = qf_bytes + part_bytes + clean_bytes;
     if (!mode->launch || TH == 0 || d.Dv == 0) return DI_OK;
     if (TH > (1ll << 31) - 1 || d.H > 65535 * 8)
         return set_error(ctx, DI_UNIMPLEMENTED, "%s: T*H = %lld too large", op, (long long)TH);
@@ -665,13 +688,21 @@ DI_Status op_mla_decode(DI_Context* ctx, const DI_MLADecodeArgs* a, OpMode* mode
     DI_TRY(ws.acquire(ctx, a->header, mode->workspace));
     float* qf = static_cast<float*>(ws.ptr);
     float* part = reinterpret_cast<float*>(static_cast<char*>(ws.ptr) + qf_bytes);
+    char* clean = static_cast<char*>(ws.ptr) + qf_bytes + part_bytes;
     const int tt_q = (int)std::min<int64_t>(MLA_TT, std::max<int64_t>(1, (32 * 1024) / (std::max(d.Dn, 1) * 4)));
     const int tt_v = (int)std::min<int64_t>(MLA_TT, std::max<int64_t>(1, (48 * 1024) / (std::max(d.Dc, 1) * 4)));
     const size_t sm_q = (size_t)tt_q * std::max(d.Dn, 1) * 4, sm_v = (size_t)tt_v * std::max(d.Dc, 1) * 4;
     DI_Status st = DI_OK;
-    dim3 gq((unsigned)d.H, (unsigned)ceil_div(d.Dc, MLA_QCOLS), (unsigned)ceil_div(d.T, tt_q));
-    k_mla_qlat<<<gq, 256, sm_q, s>>>(q.q, w.q, qf, d, tt_q);
-    st = launch_status(ctx, op);
+    if (has_idx) {
+        st = launch_clean_indices(ctx, op, idx.q, seq.q, kvl.q, d.S, d.MB * d.BS, 1, clean, s);
+        d.list = reinterpret_cast<const int*>(clean);
+        d.cnt = reinterpret_cast<const int*>(clean + align256((uint64_t)(d.T * d.K) * 4));
+    }
+    if (st == DI_OK) {
+        dim3 gq((unsigned)d.H, (unsigned)ceil_div(d.Dc, MLA_QCOLS), (unsigned)ceil_div(d.T, tt_q));
+        k_mla_qlat<<<gq, 256, sm_q, s>>>(q.q, w.q, qf, d, tt_q);
+        st = launch_status(ctx, op);
+    }
     if (st == DI_OK) {
         dim3 grid((unsigned)TG, (unsigned)splits);
         const int nq = (int)ceil_div(d.Dc + d.Dr, LANES);

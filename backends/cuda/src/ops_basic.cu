@@ -1,4 +1,5 @@
-// Memory-bound ops: embedding, rmsnorm, rope, mla_cache_write, add, mul, silu_mul, concat.
+// Memory-bound ops: embedding, rmsnorm, rope, mla_cache_write, add, mul, silu_mul, concat (layernorm, 1.3,
+// is in ops_v4.cu with the other DeepSeek V4 / V3.2 ops).
 // Each works on strided views through the generic loaders; all math in f32 (rope angles in f64).
 #include "device.cuh"
 
@@ -267,12 +268,18 @@ DI_Status op_add(DI_Context* ctx, const DI_BinaryArgs* a, OpMode* mode) { return
 DI_Status op_mul(DI_Context* ctx, const DI_BinaryArgs* a, OpMode* mode) { return binary<1>(ctx, a, mode, "mul"); }
 
 // ---------------------------------------------------------------------------------------- silu_mul
-__global__ void k_silu_mul(DTensor g, DTensor u, DTensor out, int64_t T, int64_t I) {
+// limit > 0 (1.3): V4's clipped SwiGLU, gate capped above and up clamped on both sides (silu of a
+// large negative gate is 0 anyway, so the gate has no lower clip)
+__global__ void k_silu_mul(DTensor g, DTensor u, DTensor out, int64_t T, int64_t I, float limit) {
     int64_t n = T * I;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
         int64_t t = i / I, c = i % I;
         float x = load_f(g.dt, g.base, t * g.strides[0] + c);
         float y = load_f(u.dt, u.base, t * u.strides[0] + c);
+        if (limit > 0.f) {
+            x = fminf(x, limit);
+            y = fminf(fmaxf(y, -limit), limit);
+        }
         store_f(out.dt, out.base, t * out.strides[0] + c, x / (1.f + expf(-x)) * y);
     }
 }
@@ -289,10 +296,13 @@ DI_Status op_silu_mul(DI_Context* ctx, const DI_SiluMulArgs* a, OpMode* mode) {
     DI_NEED_DT(ctx, op, "out", out.q.dt, FLOATS);
     DI_TRY(same_shape(ctx, op, "gate", g.q, "up", u.q));
     DI_TRY(same_shape(ctx, op, "gate", g.q, "out", out.q));
+    // limit (1.3; zero for an older caller: api.cu zeroes the fields it does not know)
+    if (!(isfinite(a->limit) && a->limit >= 0.f))
+        return set_error(ctx, DI_INVALID_ARGUMENT, "%s: limit=%g must be finite and >= 0 (0 = no clipping)", op, a->limit);
     if (!mode->launch) return DI_OK;
     int64_t T = g.q.shape[0], I = g.q.shape[1];
     if (T * I == 0) return DI_OK;
-    k_silu_mul<<<grid_for(T * I, 256), 256, 0, (cudaStream_t)a->header.stream>>>(g.q, u.q, out.q, T, I);
+    k_silu_mul<<<grid_for(T * I, 256), 256, 0, (cudaStream_t)a->header.stream>>>(g.q, u.q, out.q, T, I, a->limit);
     return launch_status(ctx, op);
 }
 

@@ -1,4 +1,5 @@
-// moe_experts: out[t] (+)= sum_k w[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t, k].
+// moe_experts: out[t] (+)= sum_k w[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t, k]; with
+// swiglu_limit > 0 (1.3) gate = min(gate, limit) and up = clamp(up, -limit, limit) before the product.
 //
 // Two paths, one contract:
 //  * tensor cores (moe_mma.cuh), for bf16 activations and the weight formats the engine stores
@@ -48,10 +49,11 @@ __device__ int gather_pairs(DTensor ids, int64_t Ktop, int64_t e, int64_t w0, in
     return *cnt;
 }
 
-// Phase 1: h[p, :] = silu(gate_e x[t]) * (up_e x[t]) for every pair p = (t, k) routed to e.
+// Phase 1: h[p, :] = silu(gate_e x[t]) * (up_e x[t]) for every pair p = (t, k) routed to e (gate
+// and up clipped first when limit > 0: V4's clipped SwiGLU, 1.3).
 __global__ __launch_bounds__(256) void k_moe_up(const __grid_constant__ QTensor x, DTensor ids, const QTensor wg0, ExpertPtrs gp, const QTensor wu0,
                                                 ExpertPtrs up, int e0, int64_t P, int64_t Ktop, int64_t I, int64_t H,
-                                                float* h) {
+                                                float* h, float limit) {
     extern __shared__ int list[];
     __shared__ float As[TK][TB + TPAD], Bs[TK][TB + TPAD], Bu[TK][TB + TPAD];
     __shared__ int cnt;
@@ -106,8 +108,12 @@ __global__ __launch_bounds__(256) void k_moe_up(const __grid_constant__ QTensor 
                 for (int jj = 0; jj < 4; ++jj) {
                     int64_t c = n0 + tx * 4 + jj;
                     if (c >= I) continue;
-                    float g = ag[i][jj];
-                    h[p * I + c] = g / (1.f + expf(-g)) * au[i][jj];
+                    float g = ag[i][jj], u = au[i][jj];
+                    if (limit > 0.f) {
+                        g = fminf(g, limit);
+                        u = fminf(fmaxf(u, -limit), limit);
+                    }
+                    h[p * I + c] = g / (1.f + expf(-g)) * u;
                 }
             }
         }
@@ -309,7 +315,7 @@ DI_Status take_expert(DI_Context* ctx, const OpMode* em, const char* which, int6
 [[maybe_unused]] bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 typedef void (*GateUpFn)(MoeShape, int, const MoeMat&, const MoePtrs&, const MoeMat&, const MoePtrs&, MoePlan,
-                         const char*, int64_t, int, uint16_t*, cudaStream_t);
+                         const char*, int64_t, int, float, uint16_t*, cudaStream_t);
 typedef void (*DownFn)(MoeShape, int, const MoeMat&, const MoePtrs&, MoePlan, const uint16_t*, float*, cudaStream_t);
 
 #if DI_HAVE_MOE_MMA
@@ -424,7 +430,7 @@ DI_Status run_mma(DI_Context* ctx, const DI_MoEExpertsArgs* a, const Call& c, co
     fill_ptrs(c.ptrs[2], c, &pd);
     const MoePlan plan{sorted, items, n_items};
     kGateUp[pl.fg](pl.shape, pl.max_items, pl.mg, pg, pl.mg, pu, plan, c.x.q.base, c.x.q.strides[0] * 2,
-                   (int)c.Ktop, h, s);
+                   (int)c.Ktop, a->swiglu_limit, h, s);
     DI_TRY(launch_status(ctx, op));
     kDown[pl.fd](pl.shape, pl.max_items, pl.md, pd, plan, h, y, s);
     DI_TRY(launch_status(ctx, op));
@@ -489,7 +495,8 @@ DI_Status run_simt(DI_Context* ctx, const DI_MoEExpertsArgs* a, const Call& c, c
                 }
                 if (phase == 0) {
                     dim3 grid((unsigned)cnt, (unsigned)ceil_div(I, TB));
-                    k_moe_up<<<grid, 256, list_bytes, s>>>(c.x, c.ids.q, t1, p1, t2, p2, (int)e0, P, Ktop, I, H, h);
+                    k_moe_up<<<grid, 256, list_bytes, s>>>(c.x, c.ids.q, t1, p1, t2, p2, (int)e0, P, Ktop, I, H, h,
+                                                           a->swiglu_limit);
                 } else {
                     dim3 grid((unsigned)cnt, (unsigned)ceil_div(H, TB));
                     k_moe_down<<<grid, 256, list_bytes, s>>>(h, c.ids.q, t1, p1, (int)e0, P, Ktop, I, H, y);
@@ -532,6 +539,10 @@ DI_Status op_moe_experts(DI_Context* ctx, const DI_MoEExpertsArgs* a, OpMode* mo
     DI_TRY(same_shape(ctx, op, "topk_ids", c.ids.q, "topk_weights", c.tw.q));
     DI_TRY(same_shape(ctx, op, "x", c.x.q, "out", c.out.q));
     if (E < 0) return set_error(ctx, DI_INVALID_ARGUMENT, "%s: num_experts=%lld is negative", op, (long long)E);
+    // swiglu_limit (1.3; zero for an older caller: api.cu zeroes the fields it does not know)
+    if (!(isfinite(a->swiglu_limit) && a->swiglu_limit >= 0.f))
+        return set_error(ctx, DI_INVALID_ARGUMENT, "%s: swiglu_limit=%g must be finite and >= 0 (0 = no clipping)", op,
+                         a->swiglu_limit);
     if (E > 0 && (!a->w_gate || !a->w_up || !a->w_down))
         return set_error(ctx, DI_INVALID_ARGUMENT, "%s: w_gate, w_up and w_down must point to num_experts descriptors", op);
     // Validate every resident expert (in query mode: every one that has a shape).
