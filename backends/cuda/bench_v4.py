@@ -40,8 +40,17 @@ def main() -> int:
     rng = np.random.default_rng(0)
     rows = []
 
+    held = []   # every upload stays alive until the end: a marshalled call holds only raw pointers
+
     def up(x):
-        return be.upload(Tensor.from_numpy(np.ascontiguousarray(x)))
+        t = be.upload(Tensor.from_numpy(np.ascontiguousarray(x)))
+        held.append(t)
+        return t
+
+    def empty(shape, dtype):
+        t = be.empty(shape, dtype)
+        held.append(t)
+        return t
 
     def randn(shape, dtype=BF16, scale=1.0):
         return (rng.standard_normal(shape, np.float32) * scale).astype(dtype)
@@ -66,11 +75,11 @@ def main() -> int:
     base, scale = up(randn((24,), np.float32, 0.5)), up(np.array([1.0, 1.0, 1.0], np.float32))
     for T in (1, 32, 4096):
         x = up(randn((T, N, H)))
-        out, post, comb = be.empty((T, H), "bf16"), be.empty((T, N), "f32"), be.empty((T, N, N), "f32")
+        out, post, comb = empty((T, H), "bf16"), empty((T, N), "f32"), empty((T, N, N), "f32")
         call = op_caller(be, "hc_pre", stream, x=x, fn=fn, base=base, scale=scale, out=out, post=post, comb=comb,
                          eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20)
         report(f"hc_pre N=4 H=4096 T={T}", timed(call), T * N * H * 2 + 24 * N * H * 4)
-        y, o3 = up(randn((T, H))), be.empty((T, N, H), "bf16")
+        y, o3 = up(randn((T, H))), empty((T, N, H), "bf16")
         call = op_caller(be, "hc_post", stream, x=x, y=y, post=post, comb=comb, out=o3)
         report(f"hc_post N=4 H=4096 T={T}", timed(call), T * (2 * N + 1) * H * 2)
         del x, out, post, comb, y, o3
@@ -83,6 +92,7 @@ def main() -> int:
             MB = ctx // BS
             S = max(1, T // ctx) if T >= ctx else (32 if T == 32 else 1)
             NB = S * MB
+            held.clear()   # the previous configuration's tensors (the calls that used them are done)
             staged = up(big((NB, BS, 2 * W)))
             pb = up(randn((ratio, W), np.float32, 0.5))
             bt = up(rng.permutation(NB).astype(np.int32).reshape(S, MB))
@@ -93,7 +103,7 @@ def main() -> int:
                 seq = np.zeros(T, np.int32)
                 pos = np.arange(T, dtype=np.int32)
             D = W // 2 if overlap else W
-            out = be.empty((T, D), "bf16")
+            out = empty((T, D), "bf16")
             call = op_caller(be, "kv_compress", stream, staged=staged, position_bias=pb, block_table=bt,
                              token_seq=up(seq), positions=up(pos), out=out, ratio=ratio, overlap=overlap)
             closing = int(np.sum((pos + 1) % ratio == 0))
@@ -108,10 +118,11 @@ def main() -> int:
         MB = ctx // BS
         S = T
         NB = S * MB
+        held.clear()
         keys = up(big((NB, BS // ratio, Di)))
         bt = up(rng.permutation(NB).astype(np.int32).reshape(S, MB))
         q, w = up(randn((T, NI, Di))), up(randn((T, NI), np.float32))
-        out = be.empty((T, K), "int32")
+        out = empty((T, K), "int32")
         call = op_caller(be, "indexer_topk", stream, q=q, weights=w, keys=keys, block_table=bt,
                          token_seq=up(np.arange(T, dtype=np.int32)), kv_len=up(np.full(T, ctx, np.int32)), out=out,
                          scale=Di ** -0.5, ratio=ratio, block_size=BS)
@@ -125,11 +136,12 @@ def main() -> int:
         MB = ctx // BS
         S = T
         NB = S * MB
+        held.clear()
         kv = up(big((NB, BS, D)))
         bt = up(rng.permutation(NB).astype(np.int32).reshape(S, MB))
         kw = dict(q=up(randn((T, NH, D))), kv_cache=kv, block_table=bt, token_seq=up(np.arange(T, dtype=np.int32)),
                   kv_len=up(np.full(T, ctx, np.int32)), sinks=up(randn((NH,), np.float32)),
-                  out=be.empty((T, NH, D), "bf16"), scale=D ** -0.5, window=win, ratio=max(ratio, 1))
+                  out=empty((T, NH, D), "bf16"), scale=D ** -0.5, window=win, ratio=max(ratio, 1))
         n = win
         if ratio:
             kw["comp_cache"] = up(big((NB, max(1, BS // ratio), D)))
@@ -147,7 +159,7 @@ def main() -> int:
     # ---- layernorm (V3.2's indexer keys): [4096, 128]
     x = up(randn((4096, 128)))
     call = op_caller(be, "layernorm", stream, x=x, weight=up(randn((128,), np.float32)),
-                     bias=up(randn((128,), np.float32)), out=be.empty((4096, 128), "bf16"), eps=1e-6)
+                     bias=up(randn((128,), np.float32)), out=empty((4096, 128), "bf16"), eps=1e-6)
     report("layernorm T=4096 H=128", timed(call), 4096 * 128 * 4)
 
     # ---- mla_decode with indices (V3.2: 128 heads, top 2048 of a 32K context) against the dense call
@@ -155,11 +167,12 @@ def main() -> int:
     for B, ctx in ((1, 32768), (32, 32768)):
         MB = ctx // BS
         NB = B * MB
+        held.clear()
         cache = up(big((NB, BS, Dc + Dr)))
         kw = dict(q=up(randn((B, H, Dn + Dr))), wkv_b=up(randn((H * (Dn + Dv), Dc), BF16, 0.05)), cache=cache,
                   block_table=up(rng.permutation(NB).astype(np.int32).reshape(B, MB)),
                   token_seq=up(np.arange(B, dtype=np.int32)), kv_len=up(np.full(B, ctx, np.int32)),
-                  out=be.empty((B, H, Dv), "bf16"), scale=0.1)
+                  out=empty((B, H, Dv), "bf16"), scale=0.1)
         report(f"mla_decode H=128 B={B} ctx={ctx} dense", timed(op_caller(be, "mla_decode", stream, **kw)),
                B * ctx * (Dc + Dr) * 2)
         kw["indices"] = up(np.stack([rng.choice(ctx, 2048, replace=False) for _ in range(B)]).astype(np.int32))

@@ -23,6 +23,9 @@ ROOT="$(cd "$HERE/../.." && pwd)"
 OUT="${OUT:-$HERE/build}"; mkdir -p "$OUT"
 export PYTHONPATH="$ROOT/runtime${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 cd "$ROOT"
+# a bare device image lacks cffi (the runtime's ABI binding): install it from carried wheels (.whl/)
+python3 -c "import cffi" 2>/dev/null || { [[ -d .whl ]] && python3 -m pip install -q --no-index --find-links .whl cffi; } \
+  || echo "   cffi is missing and no .whl/ holds it: carry its wheel (python3 -m pip download cffi ...)"
 OPS="${V4_OPS:-hc_pre,hc_post,kv_compress,indexer_topk,sparse_attention,layernorm,mla_decode,moe_router,moe_experts,silu_mul,rope}"
 
 # build (or reuse a build of these very sources)

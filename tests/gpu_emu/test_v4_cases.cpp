@@ -95,15 +95,21 @@ int main(int argc, char** argv) {
         d.iters = (int)sc[2];
         d.chunk = ceil_div(d.NH, (int64_t)3);
         d.splits = (int)ceil_div(d.NH, d.chunk);
-        const int TT = d.M <= 24 ? 4 : 1;
+        const int TT = d.M <= 24 && d.T > 1 ? 4 : 1;   // as ops_v4.cu picks
         std::vector<float> part((size_t)(d.T * d.splits * (d.M + 1)) + 1, NAN);
         if (d.T > 0) {
             launch(ceil_div(d.T, (int64_t)TT), d.splits, HC_THREADS, [&] {
                 if (TT == 4) k_hc_mix<24, 4>(x, fn, part.data(), d);
+                else if (d.M <= 24) k_hc_mix<24, 1>(x, fn, part.data(), d);
                 else k_hc_mix<(2 + HC_MAX_N) * HC_MAX_N, 1>(x, fn, part.data(), d);
             });
-            launch(std::min<int64_t>(d.T, 3), 1, HC_THREADS,
-                   [&] { k_hc_finish(x, a[2].v, a[3].v, part.data(), a[4].v, a[5].v, a[6].v, d); });
+            launch(std::min<int64_t>(d.T, 3), 1, HC_THREADS, [&] {
+                switch (d.N) {
+#define FIN(n) case n: k_hc_finish<n>(x, a[2].v, a[3].v, part.data(), a[4].v, a[5].v, a[6].v, d); break;
+                    DI_HC_STREAMS(FIN)
+#undef FIN
+                }
+            });
         }
     } else if (op == 1) {   // hc_post: x, y, post, comb, out
         const DTensor& x = a[0].v;

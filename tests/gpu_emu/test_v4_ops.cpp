@@ -141,12 +141,19 @@ static void check_hc_pre(int N, int64_t T, int64_t H, bool block, int xdt, int o
     d.chunk = ceil_div(d.NH, (int64_t)splits_req);
     d.splits = (int)ceil_div(d.NH, d.chunk);
     std::vector<float> part((size_t)(T * d.splits * (M + 1)), NAN);
-    const int TT = M <= 24 ? 4 : 1;
+    const int TT = M <= 24 && T > 1 ? 4 : 1;   // as ops_v4.cu picks
     launch(ceil_div(T, TT), d.splits, HC_THREADS, [&] {
         if (TT == 4) k_hc_mix<24, 4>(x.v, fn.v, part.data(), d);
+        else if (M <= 24) k_hc_mix<24, 1>(x.v, fn.v, part.data(), d);
         else k_hc_mix<(2 + HC_MAX_N) * HC_MAX_N, 1>(x.v, fn.v, part.data(), d);
     });
-    launch(2, 1, HC_THREADS, [&] { k_hc_finish(x.v, base.v, scale.v, part.data(), out.v, post.v, comb.v, d); });
+    launch(2, 1, HC_THREADS, [&] {
+        switch (N) {
+#define FIN(n) case n: k_hc_finish<n>(x.v, base.v, scale.v, part.data(), out.v, post.v, comb.v, d); break;
+            DI_HC_STREAMS(FIN)
+#undef FIN
+        }
+    });
 
     for (int64_t t = 0; t < T; ++t) {
         std::vector<double> f(N * H);

@@ -159,7 +159,9 @@ DI_Status op_hc_pre(DI_Context* ctx, const DI_HCPreArgs* a, OpMode* mode) {
     d.iters = a->sinkhorn_iters;
     d.eps = a->eps;
     d.hc_eps = a->hc_eps;
-    const int TT = M <= 24 ? 4 : 1;
+    // 4 tokens a block share each fn load; a single token (decode at batch 1) takes the 1-token variant,
+    // which reduces a quarter of the partial sums
+    const int TT = M <= 24 && T > 1 ? 4 : 1;
     const int64_t tb = ceil_div(T, TT);
     int64_t splits = ceil_div(2 * sm_count(ctx), max64(tb, 1));
     splits = max64(1, min64(splits, min64(65535, ceil_div(d.NH, 1024))));
@@ -174,10 +176,18 @@ DI_Status op_hc_pre(DI_Context* ctx, const DI_HCPreArgs* a, OpMode* mode) {
     float* part = static_cast<float*>(ws.ptr);
     const dim3 grid((unsigned)tb, (unsigned)d.splits);
     if (TT == 4) k_hc_mix<24, 4><<<grid, HC_THREADS, 0, s>>>(x.q, fn.q, part, d);
+    else if (M <= 24) k_hc_mix<24, 1><<<grid, HC_THREADS, 0, s>>>(x.q, fn.q, part, d);
     else k_hc_mix<(2 + HC_MAX_N) * HC_MAX_N, 1><<<grid, HC_THREADS, 0, s>>>(x.q, fn.q, part, d);
     DI_Status st = launch_status(ctx, op);
     if (st == DI_OK) {
-        k_hc_finish<<<grid_for(T, 1, 65535), HC_THREADS, 0, s>>>(x.q, base.q, scale.q, part, out.q, post.q, comb.q, d);
+        const unsigned g = grid_for(T, 1, 65535);
+        switch (d.N) {
+#define DI_HC_FINISH(n) \
+    case n: k_hc_finish<n><<<g, HC_THREADS, 0, s>>>(x.q, base.q, scale.q, part, out.q, post.q, comb.q, d); break;
+            DI_HC_STREAMS(DI_HC_FINISH)
+#undef DI_HC_FINISH
+            default: break;   // N <= HC_MAX_N was checked
+        }
         st = launch_status(ctx, op);
     }
     ws.release();

@@ -248,76 +248,95 @@ __global__ __launch_bounds__(HC_THREADS) void k_hc_mix(DTensor x, DTensor fn, fl
     }
 }
 
-// pre (into pre[]), and for a block (M = (2 + N) * N) post[t] and comb[t], from mix[0, M) (fn @ x,
-// before the RMS factor) and mix[M] (sum of squares). One thread.
-__device__ inline void hc_weights(const float* mix, int64_t t, const DTensor& base, const DTensor& scale,
-                                  const DTensor& post, const DTensor& comb, const HcDims& d, float* pre) {
-    const int N = d.N;
-    const float r = rsqrtf(mix[d.M] / (float)d.NH + d.eps);
-    auto z = [&](int m, int which) {
-        return mix[m] * r * load_f(scale.dt, scale.base, which * scale.strides[0]) +
-               load_f(base.dt, base.base, m * base.strides[0]);
-    };
-    for (int n = 0; n < N; ++n) pre[n] = sigmoidf_(z(n, 0)) + d.hc_eps;
-    if (d.M == N) return;   // the model's head: pre only
-    for (int n = 0; n < N; ++n) store_f(post.dt, post.base, t * post.strides[0] + n, 2.f * sigmoidf_(z(N + n, 1)));
-    float c[HC_MAX_N * HC_MAX_N];
-    for (int i = 0; i < N; ++i) {   // softmax over j of each row i, + hc_eps
-        float mx = -INFINITY;
+// comb of one token: softmax over j of each row i of the logits z (row-major N x N), + hc_eps, then
+// Sinkhorn-Knopp (columns, then rows and columns iters - 1 more times, hc_eps flooring each sum).
+// One thread, N known at compile time so the matrix lives in registers: the iterations are a chain
+// of dependent sums and divisions, and in local memory each step would wait on L1.
+template <int N>
+__device__ __forceinline__ void hc_comb(const float* z, float hc_eps, int iters, float* out) {
+    float c[N * N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        float mx = -INFINITY, s = 0.f;
+#pragma unroll
+        for (int j = 0; j < N; ++j) mx = fmaxf(mx, z[i * N + j]);
+#pragma unroll
         for (int j = 0; j < N; ++j) {
-            c[i * N + j] = z(2 * N + i * N + j, 2);
-            mx = fmaxf(mx, c[i * N + j]);
-        }
-        float s = 0.f;
-        for (int j = 0; j < N; ++j) {
-            c[i * N + j] = expf(c[i * N + j] - mx);
+            c[i * N + j] = expf(z[i * N + j] - mx);
             s += c[i * N + j];
         }
-        for (int j = 0; j < N; ++j) c[i * N + j] = c[i * N + j] / s + d.hc_eps;
+#pragma unroll
+        for (int j = 0; j < N; ++j) c[i * N + j] = c[i * N + j] / s + hc_eps;
     }
-    // Sinkhorn-Knopp: columns, then (rows, columns) iters - 1 more times; hc_eps floors each sum
-    auto cols = [&] {
-        for (int j = 0; j < N; ++j) {
+    for (int it = 0; it < iters; ++it) {
+        if (it > 0) {   // rows (not before the first column pass)
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                float s = 0.f;
+#pragma unroll
+                for (int j = 0; j < N; ++j) s += c[i * N + j];
+#pragma unroll
+                for (int j = 0; j < N; ++j) c[i * N + j] /= s + hc_eps;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < N; ++j) {   // columns
             float s = 0.f;
+#pragma unroll
             for (int i = 0; i < N; ++i) s += c[i * N + j];
-            for (int i = 0; i < N; ++i) c[i * N + j] /= s + d.hc_eps;
+#pragma unroll
+            for (int i = 0; i < N; ++i) c[i * N + j] /= s + hc_eps;
         }
-    };
-    cols();
-    for (int it = 1; it < d.iters; ++it) {
-        for (int i = 0; i < N; ++i) {
-            float s = 0.f;
-            for (int j = 0; j < N; ++j) s += c[i * N + j];
-            for (int j = 0; j < N; ++j) c[i * N + j] /= s + d.hc_eps;
-        }
-        cols();
     }
-    for (int i = 0; i < N; ++i)
-        for (int j = 0; j < N; ++j)
-            store_f(comb.dt, comb.base, t * comb.strides[0] + i * comb.strides[1] + j, c[i * N + j]);
+#pragma unroll
+    for (int k = 0; k < N * N; ++k) out[k] = c[k];
 }
 
+// Per token: the partial sums of the splits, the RMS factor, then (all threads at once) the logits
+// z[m] = mix[m] * r * scale[part of m] + base[m] with pre and post, then comb's Sinkhorn (one thread,
+// hc_comb), and out = sum_n pre[n] x[t, n]. One block per token; N = the streams.
+template <int N>
 __global__ __launch_bounds__(HC_THREADS) void k_hc_finish(DTensor x, DTensor base, DTensor scale, const float* part,
                                                           DTensor out, DTensor post, DTensor comb, HcDims d) {
-    __shared__ float mix[(2 + HC_MAX_N) * HC_MAX_N + 1];
-    __shared__ float pre[HC_MAX_N];
+    constexpr int MB = (2 + N) * N;   // M of a block; the head has M = N
+    __shared__ float mix[MB + 1];
+    __shared__ float z[MB];           // pre [0, N) (finished), post [N, 2N), comb logits [2N, M)
+    __shared__ float cm[N * N];
     for (int64_t t = blockIdx.x; t < d.T; t += gridDim.x) {
         for (int m = threadIdx.x; m <= d.M; m += blockDim.x) {
             float s = 0.f;
             for (int sp = 0; sp < d.splits; ++sp) s += part[(t * d.splits + sp) * (d.M + 1) + m];
-            mix[m] = s;
+            mix[m == d.M ? MB : m] = s;
         }
         __syncthreads();
-        if (threadIdx.x == 0) hc_weights(mix, t, base, scale, post, comb, d, pre);
+        const float r = rsqrtf(mix[MB] / (float)d.NH + d.eps);
+        for (int m = threadIdx.x; m < d.M; m += blockDim.x) {
+            const int which = m < N ? 0 : m < 2 * N ? 1 : 2;   // pre, post, comb
+            const float v = mix[m] * r * load_f(scale.dt, scale.base, which * scale.strides[0]) +
+                            load_f(base.dt, base.base, m * base.strides[0]);
+            if (which == 0) z[m] = sigmoidf_(v) + d.hc_eps;
+            else if (which == 1) store_f(post.dt, post.base, t * post.strides[0] + (m - N), 2.f * sigmoidf_(v));
+            else z[m] = v;
+        }
         __syncthreads();
+        if (d.M == MB) {   // a block: comb (the head, M = N, has pre only)
+            if (threadIdx.x == 0) hc_comb<N>(z + 2 * N, d.hc_eps, d.iters, cm);
+            __syncthreads();
+            for (int k = threadIdx.x; k < N * N; k += blockDim.x)
+                store_f(comb.dt, comb.base, t * comb.strides[0] + (k / N) * comb.strides[1] + k % N, cm[k]);
+        }
         for (int64_t h = threadIdx.x; h < d.H; h += blockDim.x) {
             float o = 0.f;
-            for (int n = 0; n < d.N; ++n) o += pre[n] * load_f(x.dt, x.base, t * x.strides[0] + n * x.strides[1] + h);
+#pragma unroll
+            for (int n = 0; n < N; ++n) o += z[n] * load_f(x.dt, x.base, t * x.strides[0] + n * x.strides[1] + h);
             store_f(out.dt, out.base, t * out.strides[0] + h, o);
         }
-        __syncthreads();   // mix and pre are rewritten for the next token
+        __syncthreads();   // mix, z and cm are rewritten for the next token
     }
 }
+
+// the stream counts k_hc_finish is instantiated for (1 .. HC_MAX_N): X(N) for each
+#define DI_HC_STREAMS(X) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8)
 
 // ---------------------------------------------------------------------------------------- hc_post
 // out[t, k, h] = post[t, k] y[t, h] + sum_j comb[t, j, k] x[t, j, h]: a block per (token, 256
