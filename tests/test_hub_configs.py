@@ -29,6 +29,16 @@ RELEASES = {
 PROMPT = [5, 17, 200, 3, 99, 42, 7, 130]
 
 
+def _assert_prefill_matches(path, hf, backend) -> None:
+    """Our prefill logits of PROMPT against the transformers oracle's."""
+    model = ModelRunner(path, backend, max_batch=1, max_seq_len=16, block_size=4)
+    got = backend.to_numpy(model.forward([(0, PROMPT, 0)], all_logits=True))
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT])).logits[0].float().numpy()
+    assert np.isfinite(got).all()
+    assert float(np.abs(got - ref).max() / max(1.0, np.abs(ref).max())) < 1e-4
+
+
 def _published(name: str) -> dict:
     return json.loads((tiny_checkpoints.HUB_CONFIGS / f"{name}.json").read_text())
 
@@ -74,12 +84,7 @@ def test_v32_config_parses_at_full_size():
 
 def test_v32_release_structure_matches_transformers(model_backend, tmp_path):
     path, hf = tiny_checkpoints.make_from_hub_config("deepseek-v3.2-exp", tmp_path / "v32", seed=7)
-    model = ModelRunner(path, model_backend, max_batch=1, max_seq_len=16, block_size=4)
-    got = model_backend.to_numpy(model.forward([(0, PROMPT, 0)], all_logits=True))
-    with torch.no_grad():
-        ref = hf(torch.tensor([PROMPT])).logits[0].float().numpy()
-    assert np.isfinite(got).all()
-    assert float(np.abs(got - ref).max() / max(1.0, np.abs(ref).max())) < 1e-4
+    _assert_prefill_matches(path, hf, model_backend)
 
 
 def test_v32_keys_under_the_v3_model_type_are_refused():
@@ -106,9 +111,4 @@ def test_release_structure_matches_transformers(name, layout, model_backend, tmp
     for key in ("model_type", "topk_method", "scoring_func", "n_group", "topk_group", "num_experts_per_tok",
                 "norm_topk_prob", "routed_scaling_factor", "rope"):
         assert getattr(ours, key) == getattr(pub, key), key   # the tiny model keeps the release's structure
-    model = ModelRunner(path, model_backend, max_batch=1, max_seq_len=16, block_size=4)
-    got = model_backend.to_numpy(model.forward([(0, PROMPT, 0)], all_logits=True))
-    with torch.no_grad():
-        ref = hf(torch.tensor([PROMPT])).logits[0].float().numpy()
-    assert np.isfinite(got).all()
-    assert float(np.abs(got - ref).max() / max(1.0, np.abs(ref).max())) < 1e-4
+    _assert_prefill_matches(path, hf, model_backend)

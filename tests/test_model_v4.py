@@ -10,7 +10,6 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
 from deepinfer.engine import ModelRunner
 
@@ -19,16 +18,9 @@ from tiny_checkpoints import add_tokenizer
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
-# 30 tokens: longer than the window (8), 7 CSA entries of 4 tokens (index_topk 3), 3 HCA entries of 8
-PROMPT = [5, 17, 200, 3, 99, 42, 7, 130, 64, 11, 250, 8, 31, 77, 19, 144, 2, 61, 90, 33, 120, 47, 6, 222,
-          13, 58, 181, 70, 9, 240]
+PROMPT, rel_err = tiny_v4.PROMPT, tiny_v4.rel_err
 PROMPT2 = [250, 8, 31, 77, 101, 4, 66, 19, 203, 45, 12]
 _CKPT: dict = {}
-
-
-def rel_err(a, b) -> float:
-    b = np.asarray(b, np.float64)
-    return float(np.abs(np.asarray(a, np.float64) - b).max() / max(1.0, np.abs(b).max()))
 
 
 @pytest.fixture(scope="module")
@@ -56,17 +48,7 @@ def make_runner(path, be, **kw):
 def test_prefill_then_decode_match_transformers(block_size, model_backend, v4_checkpoint):
     path, hf, ref = v4_checkpoint()
     be = model_backend
-    m = make_runner(path, be, block_size=block_size)
-    got = be.to_numpy(m.forward([(0, PROMPT, 0)], all_logits=True))
-    assert got.shape == ref.shape and np.isfinite(got).all()
-    assert rel_err(got, ref) < 1e-4
-    # another sequence: a chunk of 5, a chunk of 6, then one token a step; its blocks come after seq 0's
-    m.forward([(1, PROMPT[:5], 0)])
-    step = be.to_numpy(m.forward([(1, PROMPT[5:11], 5)], all_logits=True))
-    assert rel_err(step, ref[5:11]) < 1e-4
-    for i in range(11, len(PROMPT)):
-        step = be.to_numpy(m.forward([(1, [PROMPT[i]], i)]))
-        assert rel_err(step[0], ref[i]) < 1e-4, f"decode position {i}"
+    tiny_v4.check_cached_steps(make_runner(path, be, block_size=block_size), be, ref)
 
 
 def test_batched_sequences_interleaved_blocks(model_backend, v4_checkpoint):

@@ -26,17 +26,10 @@ import tiny_v4
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
-# 30 tokens: longer than the window (8), 7 CSA entries of 4 tokens (index_topk 3), 3 HCA entries of 8
-PROMPT = [5, 17, 200, 3, 99, 42, 7, 130, 64, 11, 250, 8, 31, 77, 19, 144, 2, 61, 90, 33, 120, 47, 6, 222,
-          13, 58, 181, 70, 9, 240]
+PROMPT, rel_err = tiny_v4.PROMPT, tiny_v4.rel_err
 _CKPT: dict = {}
 EXPERT = "model.layers.1.mlp.experts.3.up_proj.weight"
 E2M1 = np.array(tiny_v4.E2M1_VALUES, np.float32)
-
-
-def rel_err(a, b) -> float:
-    b = np.asarray(b, np.float64)
-    return float(np.abs(np.asarray(a, np.float64) - b).max() / max(1.0, np.abs(b).max()))
 
 
 @pytest.fixture(scope="module")
@@ -233,16 +226,8 @@ def test_prefill_then_decode_match_transformers(precision, model_backend, v4q):
         assert m.weights.layers[1].attn.q_b.dtype.name == "e4m3"
     else:
         assert up.dtype.name == "bf16" and up.quant is None and m.weights.layers[1].attn.q_b.quant is None
-    got = be.to_numpy(m.forward([(0, PROMPT, 0)], all_logits=True))
-    assert got.shape == ref.shape and np.isfinite(got).all()
     # the same values (ue8m0 scales keep e4m3 / e2m1 products exact in bf16), f32 activations
-    assert rel_err(got, ref) < 1e-4
-    m.forward([(1, PROMPT[:5], 0)])
-    step = be.to_numpy(m.forward([(1, PROMPT[5:11], 5)], all_logits=True))
-    assert rel_err(step, ref[5:11]) < 1e-4
-    for i in range(11, len(PROMPT)):
-        step = be.to_numpy(m.forward([(1, [PROMPT[i]], i)]))
-        assert rel_err(step[0], ref[i]) < 1e-4, f"decode position {i}"
+    tiny_v4.check_cached_steps(m, be, ref)
 
 
 @pytest.mark.parametrize("layout", ["transformers", "fused"])

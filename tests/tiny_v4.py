@@ -23,7 +23,32 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import torch
+
+# 30 tokens: longer than the window (8), 7 CSA entries of 4 tokens (index_topk 3), 3 HCA entries of 8
+PROMPT = [5, 17, 200, 3, 99, 42, 7, 130, 64, 11, 250, 8, 31, 77, 19, 144, 2, 61, 90, 33, 120, 47, 6, 222,
+          13, 58, 181, 70, 9, 240]
+
+
+def rel_err(a, b) -> float:
+    b = np.asarray(b, np.float64)
+    return float(np.abs(np.asarray(a, np.float64) - b).max() / max(1.0, np.abs(b).max()))
+
+
+def check_cached_steps(m, be, ref, prompt=PROMPT) -> None:
+    """A runner's logits against the oracle's `ref` of `prompt`: a whole prefill (sequence 0), then
+    sequence 1 as a chunk of 5, a chunk of 6 and one token a step (its blocks come after seq 0's)."""
+    got = be.to_numpy(m.forward([(0, prompt, 0)], all_logits=True))
+    assert got.shape == ref.shape and np.isfinite(got).all()
+    assert rel_err(got, ref) < 1e-4
+    m.forward([(1, prompt[:5], 0)])
+    step = be.to_numpy(m.forward([(1, prompt[5:11], 5)], all_logits=True))
+    assert rel_err(step, ref[5:11]) < 1e-4
+    for i in range(11, len(prompt)):
+        step = be.to_numpy(m.forward([(1, [prompt[i]], i)]))
+        assert rel_err(step[0], ref[i]) < 1e-4, f"decode position {i}"
+
 
 LAYER_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                "compressed_sparse_attention"]
@@ -221,7 +246,6 @@ def quantize_fp4_ue8m0(w: torch.Tensor, group: int = 32):
     scales e8m0 [N, K/group], dequantized f32 [N, K]). Rounding to e2m1 is ml_dtypes' (to nearest,
     ties to even)."""
     import ml_dtypes
-    import numpy as np
 
     w = w.detach().float()
     N, K = w.shape

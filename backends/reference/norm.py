@@ -4,6 +4,8 @@ from __future__ import annotations
 import numpy as np
 
 from .common import check_arg, check_dim, check_shape, f32, read, write
+
+
 def rmsnorm(x=None, weight=None, residual=None, out=None, residual_out=None, eps=None) -> None:
     """s = x + residual (an f32 sum); residual_out = s; out = s * rsqrt(mean(s^2) + eps) * weight."""
     op = "rmsnorm"

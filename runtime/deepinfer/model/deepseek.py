@@ -70,6 +70,37 @@ def linear(g, x, w, out, act_quant: bool, bias=None) -> None:
     g.linear(x=x, w=w, bias=bias, out=out)
 
 
+def mlp(g, m: MLPWeights, x, out, dtype: str, act_quant: bool, limit: float = 0.0) -> Tensor:
+    """out = down(silu(gate x) * up x); limit > 0 clips gate and up first (V4's clipped SwiGLU)."""
+    T, I = x.shape[0], m.gate.shape[0]
+    gate = g.empty((T, I), dtype, "gate")
+    if m.gate_up is not None:
+        gu = g.empty((T, 2 * I), dtype, "gate_up")
+        linear(g, x, m.gate_up, gu, act_quant)
+        g.silu_mul(gate=gu.narrow(1, 0, I), up=gu.narrow(1, I, I), out=gate, limit=limit)
+    else:
+        up = g.empty((T, I), dtype, "up")
+        linear(g, x, m.gate, gate, act_quant)
+        linear(g, x, m.up, up, act_quant)
+        g.silu_mul(gate=gate, up=up, out=gate, limit=limit)
+    linear(g, gate, m.down, out, act_quant)
+    return out
+
+
+def head_logits(g, n, head_w, meta: "StepInputs", vocab: int, name: str = "logits") -> Tensor:
+    """f32 logits (plan output `name`) of the final-normed hidden states n [T, H]: every row, or the
+    last token of each sequence (meta.last_idx)."""
+    rows = n
+    if meta.last_idx is not None:
+        # the embedding op is a row gather: the last token of each sequence
+        rows = g.empty((meta.S, n.shape[1]), n.dtype, "last_hidden")
+        g.embedding(ids=meta.last_idx, table=n, out=rows)
+    logits = g.empty((rows.shape[0], vocab), "f32", name)
+    g.linear(x=rows, w=head_w, out=logits)
+    g.output(name, logits)
+    return logits
+
+
 @dataclass
 class StepInputs:
     """The per-step input tensors of a traced step (written by the host before each run).
@@ -198,22 +229,9 @@ class DeepseekGraph:
         return out
 
     def mlp(self, g, m: MLPWeights, x, T, out=None) -> Tensor:
-        I = m.gate.shape[0]
-        if m.gate_up is not None:
-            gu = g.empty((T, 2 * I), self.dtype, "gate_up")
-            self.linear(g, x, m.gate_up, gu)
-            gate = g.empty((T, I), self.dtype, "gate")
-            g.silu_mul(gate=gu.narrow(1, 0, I), up=gu.narrow(1, I, I), out=gate)
-        else:
-            gate = g.empty((T, I), self.dtype, "gate")
-            up = g.empty((T, I), self.dtype, "up")
-            self.linear(g, x, m.gate, gate)
-            self.linear(g, x, m.up, up)
-            g.silu_mul(gate=gate, up=up, out=gate)
         if out is None:
             out = g.empty((T, self.cfg.hidden_size), self.dtype, "mlp_out")
-        self.linear(g, gate, m.down, out)
-        return out
+        return mlp(g, m, x, out, self.dtype, self.act_quant)
 
     def route(self, g, w: MoEWeights, x, T, name: str = "topk"):
         """Router logits in f32, then moe_router: (topk_ids, topk_weights) [T, K]."""
@@ -282,15 +300,7 @@ class DeepseekGraph:
         c, T = self.cfg, meta.T
         n = hidden_out if hidden_out is not None else g.empty((T, c.hidden_size), self.dtype, "final_norm")
         g.rmsnorm(x=delta, residual=resid, residual_out=resid, weight=norm_w, out=n, eps=c.rms_norm_eps)
-        rows = n
-        if meta.last_idx is not None:
-            # the embedding op is a row gather: the last token of each sequence
-            rows = g.empty((meta.S, c.hidden_size), self.dtype, "last_hidden")
-            g.embedding(ids=meta.last_idx, table=n, out=rows)
-        logits = g.empty((rows.shape[0], c.vocab_size), "f32", name)
-        g.linear(x=rows, w=head_w, out=logits)
-        g.output(name, logits)
-        return logits
+        return head_logits(g, n, head_w, meta, c.vocab_size, name)
 
     def forward(self, g, meta: StepInputs, hidden_out: Optional[Tensor] = None) -> Tensor:
         """The main model; `hidden_out` [T, H] receives the final-normed hidden states (for MTP).

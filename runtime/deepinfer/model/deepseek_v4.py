@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from ..tensor import Tensor
 from .config import ModelConfig, RopeConfig
-from .deepseek import ROPE_NONE, ROPE_YARN, StepInputs, linear
+from .deepseek import ROPE_NONE, ROPE_YARN, StepInputs, head_logits, linear, mlp
 from .weights_v4 import CompressorWeights, HCWeights, V4AttentionWeights, V4LayerWeights, V4ModelWeights
 from .. import abi
 
@@ -196,24 +196,9 @@ class DeepseekV4Graph:
                      token_ids=meta.ids if hashed else None, hash_table=w.hash_table)
         out = g.empty((T, c.hidden_size), self.dtype, "moe_out")
         if w.shared is not None:
-            self.mlp(g, w.shared, x, T, out)
+            mlp(g, w.shared, x, out, self.dtype, self.act_quant, lim)
         g.moe_experts(x=x, topk_ids=ids, topk_weights=wts, num_experts=E, accumulate=int(w.shared is not None),
                       w_gate=w.experts_gate, w_up=w.experts_up, w_down=w.experts_down, out=out, swiglu_limit=lim)
-        return out
-
-    def mlp(self, g, m, x, T, out) -> Tensor:
-        I, lim = m.gate.shape[0], self.cfg.v4.swiglu_limit
-        if m.gate_up is not None:
-            gu = g.empty((T, 2 * I), self.dtype, "gate_up")
-            self.linear(g, x, m.gate_up, gu)
-            gate, up = gu.narrow(1, 0, I), gu.narrow(1, I, I)
-        else:
-            gate, up = g.empty((T, I), self.dtype, "gate"), g.empty((T, I), self.dtype, "up")
-            self.linear(g, x, m.gate, gate)
-            self.linear(g, x, m.up, up)
-        h = g.empty((T, I), self.dtype, "swiglu")
-        g.silu_mul(gate=gate, up=up, out=h, limit=lim)
-        self.linear(g, h, m.down, out)
         return out
 
     # ------------------------------------------------------------------ the step
@@ -253,11 +238,4 @@ class DeepseekV4Graph:
         _, _, h = self.hc_pre(g, X, w.hc_head, with_mix=False)
         n = hidden_out if hidden_out is not None else g.empty((T, H), self.dtype, "final_norm")
         g.rmsnorm(x=h, weight=w.norm, out=n, eps=c.rms_norm_eps)
-        rows = n
-        if meta.last_idx is not None:
-            rows = g.empty((meta.S, H), self.dtype, "last_hidden")
-            g.embedding(ids=meta.last_idx, table=n, out=rows)
-        logits = g.empty((rows.shape[0], c.vocab_size), "f32", "logits")
-        g.linear(x=rows, w=w.lm_head, out=logits)
-        g.output("logits", logits)
-        return logits
+        return head_logits(g, n, w.lm_head, meta, c.vocab_size)

@@ -140,17 +140,9 @@ class WeightLoader:
         self.group_size = int(group_size)
 
     def load(self, load_mtp: bool) -> ModelWeights:
-        c, H = self.cfg, self.cfg.hidden_size
+        c = self.cfg
         self.ckpt.used.clear()     # what this load reads, for _check_all_used
-        embed = self._t("model.embed_tokens.weight", (c.vocab_size, H),
-                        "bf16" if self._keeps_bf16("model.embed_tokens.weight") else None)
-        norm = self._t("model.norm.weight", (H,))
-        if "lm_head.weight" in self.ckpt:
-            lm_head = self._w("lm_head.weight", (c.vocab_size, H))
-        elif c.tie_word_embeddings:
-            lm_head = embed
-        else:
-            raise CheckpointError(f"{self.ckpt.dir}: tensor 'lm_head.weight' is missing from the checkpoint")
+        embed, norm, lm_head = self._embed_norm_head()
         if self.stream_experts:
             # the routed experts are read later, by the expert cache; they count as used
             self.ckpt.used.update(n for n in self.ckpt.names() if ".mlp.experts." in n)
@@ -160,6 +152,20 @@ class WeightLoader:
             lm_head = self._int8_rows(lm_head)
         self._check_all_used()
         return ModelWeights(embed=embed, norm=norm, lm_head=lm_head, layers=layers, mtp=mtp)
+
+    def _embed_norm_head(self) -> tuple:
+        """(embedding, final norm, lm_head): the lm_head is the embedding when tied."""
+        c, H = self.cfg, self.cfg.hidden_size
+        embed = self._t("model.embed_tokens.weight", (c.vocab_size, H),
+                        "bf16" if self._keeps_bf16("model.embed_tokens.weight") else None)
+        norm = self._t("model.norm.weight", (H,))
+        if "lm_head.weight" in self.ckpt:
+            lm_head = self._w("lm_head.weight", (c.vocab_size, H))
+        elif c.tie_word_embeddings:
+            lm_head = embed
+        else:
+            raise CheckpointError(f"{self.ckpt.dir}: tensor 'lm_head.weight' is missing from the checkpoint")
+        return embed, norm, lm_head
 
     # ------------------------------------------------------------------ what the config left out
     def _check_all_used(self) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import CheckpointError, ConfigError
 from ..tensor import Quant, Tensor
-from .weights import MLPWeights, MoEWeights, WeightLoader
+from .weights import MoEWeights, WeightLoader
 
 
 @dataclass
@@ -123,15 +123,7 @@ class V4WeightLoader(WeightLoader):
         self.ckpt.used.clear()
         # V4's MTP layer is not run yet: its tensors count as read
         self.ckpt.used.update(n for n in self.ckpt.names() if n.startswith("mtp."))
-        embed = self._t("model.embed_tokens.weight", (c.vocab_size, H),
-                        "bf16" if self._keeps_bf16("model.embed_tokens.weight") else None)
-        norm = self._t("model.norm.weight", (H,))
-        if "lm_head.weight" in self.ckpt:
-            lm_head = self._w("lm_head.weight", (c.vocab_size, H))
-        elif c.tie_word_embeddings:
-            lm_head = embed
-        else:
-            raise CheckpointError(f"{self.ckpt.dir}: tensor 'lm_head.weight' is missing from the checkpoint")
+        embed, norm, lm_head = self._embed_norm_head()
         N = v.hc_mult
         hc_head = HCWeights(self._f32("model.hc_head.hc_fn", (N, N * H)), self._f32("model.hc_head.hc_base", (N,)),
                             self._f32("model.hc_head.hc_scale", (1,)))
