@@ -1,5 +1,5 @@
 /*
- * deepinfer kernel ABI, version 1.3 (abi/CHANGELOG.md lists what each minor version added).
+ * deepinfer kernel ABI, version 1.4 (abi/CHANGELOG.md lists what each minor version added).
  *
  * A vendor library (libdeepinfer_<name>.so) is built against this header alone. It exports one
  * frozen symbol, deepinfer_plugin_info(), which returns a DI_PluginInfo. The host asks that struct
@@ -40,7 +40,7 @@ extern "C" {
 /* DI_CDEF_BEGIN */
 
 #define DI_ABI_MAJOR 1
-#define DI_ABI_MINOR 3
+#define DI_ABI_MINOR 4
 #define DI_MAX_DIMS 6
 
 /* ---------------------------------------------------------------- status codes */
@@ -218,7 +218,13 @@ enum DI_OpId {
     DI_OP_INDEXER_TOPK    = 20,
     DI_OP_SPARSE_ATTENTION = 21,
     DI_OP_LAYERNORM       = 22,
-    DI_OP_COUNT_V1_3      = 23
+    DI_OP_COUNT_V1_3      = 23,
+    DI_OP_ALL_REDUCE      = 23,  /* 1.4: collectives over a DI_Comm, and MoE expert parallelism */
+    DI_OP_ALL_GATHER      = 24,
+    DI_OP_ALL_TO_ALL      = 25,
+    DI_OP_MOE_DISPATCH    = 26,
+    DI_OP_MOE_COMBINE     = 27,
+    DI_OP_COUNT_V1_4      = 28
 };
 
 /* ---------------------------------------------------------------- op args (README: semantics) */
@@ -505,6 +511,74 @@ typedef struct DI_LayerNormArgs {
     uint32_t  reserved; /* 0 */
 } DI_LayerNormArgs;
 
+/* ---- 1.4: processes that work on one model together (README section 9) ---- */
+
+/* A communicator: nranks processes of one job (one per GPU, or per CPU rank) that run the
+ * collective ops below together, each on its own stream. Opaque, owned by the library. */
+typedef struct DI_Comm DI_Comm;
+
+/* What comm_create needs to join a communicator. One rank makes it (comm_unique_id); the runtime
+ * hands the same bytes to every rank (the library never learns how). */
+typedef struct DI_CommId {
+    uint8_t bytes[128];
+} DI_CommId;
+
+/* out = the sum over all ranks of their x (f32 accumulation; every rank gets the same out) */
+typedef struct DI_AllReduceArgs {
+    DI_ArgsHeader header;
+    DI_Comm*  comm;
+    DI_Tensor x;        /* [...] f32 | bf16, contiguous */
+    DI_Tensor out;      /* same shape and dtype, contiguous; may alias x */
+} DI_AllReduceArgs;
+
+/* out[r] = x of rank r, on every rank */
+typedef struct DI_AllGatherArgs {
+    DI_ArgsHeader header;
+    DI_Comm*  comm;
+    DI_Tensor x;        /* [...] contiguous, the same shape on every rank */
+    DI_Tensor out;      /* [N, ...] same dtype, contiguous; must not overlap x */
+} DI_AllGatherArgs;
+
+/* slot p of send goes to rank p and arrives in slot q (the sender's rank) of rank p's recv. With
+ * counts only the first send_counts[p] rows (along dim 1) of slot p travel, recv_counts[q] says
+ * how many arrived from rank q, and recv rows past it are unspecified. */
+typedef struct DI_AllToAllArgs {
+    DI_ArgsHeader header;
+    DI_Comm*  comm;
+    DI_Tensor send;          /* [N, C, ...] contiguous */
+    DI_Tensor recv;          /* [N, C, ...] same shape and dtype, contiguous; must not overlap send */
+    DI_Tensor send_counts;   /* [N] int32 in [0, C], or absent: every slot whole */
+    DI_Tensor recv_counts;   /* [N] int32, written; present exactly when send_counts is */
+} DI_AllToAllArgs;
+
+/* Expert parallelism, the sending side: expert e lives on rank e / experts_per_rank. Each token
+ * with an expert on rank p gets one row in slot p, in token order: its hidden row, and its top-k
+ * as rank p's local expert ids (-1 where the expert is elsewhere) with their weights. */
+typedef struct DI_MoEDispatchArgs {
+    DI_ArgsHeader header;
+    DI_Tensor x;             /* [T, H] f32 | bf16 */
+    DI_Tensor topk_ids;      /* [T, K] int32, global expert ids; outside [0, N * experts_per_rank) skipped */
+    DI_Tensor topk_weights;  /* [T, K] f32 */
+    DI_Tensor send_x;        /* [N, C, H] x's dtype, C >= T: rows past send_counts[p] unspecified */
+    DI_Tensor send_ids;      /* [N, C, K] int32: local ids, -1 elsewhere and in every row past the count */
+    DI_Tensor send_weights;  /* [N, C, K] f32: the weights, 0 where the id is -1 */
+    DI_Tensor send_counts;   /* [N] int32: rows of each slot */
+    DI_Tensor route;         /* [T, N] int32: token t's row in slot p, -1 if none */
+    int32_t   experts_per_rank;
+    uint32_t  reserved;      /* 0 */
+} DI_MoEDispatchArgs;
+
+/* Expert parallelism, the returning side: out[t] (+)= sum over p = 0..N-1 of back[p, route[t, p]]
+ * where route[t, p] >= 0 (f32 sum in rank order, rounded once) */
+typedef struct DI_MoECombineArgs {
+    DI_ArgsHeader header;
+    DI_Tensor back;          /* [N, C, H] f32 | bf16: the expert outputs returned by each rank */
+    DI_Tensor route;         /* [T, N] int32, from moe_dispatch */
+    DI_Tensor out;           /* [T, H] f32 | bf16; must not overlap back */
+    int32_t   accumulate;    /* 1: add into out; 0: overwrite */
+    uint32_t  reserved;      /* 0 */
+} DI_MoECombineArgs;
+
 /* ---------------------------------------------------------------- the function table */
 typedef struct DI_Api {
     uint32_t struct_size;
@@ -586,7 +660,20 @@ typedef struct DI_Api {
     DI_Status (*indexer_topk)(DI_Context* ctx, const DI_IndexerTopkArgs* args);
     DI_Status (*sparse_attention)(DI_Context* ctx, const DI_SparseAttentionArgs* args);
     DI_Status (*layernorm)(DI_Context* ctx, const DI_LayerNormArgs* args);
-    /* v1.4 and later append here */
+
+    /* ---- v1.4 (present when abi_minor >= 4 and the offset is below struct_size) ---- */
+    DI_Status (*all_reduce)(DI_Context* ctx, const DI_AllReduceArgs* args);
+    DI_Status (*all_gather)(DI_Context* ctx, const DI_AllGatherArgs* args);
+    DI_Status (*all_to_all)(DI_Context* ctx, const DI_AllToAllArgs* args);
+    DI_Status (*moe_dispatch)(DI_Context* ctx, const DI_MoEDispatchArgs* args);
+    DI_Status (*moe_combine)(DI_Context* ctx, const DI_MoECombineArgs* args);
+    /* communicators (optional: all three, with the three collective ops, or none). comm_create is
+     * collective: every rank calls it with the same id and blocks until all nranks have joined. */
+    DI_Status (*comm_unique_id)(DI_Context* ctx, DI_CommId* out);
+    DI_Status (*comm_create)(DI_Context* ctx, const DI_CommId* id, int32_t nranks, int32_t rank,
+                             DI_Comm** out);
+    DI_Status (*comm_destroy)(DI_Context* ctx, DI_Comm* comm);
+    /* v1.5 and later append here */
 } DI_Api;
 
 /*
@@ -646,6 +733,7 @@ const DI_PluginInfo* deepinfer_plugin_info(void);
 #define DI_DTS_SCALES      (DI_DTM(DI_DT_F32) | DI_DTM(DI_DT_BF16) | DI_DTM(DI_DT_F16) | DI_DTM(DI_DT_E8M0) | DI_DTM(DI_DT_E4M3))
 #define DI_DTS_SCALES_INT  (DI_DTM(DI_DT_F32) | DI_DTM(DI_DT_BF16) | DI_DTM(DI_DT_F16))
 #define DI_DTS_SCALES_FP4  (DI_DTM(DI_DT_E4M3) | DI_DTM(DI_DT_E8M0))
+#define DI_DTS_COMM        (DI_DTM(DI_DT_F32) | DI_DTM(DI_DT_BF16) | DI_DTM(DI_DT_F16) | DI_DTM(DI_DT_I32) | DI_DTM(DI_DT_I8) | DI_DTM(DI_DT_U8) | DI_DTM(DI_DT_E4M3))
 #define DI_DTS_ZEROS       (DI_DTM(DI_DT_F32) | DI_DTM(DI_DT_BF16) | DI_DTM(DI_DT_F16) | DI_DTM(DI_DT_I8) | DI_DTM(DI_DT_U8) | DI_DTM(DI_DT_I32))
 
 #define DI_OPS(X) \
@@ -671,7 +759,12 @@ const DI_PluginInfo* deepinfer_plugin_info(void);
     X(DI_OP_KV_COMPRESS, kv_compress, DI_KVCompressArgs, 3) \
     X(DI_OP_INDEXER_TOPK, indexer_topk, DI_IndexerTopkArgs, 3) \
     X(DI_OP_SPARSE_ATTENTION, sparse_attention, DI_SparseAttentionArgs, 3) \
-    X(DI_OP_LAYERNORM, layernorm, DI_LayerNormArgs, 3)
+    X(DI_OP_LAYERNORM, layernorm, DI_LayerNormArgs, 3) \
+    X(DI_OP_ALL_REDUCE, all_reduce, DI_AllReduceArgs, 4) \
+    X(DI_OP_ALL_GATHER, all_gather, DI_AllGatherArgs, 4) \
+    X(DI_OP_ALL_TO_ALL, all_to_all, DI_AllToAllArgs, 4) \
+    X(DI_OP_MOE_DISPATCH, moe_dispatch, DI_MoEDispatchArgs, 4) \
+    X(DI_OP_MOE_COMBINE, moe_combine, DI_MoECombineArgs, 4)
 
 #define DI_ARGS_embedding(T, A, S) \
     T(S, ids, IN, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
@@ -810,6 +903,30 @@ const DI_PluginInfo* deepinfer_plugin_info(void);
     T(S, x, IN, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE) \
     T(S, weight, IN, REQ, 1, 1, DI_DTS_FLOAT, DI_DTS_NONE) \
     T(S, bias, IN, OPT, 1, 1, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, out, OUT, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE)
+#define DI_ARGS_all_reduce(T, A, S) \
+    T(S, x, IN, REQ, 1, 6, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, out, OUT, REQ, 1, 6, DI_DTS_FLOAT, DI_DTS_NONE)
+#define DI_ARGS_all_gather(T, A, S) \
+    T(S, x, IN, REQ, 1, 5, DI_DTS_COMM, DI_DTS_NONE) \
+    T(S, out, OUT, REQ, 2, 6, DI_DTS_COMM, DI_DTS_NONE)
+#define DI_ARGS_all_to_all(T, A, S) \
+    T(S, send, IN, REQ, 2, 6, DI_DTS_COMM, DI_DTS_NONE) \
+    T(S, recv, OUT, REQ, 2, 6, DI_DTS_COMM, DI_DTS_NONE) \
+    T(S, send_counts, IN, OPT, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, recv_counts, OUT, OPT, 1, 1, DI_DTS_INDEX, DI_DTS_NONE)
+#define DI_ARGS_moe_dispatch(T, A, S) \
+    T(S, x, IN, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, topk_ids, IN, REQ, 2, 2, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, topk_weights, IN, REQ, 2, 2, DI_DTS_F32, DI_DTS_NONE) \
+    T(S, send_x, OUT, REQ, 3, 3, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, send_ids, OUT, REQ, 3, 3, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, send_weights, OUT, REQ, 3, 3, DI_DTS_F32, DI_DTS_NONE) \
+    T(S, send_counts, OUT, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, route, OUT, REQ, 2, 2, DI_DTS_INDEX, DI_DTS_NONE)
+#define DI_ARGS_moe_combine(T, A, S) \
+    T(S, back, IN, REQ, 3, 3, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, route, IN, REQ, 2, 2, DI_DTS_INDEX, DI_DTS_NONE) \
     T(S, out, OUT, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE)
 
 /*

@@ -3,17 +3,19 @@ backend is certified against.
 
 Each op is one plain function in a module by topic (quant, linear, norm, rope, attention, moe,
 elementwise, sampling; 1.3: hyper for hyper-connections, sparse for V4's compressed and sparse
-attention and the lightning indexer) whose keyword parameters are exactly the fields of the op's args struct in
+attention and the lightning indexer; 1.4: dist for collectives and expert parallelism) whose keyword parameters are exactly the fields of the op's args struct in
 deepinfer_abi.h. Inputs are read into float64 (float32 where the README defines f32 semantics:
 dequantize, quantize, the residual sum of rmsnorm) and each output is rounded once to its dtype.
 """
 from __future__ import annotations
 
 from deepinfer import __version__, abi
-from deepinfer.backend import Backend, BackendInfo
+from deepinfer.backend import Backend, BackendInfo, Comm
 
 from .attention import mla_cache_write, mla_decode, mla_prefill
 from .common import unsupported, write, write_4bit
+from . import dist
+from .dist import all_gather, all_reduce, all_to_all, moe_combine, moe_dispatch
 from .elementwise import add, concat, embedding, mul, silu_mul
 from .linear import linear
 from .hyper import hc_post, hc_pre
@@ -49,6 +51,11 @@ OPS = {
     "indexer_topk": indexer_topk,
     "sparse_attention": sparse_attention,
     "layernorm": layernorm,
+    "all_reduce": all_reduce,
+    "all_gather": all_gather,
+    "all_to_all": all_to_all,
+    "moe_dispatch": moe_dispatch,
+    "moe_combine": moe_combine,
 }
 
 if list(OPS) != abi.OP_NAMES:  # the header is the source of truth for the op set
@@ -67,7 +74,23 @@ class ReferenceBackend(Backend):
         fn = OPS.get(op)
         if fn is None:
             raise unsupported(op, f"the reference backend does not implement {op}")
+        if "comm" in kwargs and isinstance(kwargs["comm"], Comm):
+            kwargs = dict(kwargs, comm=kwargs["comm"].handle)
         fn(**kwargs)
+
+    # ---- communicators (ABI 1.4): the MPI job this process runs in (dist.ReferenceComm)
+    @property
+    def supports_comm(self) -> bool:
+        return True
+
+    def comm_unique_id(self) -> bytes:
+        return dist.unique_id()
+
+    def comm_create(self, comm_id: bytes, nranks: int, rank: int) -> Comm:
+        return Comm(self, nranks, rank, dist.create_comm(bytes(comm_id), nranks, rank))
+
+    def _comm_destroy(self, handle) -> None:
+        dist.destroy_comm(handle)
 
 
 __all__ = [

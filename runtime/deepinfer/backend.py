@@ -137,6 +137,24 @@ class Backend:
     def device_count(self) -> int:
         return 1
 
+    # ------------------------------------------------------------------ communicators (ABI 1.4)
+    # Several processes (one per GPU, or per CPU rank) run one model together: rank 0 makes an id,
+    # the runtime hands it to every rank (deepinfer.parallel), each creates its Comm from it, and the
+    # collective ops take it as their `comm` argument.
+    @property
+    def supports_comm(self) -> bool:
+        return False
+
+    def comm_unique_id(self) -> bytes:
+        """128 bytes naming a new communicator (made on one rank, handed to all)."""
+        raise UnsupportedOpError("comm_unique_id", abi.UNIMPLEMENTED, "UNIMPLEMENTED",
+                                 f"backend {self.name!r} has no communicators (ABI 1.4 comm_create)")
+
+    def comm_create(self, comm_id: bytes, nranks: int, rank: int) -> "Comm":
+        """Join the communicator `comm_id` as `rank` of `nranks` (collective: blocks until all joined)."""
+        raise UnsupportedOpError("comm_create", abi.UNIMPLEMENTED, "UNIMPLEMENTED",
+                                 f"backend {self.name!r} has no communicators (ABI 1.4 comm_create)")
+
     # ------------------------------------------------------------------ the working stream and graphs
     # Every op, copy and synchronize() of a backend goes to its working stream (None: the default
     # stream). A runner that captures graphs gives it a stream of its own (the default stream
@@ -240,6 +258,21 @@ class Graph(_Handle):
 
     def launch(self) -> None:
         self.backend._graph_launch(self.handle)
+
+
+class Comm(_Handle):
+    """A communicator of `nranks` processes, this one being `rank` (ABI 1.4); the collective ops
+    take it as their `comm` argument."""
+
+    def __init__(self, backend: "Backend", nranks: int, rank: int, handle):
+        super().__init__(backend, handle)
+        self.nranks, self.rank = int(nranks), int(rank)
+
+    def _release(self, handle) -> None:
+        self.backend._comm_destroy(handle)
+
+    def __repr__(self) -> str:
+        return f"Comm(rank {self.rank} of {self.nranks}, {self.backend.name})"
 
 
 class HostRegistration(_Handle):
@@ -508,6 +541,33 @@ class NativeBackend(Backend):
             self._ctx, ffi.cast("void*", dst.data_ptr + dst.offset), ffi.cast("void*", src.data_ptr + src.offset),
             dst.nbytes, abi.const(kind), h))
 
+    @property
+    def supports_comm(self) -> bool:
+        return self.abi_minor >= 4 and all(self._has(e) for e in ("comm_unique_id", "comm_create", "comm_destroy"))
+
+    def comm_unique_id(self) -> bytes:
+        self._need("comm_unique_id", "comm_create", "comm_destroy")
+        out = ffi.new("DI_CommId*")
+        with self._lock:
+            self._check("comm_unique_id", self._api.comm_unique_id(self._ctx, out))
+        return bytes(ffi.buffer(out.bytes))
+
+    def comm_create(self, comm_id: bytes, nranks: int, rank: int) -> Comm:
+        self._need("comm_unique_id", "comm_create", "comm_destroy")
+        comm_id = bytes(comm_id)
+        if len(comm_id) != ffi.sizeof("DI_CommId"):
+            raise ValueError(f"comm_create: an id is {ffi.sizeof('DI_CommId')} bytes (comm_unique_id), got {len(comm_id)}")
+        cid = ffi.new("DI_CommId*")
+        ffi.memmove(cid.bytes, comm_id, len(comm_id))
+        out = ffi.new("DI_Comm**")
+        # not under the lock: every rank blocks here until all have joined
+        self._check("comm_create", self._api.comm_create(self._ctx, cid, int(nranks), int(rank), out))
+        return Comm(self, nranks, rank, out[0])
+
+    def _comm_destroy(self, handle) -> None:
+        with self._lock:
+            self._check("comm_destroy", self._api.comm_destroy(self._ctx, handle))
+
     def device_count(self) -> int:
         if not self._has("device_count"):
             return 1
@@ -636,6 +696,11 @@ class NativeBackend(Backend):
                 hit = self.descriptor_array(list(v), name)
                 keep.append(hit)
                 setattr(args, name, hit[0])
+            elif isinstance(v, Comm):
+                if v.backend is not self or v.handle is None:
+                    raise ValueError(f"{op}: comm belongs to {v.backend.name!r}" if v.handle is not None
+                                     else f"{op}: comm was destroyed")
+                setattr(args, name, v.handle)
             elif v is not None:
                 setattr(args, name, v)
         if op == "moe_experts" and "num_experts" not in kwargs and kwargs.get("w_gate") is not None:
