@@ -342,6 +342,12 @@ static inline uint64_t di_now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* ------------------------------------------------------------------ communicators (comm_mpi.c) */
+/* the DI_Api entries, after plugin.c has checked ctx */
+DI_HIDDEN DI_Status comm_unique_id(DI_Context* ctx, DI_CommId* out);
+DI_HIDDEN DI_Status comm_create(DI_Context* ctx, const DI_CommId* id, int32_t nranks, int32_t rank, DI_Comm** out);
+DI_HIDDEN DI_Status comm_destroy(DI_Context* ctx, DI_Comm* comm);
+
 /* malloc that never returns NULL for n == 0; NULL on failure */
 DI_HIDDEN void* di_malloc(size_t n);
 #define DI_OOM(ctx, op) di_fail((ctx), DI_RESOURCE_EXHAUSTED, "%s: out of host memory for scratch", (op))

@@ -4,8 +4,9 @@
  *
  * The sample plugin of the deepinfer kernel ABI (abi/deepinfer_abi.h, semantics in abi/README.md)
  * and the fast path on machines without a GPU. It is built against the ABI header alone and needs
- * nothing but libc, libm and pthreads. To write a backend for another device, copy this folder,
- * keep plugin.c's bootstrap and validation, and replace the op bodies.
+ * nothing but libc, libm and pthreads (communicators of several ranks open Open MPI's libmpi at run
+ * time, when one is created). To write a backend for another device, copy this folder, keep
+ * plugin.c's bootstrap and validation, and replace the op bodies.
  *
  * Layout of src/
  *   plugin.c          this file: deepinfer_plugin_info, the DI_Api table, contexts, per-thread
@@ -27,6 +28,9 @@
  *   attention.c       mla_prefill and mla_decode (dense, or V3.2's listed positions).
  *   ops_v4.c          the DeepSeek V4 / V3.2 ops of ABI 1.3: hc_pre, hc_post, kv_compress,
  *                     indexer_topk, sparse_attention, layernorm.
+ *   ops_dist.c        moe_dispatch and moe_combine (ABI 1.4): the local halves of expert parallelism.
+ *   comm_mpi.c        communicators and the collectives all_reduce, all_gather, all_to_all (ABI 1.4) on
+ *                     Open MPI, opened at run time (dlopen) only for a communicator of several ranks.
  *   graph.c           graph capture: ops issued on a captured stream are recorded (args deep-copied)
  *                     and replayed natively by graph_launch, so a decode step is one call.
  *
@@ -514,7 +518,7 @@ static DI_Status api_device_count(int32_t* out) {
 /* One row per op of the header's op table (DI_OPS): its name and body (args struct sizes are
  * di_check_args_size's, from the same table). */
 typedef DI_Status (*op_impl)(DI_Context*, const void*, int);
-static const struct { const char* name; op_impl fn; } k_ops[DI_OP_COUNT_V1_3] = {
+static const struct { const char* name; op_impl fn; } k_ops[DI_OP_COUNT_V1_4] = {
 #define E(id, name, T, minor) [id] = {#name, (op_impl)op_##name},
     DI_OPS(E)
 #undef E
@@ -559,7 +563,7 @@ static DI_Status api_op_query(DI_Context* ctx, int32_t op, const void* args, DI_
     if (st) return st;
     out->support = DI_SUPPORT_NO;
     out->workspace_size = 0;
-    if (op < 0 || op >= DI_OP_COUNT_V1_3) {
+    if (op < 0 || op >= DI_OP_COUNT_V1_4) {
         di_fail(ctx, DI_OK, "op_query: op %d is not an op of ABI 1.%d", op, DI_ABI_MINOR);
         return DI_OK;
     }
@@ -610,6 +614,22 @@ static DI_Status api_graph_launch(DI_Context* ctx, DI_Graph* graph, DI_Stream st
 static DI_Status api_graph_destroy(DI_Context* ctx, DI_Graph* graph) {
     NEED_CTX(ctx, "graph_destroy");
     return graph_destroy(ctx, graph);
+}
+
+/* ------------------------------------------------------------------ communicators (ABI 1.4, comm_mpi.c) */
+static DI_Status api_comm_unique_id(DI_Context* ctx, DI_CommId* out) {
+    NEED_CTX(ctx, "comm_unique_id");
+    return comm_unique_id(ctx, out);
+}
+
+static DI_Status api_comm_create(DI_Context* ctx, const DI_CommId* id, int32_t nranks, int32_t rank, DI_Comm** out) {
+    NEED_CTX(ctx, "comm_create");
+    return comm_create(ctx, id, nranks, rank, out);
+}
+
+static DI_Status api_comm_destroy(DI_Context* ctx, DI_Comm* comm) {
+    NEED_CTX(ctx, "comm_destroy");
+    return comm_destroy(ctx, comm);
 }
 
 /* ------------------------------------------------------------------ the tables */
@@ -667,6 +687,14 @@ static const DI_Api k_api = {
     .indexer_topk = api_indexer_topk,
     .sparse_attention = api_sparse_attention,
     .layernorm = api_layernorm,
+    .all_reduce = api_all_reduce,
+    .all_gather = api_all_gather,
+    .all_to_all = api_all_to_all,
+    .moe_dispatch = api_moe_dispatch,
+    .moe_combine = api_moe_combine,
+    .comm_unique_id = api_comm_unique_id,
+    .comm_create = api_comm_create,
+    .comm_destroy = api_comm_destroy,
 };
 
 static const DI_Api* get_api(uint32_t major) { return major == DI_ABI_MAJOR ? &k_api : NULL; }
