@@ -49,7 +49,15 @@ def _cmd_conformance(args) -> int:
 def _engine(args):
     from .engine import Engine
 
+    return Engine.from_pretrained(args.model, config=args.config, **_overrides(args))
+
+
+def _overrides(args) -> dict:
+    """Engine config keys the command line sets (over the config file's)."""
     overrides = {}
+    for key in ("tensor_parallel", "expert_parallel"):
+        if getattr(args, key, None) is not None:
+            overrides[key] = getattr(args, key)
     if getattr(args, "backend", None):
         overrides["backend"] = args.backend
     if getattr(args, "precision", None):
@@ -69,7 +77,7 @@ def _engine(args):
             spec["confidence"] = args.spec_confidence if args.spec_confidence == "auto" else \
                 V.number("--spec-confidence", _float_or_text(args.spec_confidence), 0, 1)
         overrides["speculative"] = spec
-    return Engine.from_pretrained(args.model, config=args.config, **overrides)
+    return overrides
 
 
 def _float_or_text(s: str):
@@ -103,6 +111,7 @@ def _cmd_run(args) -> int:
     sys.stdout.write("\n")
     if args.verbose:
         print("deepinfer: stats " + json.dumps(_round(eng.stats()), sort_keys=True), file=sys.stderr)
+    eng.close()
     return 0
 
 
@@ -144,12 +153,9 @@ def _cmd_serve(args) -> int:
     from .serve import serve
     from .serve.app import ServerLimits
 
-    overrides = {k: v for k, v in dict(backend=args.backend, precision=args.precision, revision=args.revision,
-                                       max_batch=args.max_batch, max_seq_len=args.max_seq_len,
-                                       max_queue=args.max_queue).items() if v is not None}
     from .config import EngineConfig
 
-    cfg = EngineConfig.from_any(args.config, **overrides)
+    cfg = EngineConfig.from_any(args.config, **_serve_overrides(args))
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                           max_tokens=args.max_tokens)
     print(f"deepinfer: serving {args.model or 'the embedded model'} on http://{args.host}:{args.port}/v1",
@@ -164,6 +170,13 @@ def _cmd_serve(args) -> int:
     return EXIT_OK
 
 
+def _serve_overrides(args) -> dict:
+    return {k: v for k, v in dict(backend=args.backend, precision=args.precision, revision=args.revision,
+                                  max_batch=args.max_batch, max_seq_len=args.max_seq_len, max_queue=args.max_queue,
+                                  tensor_parallel=args.tensor_parallel,
+                                  expert_parallel=args.expert_parallel).items() if v is not None}
+
+
 def _cmd_eval_ppl(args) -> int:
     from .evaluate import main as eval_main
 
@@ -174,6 +187,51 @@ def _cmd_quantize(args) -> int:
     from .quantizer import main as quantize_main
 
     return quantize_main(args)
+
+
+def _parallel_args(p) -> None:
+    p.add_argument("--tensor-parallel", type=_int_in(1, 4096), metavar="N",
+                   help="split attention heads and dense MLPs over N ranks (started with mpirun)")
+    p.add_argument("--expert-parallel", type=_int_in(1, 4096), metavar="N",
+                   help="spread the routed experts over N ranks (1 or the same N as --tensor-parallel)")
+
+
+def _world_size(args) -> int:
+    """The ranks a run / serve command asks for (its options, else its config file's)."""
+    tp, ep = getattr(args, "tensor_parallel", None), getattr(args, "expert_parallel", None)
+    if (tp is None or ep is None) and getattr(args, "config", None):
+        from .config import EngineConfig
+
+        cfg = EngineConfig.from_any(args.config)
+        tp = cfg.tensor_parallel if tp is None else tp
+        ep = cfg.expert_parallel if ep is None else ep
+    return max(tp or 1, ep or 1)
+
+
+def _parallel_main(args, argv) -> Optional[int]:
+    """Several ranks: outside an MPI job, start this same command under mpirun; inside one, rank 0
+    goes on as usual and the other ranks serve its steps. None: one rank, nothing to do here."""
+    from .parallel.launch import launch, world_from_env
+    from .parallel.worker import guard, run_worker
+
+    world = _world_size(args)
+    if world == 1:
+        return None
+    rank, size = world_from_env()
+    if size == 1:
+        return launch(world, [sys.executable, "-m", "deepinfer.cli"] + list(argv))
+    if rank == 0:
+        return guard(args.fn, args) or EXIT_OK
+    from .config import EngineConfig
+    from .engine.llm_engine import resolve_model_dir
+
+    model = args.model
+    if args.cmd == "run" and args.prompt is None and not (model and os.path.isdir(os.path.expanduser(model))):
+        model = None       # `run PROMPT`: the embedded model (the prompt itself is rank 0's business)
+    overrides = _overrides(args) if args.cmd == "run" else _serve_overrides(args)
+    cfg = EngineConfig.from_any(args.config, **overrides)
+    guard(run_worker, resolve_model_dir(model, cfg.revision), cfg)
+    return EXIT_OK
 
 
 def _speculative_args(p) -> None:
@@ -248,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--stop", action="append", help="stop string (repeatable)")
     r.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _speculative_args(r)
+    _parallel_args(r)
     r.add_argument("--expert-cache", metavar="JSON", help='routed experts on demand, e.g. \'{"capacity": 0.5, '
                    '"source": "disk"}\' (overrides the config file\'s expert_cache)')
     r.set_defaults(fn=_cmd_run)
@@ -261,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--precision")
     s.add_argument("--revision", help="branch, tag or commit of a hub id")
     _speculative_args(s)
+    _parallel_args(s)
     s.add_argument("--served-model-name", help="the model id clients send (default: MODEL as given)")
     s.add_argument("--max-batch", type=_int_in(1), help="sequences running together")
     s.add_argument("--max-seq-len", type=_int_in(1), help="longest prompt + completion")
@@ -305,8 +365,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     try:
+        argv = sys.argv[1:] if argv is None else list(argv)
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="deepinfer: %(message)s")
+        if args.cmd in ("run", "serve"):
+            rc = _parallel_main(args, argv)
+            if rc is not None:
+                return rc
         return args.fn(args) or EXIT_OK
     except DeepinferError as e:
         print(f"deepinfer: error: {e}", file=sys.stderr)

@@ -58,6 +58,11 @@ class EngineConfig:
     # expert is loaded at start. {"capacity": 1.0} is lazy loading (experts load when first routed).
     # Unset source / prefetch are chosen per backend (ExpertCacheConfig says how)
     expert_cache: Optional[dict] = None
+    # several processes on one model (deepinfer.parallel; started by mpirun, or by `deepinfer run|serve
+    # --tensor-parallel N`): attention heads and dense MLPs split over tensor_parallel ranks, routed
+    # experts over expert_parallel ranks. Each is 1 or the job's size. Rank r uses device device_id + r
+    tensor_parallel: int = 1
+    expert_parallel: int = 1
     verbose: bool = False               # log backend, precision choice and plan sizes to stderr
     revision: Optional[str] = None      # branch, tag or commit when the model is a hub id (org/name)
 
@@ -107,6 +112,17 @@ class EngineConfig:
         V.integer("max_queue", self.max_queue, 0)
         V.integer("num_threads", self.num_threads, 0, 4096)
         V.integer("device_id", self.device_id, 0, 4096)
+        tp = V.integer("tensor_parallel", self.tensor_parallel, 1, 4096)
+        ep = V.integer("expert_parallel", self.expert_parallel, 1, 4096)
+        if tp > 1 and ep > 1 and tp != ep:
+            raise ConfigError(f"tensor_parallel {tp} and expert_parallel {ep}: each is 1 or the number of ranks, "
+                              f"so two above 1 must be equal")
+        if max(tp, ep) > 1 and self.expert_cache is not None:
+            raise ConfigError("expert_cache with tensor_parallel / expert_parallel: the ranks already split the "
+                              "experts; drop expert_cache or run on one rank")
+        if max(tp, ep) > 1 and self.speculative and self.speculative.get("method"):
+            raise ConfigError("speculative decoding with tensor_parallel / expert_parallel is not supported yet: "
+                              "drop speculative or run on one rank")
         if self.activation_dtype not in ("auto", "f32", "bf16"):
             raise ConfigError(f"activation_dtype must be auto, f32 or bf16, not {self.activation_dtype!r}")
         if self.revision is not None:
@@ -121,6 +137,11 @@ class EngineConfig:
             raise ConfigError(f"speculative must be an object such as {{\"method\": \"mtp\", \"num_draft\": 2}}, "
                               f"not {self.speculative!r}")
         SpecConfig.parse(self.speculative)
+
+    @property
+    def world_size(self) -> int:
+        """The ranks this config runs on (1: one process)."""
+        return max(self.tensor_parallel, self.expert_parallel)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)

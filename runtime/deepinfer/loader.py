@@ -633,21 +633,28 @@ def _best(name: Optional[str]) -> Optional[Candidate]:
 
 
 def get_backend(name: Optional[str] = None, *, fallback: bool = False, device_id: int = 0,
-                num_threads: int = 0) -> "Backend":
+                num_threads: int = 0, local_rank: int = 0) -> "Backend":
     """The backend to use: by name ("reference", "cpu", "cuda", ...), by path, or the best found.
 
     A name only probes the libraries named libdeepinfer_<name>.so; no name probes every one found.
     fallback=True wraps a host backend so that ops it lacks run on the reference (logged).
+    local_rank (a rank of a multi-rank job on this machine) picks device device_id + local_rank of a
+    device backend; a host backend has one device, shared by the ranks.
     """
     if name == "reference":
         return reference()
     if name and (os.sep in name or name.endswith(".so")):
-        be = load_library(name, device_id, num_threads)
+        path = Path(name)
+        if not path.exists():
+            raise BackendNotFoundError(f"{path}: no such file; give the path of a libdeepinfer_<name>.so")
+        best = _probe(path, "bundled" if _is_bundled(path) else "explicit")
+        if not best.ok:
+            raise BackendLoadError(best.reason)
     else:
         best = _best(name)
         if best is None:
             return reference()
-        be = _bind(best, device_id, num_threads)
+    be = _bind(best, device_id + (local_rank if best.device != "cpu" else 0), num_threads)
     if fallback and be.device == "cpu":
         from .backend import FallbackBackend
 

@@ -69,13 +69,25 @@ class RequestOutput:
     num_output_tokens: int = 0
 
 
+def load_backend_and_runner(model_dir: Path, config: EngineConfig, group=None):
+    """The backend and the loaded model of one process (of one rank, with a ParallelGroup: rank r
+    uses device device_id + its local rank)."""
+    from ..loader import get_backend
+    from .model_runner import load_runner
+
+    threads = config.num_threads
+    if group is not None and not threads:
+        # CPU ranks share the machine's cores: each takes its part rather than all of them
+        threads = max(1, (os.cpu_count() or 1) // group.world)
+    backend = get_backend(config.backend, fallback=config.fallback, device_id=config.device_id,
+                          num_threads=threads, local_rank=group.local_rank if group is not None else 0)
+    return backend, load_runner(model_dir, backend, config, par=group)
+
+
 class Engine:
     """Load once, generate many times."""
 
     def __init__(self, model_dir: Path, config: EngineConfig, name: Optional[str] = None):
-        from ..loader import get_backend
-        from .model_runner import load_runner
-
         self.model_dir = Path(model_dir)
         self.model_name = name or self.model_dir.name   # what the user called it (a hub id, a path)
         self.config = config
@@ -86,10 +98,18 @@ class Engine:
                 h.setFormatter(logging.Formatter("deepinfer: %(message)s"))
                 log.addHandler(h)
         self.tokenizer = Tokenizer(self.model_dir)
-        self.backend = get_backend(config.backend, fallback=config.fallback, device_id=config.device_id,
-                                   num_threads=config.num_threads)
         t0 = time.perf_counter()
-        self.runner = load_runner(self.model_dir, self.backend, config)
+        # several ranks (parallel.group): this is rank 0, the one that schedules; the others run
+        # parallel.worker.run_worker with the same config and execute the steps it sends
+        self.group = None
+        if config.world_size > 1:
+            from ..parallel.group import ParallelGroup
+
+            self.group = ParallelGroup(config.tensor_parallel, config.expert_parallel)
+            if not self.group.is_driver:
+                raise ConfigError(f"rank {self.group.rank}: only rank 0 runs an Engine; the other ranks run "
+                                  f"deepinfer.parallel.worker.run_worker(model, config) (deepinfer run|serve does)")
+        self.backend, self.runner = load_backend_and_runner(self.model_dir, config, self.group)
         self.load_seconds = time.perf_counter() - t0
         self.block_manager = self.runner.block_manager
         self.scheduler = Scheduler(self.block_manager, config.max_batch, self.runner.max_num_batched_tokens)
@@ -118,6 +138,11 @@ class Engine:
             log.warning("%s", reason)
         elif reason:
             log.info("%s", reason)
+
+    def close(self) -> None:
+        """Let the other ranks of a split model go (they wait for the next step until told)."""
+        if self.group is not None:
+            self.group.stop()
 
     @classmethod
     def from_pretrained(cls, model=None, config=None, **overrides) -> "Engine":

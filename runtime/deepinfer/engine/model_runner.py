@@ -72,8 +72,11 @@ class ModelRunner:
                  load_mtp: bool = True, precision: Optional[str] = None, group_size: int = 64,
                  max_num_batched_tokens: Optional[int] = None, kv_cache_memory_fraction: Optional[float] = None,
                  enable_prefix_cache: bool = True, enforce_eager: bool = False, quantize_lm_head: bool = False,
-                 expert_cache=None):
+                 expert_cache=None, group=None):
         ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+        # group (parallel.group.ParallelGroup): this rank of a tensor / expert parallel job. Every rank
+        # builds the same runner; rank 0 schedules and sends each step to the others (run_remote)
+        self.group = group if group is not None and group.world > 1 else None
         if dtype not in ("f32", "bf16"):
             raise ValueError(f"activation dtype must be 'f32' or 'bf16', not {dtype!r}")
         if precision not in PRECISIONS:
@@ -98,7 +101,7 @@ class ModelRunner:
             self.stream = backend.create_stream()
             backend.set_stream(self.stream)
         # V3.2's MTP layer (with its own indexer) is not run yet, nor is V4's
-        self.has_mtp = bool(load_mtp and c.has_mtp and c.dsa is None
+        self.has_mtp = bool(load_mtp and c.has_mtp and c.dsa is None and self.group is None
                             and f"model.layers.{c.num_hidden_layers}.eh_proj.weight" in ckpt)
         self.v4 = c.v4 is not None
         if self.v4 and self.block_size & (self.block_size - 1):
@@ -109,12 +112,20 @@ class ModelRunner:
                               f"{precision or 'as stored'}: set such a precision, or drop quantize_lm_head")
         self._check_family_ops(backend)
         ec = ExpertCacheConfig.parse(expert_cache)
+        if self.group is not None:
+            self.group.shard.check(c)
+            if ec is not None:
+                raise ConfigError("expert_cache with several ranks: expert parallelism already spreads the experts "
+                                  "over the ranks; drop expert_cache, or run on one rank")
+            self.group.connect(backend)     # before loading: a backend without collectives fails fast
         if ec is not None and not c.n_routed_experts:
             raise ConfigError("expert_cache: this model has no routed experts (n_routed_experts is 0); drop the option")
         loader = (V4WeightLoader if self.v4 else WeightLoader)(
             ckpt, backend, dtype, precision, group_size, quantize_lm_head=quantize_lm_head,
-            stream_experts=ec is not None)
+            stream_experts=ec is not None, **({"shard": self.group.shard} if self.group is not None else {}))
         self.weights = loader.load(self.has_mtp)
+        if self.group is not None:
+            self.cfg = c = loader.cfg      # the dimensions this rank computes (heads / tp, ...)
         # routed experts on demand (model.expert_cache): the plans pause at every MoE layer for it
         self.experts: Optional[ExpertCache] = None
         if ec is not None:
@@ -129,6 +140,7 @@ class ModelRunner:
                                        main_layers=c.num_hidden_layers)
         self.graph = (V4.DeepseekV4Graph if self.v4 else DeepseekGraph)(c, self.weights, [], dtype, self.act_quant)
         self.graph.block_size = self.block_size
+        self.graph.par = self.group       # the collectives of a split model (model.deepseek)
         self.arena = Arena(backend)
         self.plans: "OrderedDict[tuple, Plan]" = OrderedDict()
         self._hidden: Optional[Tensor] = None     # persistent final hidden states for the MTP head
@@ -147,6 +159,8 @@ class ModelRunner:
             num_cache_blocks = self._blocks_from_free_memory(kv_cache_memory_fraction)
         nb = int(num_cache_blocks or self.max_batch * self.max_blocks_per_seq)
         self._check_kv_fits(nb, explicit_kv)
+        if self.group is not None:
+            nb = self.group.agree_min(nb)   # rank 0's block manager hands out blocks every rank has
         self.kv = self._new_cache(nb)
         self.graph.caches = self.kv.layers
         self.block_manager = BlockManager(nb, self.block_size, self.max_blocks_per_seq, enable_prefix_cache)
@@ -343,14 +357,29 @@ class ModelRunner:
             h = p.host_input(name)
             h[:T] = vals
             h[T:] = pad
-        if self.use_graphs and mode == "decode" and p.graph is None and p.runs >= 1:
-            p.capture(self.backend)
-        self._run_plan(p)
+        if self.group is not None:
+            # the other ranks run the same plan on the same inputs (their collectives meet ours)
+            self.group.send_step(p.key, {name: p.host_input(name) for name in p.inputs})
+        self._execute(p)
         if keep_hidden:
             self.last_hidden = self._hidden.narrow(0, 0, T)
         self.last_plan, self._last_T = p, T
         logits = p.bound_outputs["logits"]
         return logits.narrow(0, 0, T if all_logits else S)
+
+    def _execute(self, p: Plan) -> None:
+        """Run a filled plan; a decode plan is captured as a graph after its first eager run. Every
+        rank of a job takes the same decisions here, in the same order."""
+        if self.use_graphs and p.key[1] == "decode" and p.graph is None and p.runs >= 1:
+            p.capture(self.backend)
+        self._run_plan(p)
+
+    def run_remote(self, key: tuple, inputs: dict) -> None:
+        """Ranks other than 0: run the step rank 0 announced (parallel.group.serve_steps)."""
+        p = self.plan(*key)
+        for name, a in inputs.items():
+            p.host_input(name)[...] = a
+        self._execute(p)
 
     def output(self, name: str, rows: Optional[int] = None) -> Tensor:
         """An output of the last step's plan (its first `rows` rows; default: the step's tokens)."""
@@ -630,7 +659,7 @@ class ModelRunner:
         }
 
 
-def load_runner(model_dir, backend, engine_config=None) -> ModelRunner:
+def load_runner(model_dir, backend, engine_config=None, par=None) -> ModelRunner:
     """A ModelRunner sized and typed from an EngineConfig: max_batch, max_seq_len, kv_cache_tokens
     (None: sized from the memory free after a warm-up, kv_cache_memory_fraction of it),
     kv_block_size, max_num_batched_tokens, activation_dtype, precision (auto: the checkpoint's own
@@ -664,16 +693,33 @@ def load_runner(model_dir, backend, engine_config=None) -> ModelRunner:
     kw["load_mtp"] = bool(spec.get("mtp", True))
     entries = ckpt.entries()
     shapes = QF.logical_shapes(entries, ckpt.array)
+    if par is not None and par.world > 1:
+        shapes = _local_shapes(shapes, par)     # what fits is what one rank holds
     stored = P.stored_precision(entries, scheme)
     precision, reason = P.resolve(backend, ec, shapes, scheme.to_config() if scheme is not None else None,
                                   stored=stored)
+    if par is not None and par.world > 1:
+        # one precision for the job: rank 0's choice (ranks with less free memory would differ)
+        precision, reason = par.from_driver(precision) or None, par.from_driver(reason)
     lossy = P.is_lossy(precision, stored[0])
     if scheme is not None and precision == scheme.format:
         precision = None   # the checkpoint's own format: the weights are used as stored
+    if par is not None:
+        kw["group"] = par
     runner = ModelRunner(ckpt, backend, precision=precision, **kw)
     runner.precision_reason = reason
     runner.precision_lossy = lossy   # the weights compute something other than the stored ones
     return runner
+
+
+def _local_shapes(shapes: dict, group) -> dict:
+    """The weights one rank of a split model holds (its shards), for sizing the precision choice."""
+    import re
+
+    plan = group.shard
+    experts = [int(m[1]) for m in (re.search(r"\.experts\.(\d+)\.", n) for n in shapes) if m]
+    E = max(experts) + 1 if experts else 0
+    return {name: plan.local_shape(name, shape) for name, shape in shapes.items() if plan.owns(name, E)}
 
 
 class _SampleBuffers:

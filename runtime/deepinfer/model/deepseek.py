@@ -144,6 +144,22 @@ class DeepseekGraph:
         # V3.2 selects what each query attends from the cache: no un-cached prefill path
         self.prefill_mode = cfg.dsa is None
         self.block_size = None          # tokens per cache block (set by the runner; the indexer needs it)
+        # parallel.group.ParallelGroup of a split model, or None: this rank's cfg has NH / tp heads and
+        # its MLPs I / tp, and each sublayer's partial output is all-reduced (set by the runner)
+        self.par = None
+
+    @property
+    def tp(self) -> int:
+        return self.par.tp if self.par is not None else 1
+
+    @property
+    def ep(self) -> int:
+        return self.par.ep if self.par is not None else 1
+
+    def all_reduce(self, g, x) -> None:
+        """x = the sum of every rank's x (in place), when tensor parallelism split what made it."""
+        if self.tp > 1:
+            g.all_reduce(comm=self.par.comm, x=x, out=x)
 
     def linear(self, g, x, w, out, bias=None):
         linear(g, x, w, out, self.act_quant, bias)
@@ -226,12 +242,18 @@ class DeepseekGraph:
                          token_seq=meta.token_seq, kv_len=meta.kv_len, out=o, scale=c.softmax_scale, indices=idx)
         out = g.empty((T, c.hidden_size), dt, "attn_out")
         self.linear(g, o.view(T, NH * Dv), w.o, out, w.o_bias)
+        self.all_reduce(g, out)        # tensor parallel: each rank's heads gave a partial sum
         return out
 
-    def mlp(self, g, m: MLPWeights, x, T, out=None) -> Tensor:
+    def mlp(self, g, m: MLPWeights, x, T, out=None, reduce: bool = True) -> Tensor:
+        """A dense MLP; under tensor parallelism each rank's I / tp columns give a partial sum,
+        all-reduced here unless the caller adds more partial sums first (reduce=False)."""
         if out is None:
             out = g.empty((T, self.cfg.hidden_size), self.dtype, "mlp_out")
-        return mlp(g, m, x, out, self.dtype, self.act_quant)
+        mlp(g, m, x, out, self.dtype, self.act_quant)
+        if reduce:
+            self.all_reduce(g, out)
+        return out
 
     def route(self, g, w: MoEWeights, x, T, name: str = "topk"):
         """Router logits in f32, then moe_router: (topk_ids, topk_weights) [T, K]."""
@@ -256,13 +278,17 @@ class DeepseekGraph:
         ids, wts = self.route(g, w, x, T)
         out = g.empty((T, c.hidden_size), self.dtype, "moe_out")
         s = w.streamed
+        if self.ep > 1:
+            return self.moe_expert_parallel(g, w, x, T, ids, wts, out)
         if s is None or s.direct is not None:
             # resident experts (or a filled expert cache: its slots in expert order, no pause)
             gate, up, down = (w.experts_gate, w.experts_up, w.experts_down) if s is None else s.direct
             if w.shared is not None:
-                self.mlp(g, w.shared, x, T, out=out)
+                self.mlp(g, w.shared, x, T, out=out, reduce=False)
             g.moe_experts(x=x, topk_ids=ids, topk_weights=wts, num_experts=E, accumulate=int(w.shared is not None),
                           w_gate=gate, w_up=up, w_down=down, out=out)
+            # tensor parallel without expert parallelism: every expert's I / tp columns, partial sums
+            self.all_reduce(g, out)
             return out
         # streamed experts (model.expert_cache): one pause, after the shared experts, where the host
         # reads the routing, gets missing experts loaded and writes the slot each (token, k) pair uses
@@ -278,6 +304,61 @@ class DeepseekGraph:
         g.pause(("experts", s.pos), ids=ids, pred=pred, slot_ids=slot_ids)
         g.moe_experts(x=x, topk_ids=slot_ids, topk_weights=wts, num_experts=len(s.w_gate),
                       accumulate=int(w.shared is not None), w_gate=s.w_gate, w_up=s.w_up, w_down=s.w_down, out=out)
+        return out
+
+    def moe_expert_parallel(self, g, w: MoEWeights, x, T, ids, wts, out) -> Tensor:
+        """The routed experts spread over the ranks (rank r holds experts [r * Er, (r + 1) * Er)).
+
+        Every rank holds all T tokens (attention is replicated or all-reduced), so each sends only
+        its slice of Ts = ceil(T / N) tokens: moe_dispatch packs a row per (token, owning rank),
+        all_to_all carries the rows (with counts) and their local ids and weights (whole slots: the
+        padding rows say -1), moe_experts runs this rank's experts on what arrived, all_to_all sends
+        the outputs back and moe_combine sums each token's parts. The slices' results are then
+        put together: added into the shared experts' partial sums before their all_reduce (tensor
+        parallel), or all-gathered (replicated attention, or no shared experts)."""
+        c, par, dt = self.cfg, self.par, self.dtype
+        N, H, K = par.world, c.hidden_size, c.num_experts_per_tok
+        Er = len(w.experts_gate)
+        Ts = -(-T // N)
+        s0 = min(par.rank * Ts, T)
+        Tr = min(Ts, T - s0)          # this rank's tokens (0 for a trailing rank of a small batch)
+        send_x = g.empty((N, Ts, H), dt, "ep_send_x")
+        send_ids = g.empty((N, Ts, K), "int32", "ep_send_ids")
+        send_w = g.empty((N, Ts, K), "f32", "ep_send_weights")
+        counts = g.empty((N,), "int32", "ep_send_counts")
+        route = g.empty((Tr, N), "int32", "ep_route")
+        g.moe_dispatch(x=x.narrow(0, s0, Tr), topk_ids=ids.narrow(0, s0, Tr), topk_weights=wts.narrow(0, s0, Tr),
+                       send_x=send_x, send_ids=send_ids, send_weights=send_w, send_counts=counts, route=route,
+                       experts_per_rank=Er)
+        recv_x = g.empty((N, Ts, H), dt, "ep_recv_x")
+        recv_ids = g.empty((N, Ts, K), "int32", "ep_recv_ids")
+        recv_w = g.empty((N, Ts, K), "f32", "ep_recv_weights")
+        recv_counts = g.empty((N,), "int32", "ep_recv_counts")
+        g.all_to_all(comm=par.comm, send=send_x, recv=recv_x, send_counts=counts, recv_counts=recv_counts)
+        g.all_to_all(comm=par.comm, send=send_ids, recv=recv_ids)
+        g.all_to_all(comm=par.comm, send=send_w, recv=recv_w)
+        y = g.empty((N, Ts, H), dt, "ep_expert_out")
+        g.moe_experts(x=recv_x.view(N * Ts, H), topk_ids=recv_ids.view(N * Ts, K),
+                      topk_weights=recv_w.view(N * Ts, K), num_experts=Er, accumulate=0,
+                      w_gate=w.experts_gate, w_up=w.experts_up, w_down=w.experts_down, out=y.view(N * Ts, H))
+        back = g.empty((N, Ts, H), dt, "ep_back")
+        back_counts = g.empty((N,), "int32", "ep_back_counts")
+        g.all_to_all(comm=par.comm, send=y, recv=back, send_counts=recv_counts, recv_counts=back_counts)
+        if self.tp > 1 and w.shared is not None:
+            # the shared experts' partial sums plus, on this rank's slice, the routed result: one all_reduce
+            self.mlp(g, w.shared, x, T, out=out, reduce=False)
+            g.moe_combine(back=back, route=route, out=out.narrow(0, s0, Tr), accumulate=1)
+            self.all_reduce(g, out)
+            return out
+        mine = g.empty((Ts, H), dt, "ep_mine")
+        g.moe_combine(back=back, route=route, out=mine.narrow(0, 0, Tr), accumulate=0)
+        every = g.empty((N, Ts, H), dt, "ep_gathered")
+        g.all_gather(comm=par.comm, x=mine, out=every)
+        routed = every.view(N * Ts, H).narrow(0, 0, T)      # token t sits at row t
+        if w.shared is None:
+            return routed
+        self.mlp(g, w.shared, x, T, out=out)                # all-reduced when tensor parallel
+        g.add(a=out, b=routed, out=out)
         return out
 
     def block(self, g, w: LayerWeights, resid, delta, meta: StepInputs,

@@ -130,7 +130,14 @@ class WeightLoader:
     """Reads a Checkpoint onto a backend in one precision (None: as stored)."""
 
     def __init__(self, ckpt: Checkpoint, backend, dtype: str, precision: Optional[str], group_size: int,
-                 quantize_lm_head: bool = False, stream_experts: bool = False):
+                 quantize_lm_head: bool = False, stream_experts: bool = False, shard=None):
+        # shard (parallel.shard.ShardPlan): this rank's part of a tensor / expert parallel model; the
+        # checkpoint is then read through a view that returns only that part, with the local config
+        self.shard = shard
+        if shard is not None:
+            from ..parallel.shard import ShardedCheckpoint
+
+            ckpt = ShardedCheckpoint(ckpt, shard)
         self.ckpt, self.cfg, self.backend, self.dtype = ckpt, ckpt.config, backend, dtype
         # routed experts are left on disk for an ExpertCache (model.expert_cache) to load on demand
         self.stream_experts = bool(stream_experts)
@@ -146,6 +153,8 @@ class WeightLoader:
         if self.stream_experts:
             # the routed experts are read later, by the expert cache; they count as used
             self.ckpt.used.update(n for n in self.ckpt.names() if ".mlp.experts." in n)
+        if self.shard is not None:
+            self.ckpt.mark_others_used()
         layers = [self._layer(i) for i in range(c.num_hidden_layers)]
         mtp = self._mtp(embed, lm_head) if load_mtp else None   # the MTP head shares the stored lm_head
         if self.quantize_lm_head and lm_head.quant is None:
@@ -269,6 +278,8 @@ class WeightLoader:
             kv_b_dense=self.dequantized(kv_b, self.dtype) if kv_b.quant is not None else kv_b,
             o=self._w(a + "o_proj.weight", (H, NH * c.v_head_dim)),
             o_bias=self._opt(a + "o_proj.bias", (H,)))
+        if self.shard is not None and self.shard.tp_rank and w.o_bias is not None:
+            w.o_bias = None      # o_proj's partial sums are all-reduced: one rank adds the bias
         if c.q_lora_rank:
             w.q_a = self._w(a + "q_a_proj.weight", (c.q_lora_rank, H))
             w.q_a_bias = self._opt(a + "q_a_proj.bias", (c.q_lora_rank,))
@@ -366,6 +377,11 @@ class WeightLoader:
     def _moe(self, m: str) -> MoEWeights:
         c, H = self.cfg, self.cfg.hidden_size
         E, I = c.n_routed_experts, c.moe_intermediate_size
+        # the routed experts this rank holds (all of them without expert parallelism)
+        mine = self.shard.expert_range(E) if self.shard is not None else range(E)
+        Ir = I    # a routed expert's intermediate size: whole experts under expert parallelism
+        if self.shard is not None and self.shard.ep > 1:
+            Ir = self.ckpt.global_config.moe_intermediate_size
         if self.stream_experts:
             for e in range(E):    # every expert the config routes to is in the checkpoint (shapes: at first load)
                 for name, _ in self.expert_names(m, e):
@@ -380,11 +396,11 @@ class WeightLoader:
             gate=self._router_weight(m + "gate.weight", (E, H)),
             gate_bias=self._t(m + "gate.e_score_correction_bias", (E,), "f32") if c.topk_method == "noaux_tc" else None,
             experts_gate=None if self.stream_experts else
-            [self._w(f"{m}experts.{e}.gate_proj.weight", (I, H)) for e in range(E)],
+            [self._w(f"{m}experts.{e}.gate_proj.weight", (Ir, H)) for e in mine],
             experts_up=None if self.stream_experts else
-            [self._w(f"{m}experts.{e}.up_proj.weight", (I, H)) for e in range(E)],
+            [self._w(f"{m}experts.{e}.up_proj.weight", (Ir, H)) for e in mine],
             experts_down=None if self.stream_experts else
-            [self._w(f"{m}experts.{e}.down_proj.weight", (H, I)) for e in range(E)],
+            [self._w(f"{m}experts.{e}.down_proj.weight", (H, Ir)) for e in mine],
             shared=self._mlp(m + "shared_experts.", I * c.n_shared_experts) if c.n_shared_experts else None)
 
     def _router_weight(self, name, shape) -> Tensor:

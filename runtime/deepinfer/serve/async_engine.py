@@ -96,6 +96,7 @@ class AsyncEngine:
                         block = False
                         if cmd == "stop":
                             self._abort_all("the server stopped")
+                            eng.close()      # a split model's other ranks leave their step loop
                             return
                         self._handle(cmd, arg)
                 except queue.Empty:
@@ -109,6 +110,9 @@ class AsyncEngine:
             log.exception("engine thread failed")
             self.error = e
             self._abort_all(f"engine failed: {e}")
+            if getattr(eng, "group", None) is not None:
+                # the other ranks of a split model may be waiting inside a step for this one
+                eng.group.abort(1)
 
     def _handle(self, cmd: str, arg) -> None:
         eng = self.engine
