@@ -21,6 +21,7 @@ import shutil
 import struct
 import sys
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -31,9 +32,12 @@ STD = 0.02
 CHUNK = 1 << 24        # values drawn at a time
 
 
-def config(layers: int) -> dict:
-    cfg = json.loads(HUB_CONFIG.read_text())
+def config(layers: int, hub: Path = HUB_CONFIG, dense_layers: Optional[int] = None) -> dict:
+    cfg = json.loads(Path(hub).read_text())
+    if dense_layers is not None:
+        cfg["first_k_dense_replace"] = dense_layers
     cfg.pop("auto_map", None)
+    cfg.pop("quantization_config", None)    # written as bf16 (quantize at load, or `deepinfer quantize`)
     cfg["num_hidden_layers"] = layers
     cfg["bos_token_id"], cfg["eos_token_id"] = 0, 1     # the embedded tokenizer's ids
     return cfg
@@ -70,6 +74,8 @@ def tensor_shapes(cfg: dict) -> list:
             t += mlp(p + "mlp.", I)
         else:
             t += [(p + "mlp.gate.weight", (E, H), "w")]
+            if cfg.get("topk_method") == "noaux_tc":       # V3's selection bias (zero: plain top-k)
+                t += [(p + "mlp.gate.e_score_correction_bias", (E,), "zero")]
             for e in range(E):
                 t += mlp(p + f"mlp.experts.{e}.", MI)
             if S:
@@ -93,8 +99,8 @@ def write_shard(path: Path, tensors: list, rng: np.random.Generator) -> int:
         f.write(raw)
         for name, shape, kind in tensors:
             n = int(np.prod(shape))
-            if kind == "norm":
-                f.write(np.full(n, 0x3F80, dtype="<u2").tobytes())      # bf16 1.0
+            if kind in ("norm", "zero"):
+                f.write(np.full(n, 0x3F80 if kind == "norm" else 0, dtype="<u2").tobytes())   # bf16 1.0 / 0.0
                 continue
             for s in range(0, n, CHUNK):
                 x = rng.standard_normal(min(CHUNK, n - s), dtype=np.float32)
@@ -104,12 +110,13 @@ def write_shard(path: Path, tensors: list, rng: np.random.Generator) -> int:
     return 8 + len(raw) + off
 
 
-def make(out: Path, layers: int = 4, seed: int = 0) -> Path:
+def make(out: Path, layers: int = 4, seed: int = 0, hub: Path = HUB_CONFIG, dense_layers: Optional[int] = None) -> Path:
+    """`hub`: another published config (tests/data/hub_configs/deepseek-v3.json: a V3-shaped model)."""
     out = Path(out)
     if (out / "DONE").is_file():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    cfg = config(layers)
+    cfg = config(layers, hub, dense_layers)
     rng = np.random.default_rng(seed)
     weight_map, total = {}, 0
     for fname, tensors in tensor_shapes(cfg):
@@ -130,8 +137,9 @@ def main(argv=None) -> None:
     ap.add_argument("out")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hub-config", default=str(HUB_CONFIG), help="the published config to shape it by")
     a = ap.parse_args(argv)
-    print(make(Path(a.out), a.layers, a.seed))
+    print(make(Path(a.out), a.layers, a.seed, Path(a.hub_config)))
 
 
 if __name__ == "__main__":
