@@ -251,3 +251,48 @@ def test_engine_outside_a_job_needs_mpirun(tiny_v3):
 
     with pytest.raises(ConfigError, match="mpirun -n 2"):
         Engine.from_pretrained(str(tiny_v3), config={"backend": "reference", "tensor_parallel": 2})
+
+
+@needs_mpi
+def test_serve_tensor_parallel(tiny_v3):
+    """`deepinfer serve --tensor-parallel 2 --expert-parallel 2`: rank 0 serves the OpenAI API while
+    rank 1 computes its share; completions equal one process's; SIGINT stops both ranks."""
+    import signal
+    import socket
+    import time
+
+    openai = pytest.importorskip("openai")
+    from deepinfer.engine import Engine
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    prompts = ["hello world", "the cat sat"]
+    eng = Engine.from_pretrained(str(tiny_v3), config={"backend": "cpu", "precision": "f32"})
+    want = [eng.generate(p, max_new_tokens=10, temperature=0.0) for p in prompts]
+    cmd = [sys.executable, "-m", "deepinfer.cli", "serve", str(tiny_v3), "--backend", "cpu", "--precision", "f32",
+           "--port", str(port), "--tensor-parallel", "2", "--expert-parallel", "2"]
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                assert proc.poll() is None, proc.communicate()[1][-3000:]
+                assert time.monotonic() < deadline, "the server did not come up"
+                time.sleep(0.5)
+        got = [client.completions.create(model=str(tiny_v3), prompt=p, max_tokens=10, temperature=0.0)
+               .choices[0].text for p in prompts]
+        assert got == want
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, err = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            pytest.fail("the ranks did not stop within 90 s of SIGINT: " + err[-3000:])
+    assert proc.returncode == 0, err[-3000:]

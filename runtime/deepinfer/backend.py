@@ -786,6 +786,17 @@ class FallbackBackend(Backend):
             self._warned.add(op)
         self.reference._run(op, kwargs)
 
+    # communicators are the primary's (a collective cannot fall back: the reference has its own)
+    @property
+    def supports_comm(self) -> bool:
+        return self.primary.supports_comm
+
+    def comm_unique_id(self) -> bytes:
+        return self.primary.comm_unique_id()
+
+    def comm_create(self, comm_id: bytes, nranks: int, rank: int) -> Comm:
+        return self.primary.comm_create(comm_id, nranks, rank)
+
     def synchronize(self) -> None:
         self.primary.synchronize()
 

@@ -211,7 +211,7 @@ def _world_size(args) -> int:
 def _parallel_main(args, argv) -> Optional[int]:
     """Several ranks: outside an MPI job, start this same command under mpirun; inside one, rank 0
     goes on as usual and the other ranks serve its steps. None: one rank, nothing to do here."""
-    from .parallel.launch import launch, world_from_env
+    from .parallel.launch import handle_stop_signal, launch, world_from_env
     from .parallel.worker import guard, run_worker
 
     world = _world_size(args)
@@ -220,6 +220,7 @@ def _parallel_main(args, argv) -> Optional[int]:
     rank, size = world_from_env()
     if size == 1:
         return launch(world, [sys.executable, "-m", "deepinfer.cli"] + list(argv))
+    handle_stop_signal(rank == 0)
     if rank == 0:
         return guard(args.fn, args) or EXIT_OK
     from .config import EngineConfig

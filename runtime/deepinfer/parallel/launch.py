@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from typing import Optional, Sequence
@@ -57,23 +58,48 @@ def mpirun_env(env: Optional[dict] = None) -> dict:
     return e
 
 
+# How an interrupt reaches the ranks: mpirun answers SIGINT / SIGTERM by killing the job, but
+# forwards SIGUSR1 to every rank. So the launcher runs mpirun in a session of its own (a terminal's
+# Ctrl-C reaches only the launcher) and turns the interrupt into SIGUSR1: rank 0 takes it as its own
+# Ctrl-C (a server drains its requests), the other ranks ignore it and leave when rank 0 stops them.
+# A second interrupt kills the job.
+STOP_SIGNAL = signal.SIGUSR1
+
+
+def handle_stop_signal(is_rank0: bool) -> None:
+    """In a rank of a launched job: rank 0 treats STOP_SIGNAL as SIGINT, the others ignore it (and
+    SIGINT: they stop when rank 0 says so, or with the job)."""
+    if is_rank0:
+        signal.signal(STOP_SIGNAL, lambda *_: signal.raise_signal(signal.SIGINT))
+    else:
+        signal.signal(STOP_SIGNAL, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def launch(nranks: int, argv: Sequence[str], *, timeout: Optional[float] = None) -> int:
     """Run `argv` as `nranks` ranks and wait; returns the job's exit status. A rank that dies (a
     signal, or a non-zero exit) makes mpirun stop the others; this says so in one line besides
     mpirun's own report."""
     cmd = mpirun_argv(nranks, argv)
-    proc = subprocess.Popen(cmd, env=mpirun_env())
+    proc = subprocess.Popen(cmd, env=mpirun_env(), start_new_session=True)
+    interrupted = False
     try:
-        rc = proc.wait(timeout=timeout)
-    except KeyboardInterrupt:
-        proc.terminate()
-        rc = proc.wait()
+        try:
+            rc = proc.wait(timeout=timeout)
+        except KeyboardInterrupt:
+            interrupted = True
+            proc.send_signal(STOP_SIGNAL)
+            try:
+                rc = proc.wait()
+            except KeyboardInterrupt:
+                proc.kill()
+                rc = proc.wait()
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
         print(f"deepinfer: the {nranks}-rank job ran past {timeout:.0f} s and was stopped", file=sys.stderr)
         return 124
-    if rc != 0:
+    if rc != 0 and not interrupted:
         print(f"deepinfer: a rank of the {nranks}-rank job failed (exit status {rc}); every rank was stopped "
               f"(mpirun's report above names the rank)", file=sys.stderr)
     return rc

@@ -35,9 +35,12 @@ def guard(fn, *args, **kwargs):
         if e.code not in (0, None):
             _abort(e.code if isinstance(e.code, int) else 1)
         raise
+    except KeyboardInterrupt:
+        print("deepinfer: interrupted; stopping every rank", file=sys.stderr)
+        _abort(130)
     except BaseException as e:   # noqa: BLE001 (every failure must stop the job)
         rank = os.environ.get("OMPI_COMM_WORLD_RANK", "?")
-        clean = isinstance(e, (DeepinferError, KeyboardInterrupt))   # errors meant for users: their message
+        clean = isinstance(e, DeepinferError)     # errors meant for users: their message, no traceback
         msg = str(e) if clean else "".join(traceback.format_exception(type(e), e, e.__traceback__)).rstrip()
         print(f"deepinfer: rank {rank} failed, stopping every rank: {msg}", file=sys.stderr)
         _abort(getattr(e, "exit_code", None) or 1)
