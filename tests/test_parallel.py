@@ -296,3 +296,54 @@ def test_serve_tensor_parallel(tiny_v3):
             out, err = proc.communicate()
             pytest.fail("the ranks did not stop within 90 s of SIGINT: " + err[-3000:])
     assert proc.returncode == 0, err[-3000:]
+
+
+def _weight_bytes(obj, seen=None) -> int:
+    """Bytes of every distinct weight tensor reachable from a ModelWeights."""
+    import dataclasses
+
+    seen = set() if seen is None else seen
+    if isinstance(obj, Tensor):
+        if id(obj.buffer) in seen:
+            return 0
+        seen.add(id(obj.buffer))
+        return obj.buffer.nbytes
+    if isinstance(obj, (list, tuple)):
+        return sum(_weight_bytes(x, seen) for x in obj)
+    if dataclasses.is_dataclass(obj):
+        return sum(_weight_bytes(getattr(obj, f.name), seen) for f in dataclasses.fields(obj))
+    return 0
+
+
+def test_each_rank_loads_only_its_share(tiny_v3):
+    """Rank r of tensor + expert parallel 2 holds its half of every split weight and its half of the
+    routed experts, taken from the checkpoint rows / columns / experts it owns, and little else."""
+    from deepinfer.model.checkpoint import Checkpoint
+    from deepinfer.model.weights import WeightLoader
+    from deepinfer.reference import ReferenceBackend
+
+    be = ReferenceBackend()
+    whole = WeightLoader(Checkpoint(tiny_v3), be, "f32", None, 64).load(False)
+    full = _weight_bytes(whole)
+    ck = Checkpoint(tiny_v3)
+    cfg = ck.config
+    E, NH = cfg.n_routed_experts, cfg.num_attention_heads
+    shares = []
+    for rank in (0, 1):
+        w = WeightLoader(Checkpoint(tiny_v3), be, "f32", None, 64, shard=ShardPlan(rank, 2, 2, 2)).load(False)
+        shares.append(_weight_bytes(w))
+        moe = next(l.moe for l in w.layers if l.moe is not None)
+        i = next(l.index for l in w.layers if l.moe is not None)
+        assert len(moe.experts_gate) == E // 2
+        e0 = rank * E // 2
+        np.testing.assert_array_equal(moe.experts_up[1].numpy(),
+                                      ck.array(f"model.layers.{i}.mlp.experts.{e0 + 1}.up_proj.weight"))
+        qb = ck.array(f"model.layers.{i}.self_attn.q_b_proj.weight")
+        rows = qb.shape[0] // 2
+        np.testing.assert_array_equal(w.layers[i].attn.q_b.numpy(), qb[rank * rows:(rank + 1) * rows])
+        o = ck.array(f"model.layers.{i}.self_attn.o_proj.weight")
+        cols = o.shape[1] // 2
+        np.testing.assert_array_equal(w.layers[i].attn.o.numpy(), o[:, rank * cols:(rank + 1) * cols])
+        assert w.layers[i].attn.kv_b.shape[0] == NH // 2 * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    # the replicated part (embedding, lm_head, norms, router, q_a / kv_a) is what keeps it above half
+    assert all(s < 0.75 * full for s in shares), (shares, full)
