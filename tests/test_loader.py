@@ -28,7 +28,8 @@ from deepinfer.tensor import Tensor  # noqa: E402
 LAYOUT_JSON = Path(__file__).resolve().parent / "conformance" / "abi_layout_v1.json"        # 1.0, frozen
 LAYOUT_JSON_V1_1 = Path(__file__).resolve().parent / "conformance" / "abi_layout_v1_1.json"   # 1.1, frozen
 LAYOUT_JSON_V1_2 = Path(__file__).resolve().parent / "conformance" / "abi_layout_v1_2.json"   # 1.2, frozen
-LAYOUT_JSON_CURRENT = Path(__file__).resolve().parent / "conformance" / "abi_layout_v1_3.json"
+LAYOUT_JSON_V1_3 = Path(__file__).resolve().parent / "conformance" / "abi_layout_v1_3.json"   # 1.3, frozen
+LAYOUT_JSON_CURRENT = Path(__file__).resolve().parent / "conformance" / "abi_layout_v1_4.json"
 ffi = abi.ffi
 
 
@@ -247,7 +248,7 @@ def layout_from_cffi() -> dict:
     structs = {}
     for name in sorted(typedefs):
         t = ffi.typeof(name)
-        if t.kind != "struct" or name in ("DI_Context", "DI_Graph"):   # opaque handles
+        if t.kind != "struct" or t.fields is None:   # opaque handles: DI_Context, DI_Graph, DI_Comm
             continue
         structs[name] = {"size": ffi.sizeof(name), "align": ffi.alignof(name),
                          "fields": {f: ffi.offsetof(name, f) for f, _ in t.fields}}
@@ -304,7 +305,8 @@ def test_abi_layout_is_pinned(cc, tmp_path):
     assert from_cffi == pinned, "the layout changed without a new ABI version"
     # args structs that gained fields after their op (DI_ARGS_SINCE), by C name
     appended = {abi.OP_SPECS[op].struct: abi.OP_SPECS[op] for op in abi.OP_NAMES if abi.OP_SPECS[op].appended}
-    for path, version in ((LAYOUT_JSON, "1.0"), (LAYOUT_JSON_V1_1, "1.1"), (LAYOUT_JSON_V1_2, "1.2")):
+    for path, version in ((LAYOUT_JSON, "1.0"), (LAYOUT_JSON_V1_1, "1.1"), (LAYOUT_JSON_V1_2, "1.2"),
+                          (LAYOUT_JSON_V1_3, "1.3")):
         old_pin = json.loads(path.read_text())
         assert old_pin["abi_version"] == version
         minor = int(version.split(".")[1])

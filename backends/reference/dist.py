@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .common import check_arg, check_dim, check_shape, i32, read, read_index, write
+from .common import check_arg, check_dim, check_shape, i32, read, read_index, span_bytes, write
 
 COMM_MAGIC = b"deepinfer-reference-comm\0"
 
@@ -86,6 +86,22 @@ def _gather(comm: ReferenceComm, a: np.ndarray) -> np.ndarray:
     return out
 
 
+def _contiguous(op: str, **tensors) -> None:
+    """The collectives move whole buffers: their tensors must be contiguous (README section 9)."""
+    for name, t in tensors.items():
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{op}: {name} must be contiguous (shape {list(t.shape)}, strides {list(t.strides)})")
+
+
+def _disjoint(op: str, a_name: str, a, b_name: str, b) -> None:
+    """a and b must not share bytes (the op reads one while it writes the other)."""
+    if a is None or b is None or a.buffer is not b.buffer or not a.numel or not b.numel:
+        return
+    a0, b0 = a.offset, b.offset
+    if a0 < b0 + span_bytes(b) and b0 < a0 + span_bytes(a):
+        raise ValueError(f"{op}: {a_name} and {b_name} overlap; give them separate memory")
+
+
 def _check_same_shapes(op: str, comm: ReferenceComm, shape: tuple) -> None:
     """Collectives need one shape on every rank: a mismatch is an error on all of them, not a hang."""
     if comm.mpi is None:
@@ -104,6 +120,7 @@ def all_reduce(comm=None, x=None, out=None) -> None:
     check_arg(op, "out", out)
     check_shape(op, "out", out, tuple(x.shape))
     check_dim(op, "out.dtype", out.dtype.name, x.dtype.name, "x.dtype")
+    _contiguous(op, x=x, out=out)
     _check_same_shapes(op, comm, tuple(x.shape))
     parts = _gather(comm, read(x))
     total = np.zeros(x.shape)
@@ -120,6 +137,8 @@ def all_gather(comm=None, x=None, out=None) -> None:
     check_arg(op, "out", out)
     check_shape(op, "out", out, (comm.nranks,) + tuple(x.shape))
     check_dim(op, "out.dtype", out.dtype.name, x.dtype.name, "x.dtype")
+    _contiguous(op, x=x, out=out)
+    _disjoint(op, "x", x, "out", out)
     _check_same_shapes(op, comm, tuple(x.shape))
     parts = _gather(comm, np.array(x.numpy(), copy=True))
     out.numpy()[...] = parts
@@ -138,6 +157,8 @@ def all_to_all(comm=None, send=None, recv=None, send_counts=None, recv_counts=No
     check_dim(op, "recv.dtype", recv.dtype.name, send.dtype.name, "send.dtype")
     if (send_counts is None) != (recv_counts is None):
         raise ValueError(f"{op}: send_counts and recv_counts go together (both present or both absent)")
+    _contiguous(op, send=send, recv=recv)
+    _disjoint(op, "send", send, "recv", recv)
     _check_same_shapes(op, comm, tuple(send.shape))
     C = send.shape[1]
     data = np.array(send.numpy(), copy=True)
@@ -220,6 +241,7 @@ def moe_combine(back=None, route=None, out=None, accumulate=None) -> None:
     T = out.shape[0]
     check_shape(op, "out", out, (T, H))
     check_shape(op, "route", route, (T, N))
+    _disjoint(op, "back", back, "out", out)
     rt = read_index(route)
     if ((rt < -1) | (rt >= C)).any():
         raise ValueError(f"{op}: route entries must be -1 or a row in [0, C={C})")

@@ -277,6 +277,7 @@ API_NON_OP_FIELDS = [f for f in _API_FIELDS[4:] if f not in OPS]
 API_V1_1_FIELDS = [f for f in _API_FIELDS if API_ENTRY_SINCE.get(f) == 1]
 API_V1_2_FIELDS = [f for f in _API_FIELDS if API_ENTRY_SINCE.get(f) == 2]
 API_V1_3_FIELDS = [f for f in _API_FIELDS if API_ENTRY_SINCE.get(f) == 3]
+API_V1_4_FIELDS = [f for f in _API_FIELDS if API_ENTRY_SINCE.get(f) == 4]
 
 
 def field_is_set(value) -> bool:

@@ -16,6 +16,8 @@ ABI_V1_0_DIR = Path(__file__).resolve().parent / "abi_v1_0"
 ABI_V1_1_DIR = Path(__file__).resolve().parent / "abi_v1_1"
 # and of the 1.2 headers: every 1.2 library already shipped
 ABI_V1_2_DIR = Path(__file__).resolve().parent / "abi_v1_2"
+# and of the 1.3 headers: every 1.3 library already shipped
+ABI_V1_3_DIR = Path(__file__).resolve().parent / "abi_v1_3"
 PLUGINS = Path(__file__).resolve().parent / "plugins"
 THOROUGH = os.environ.get("DEEPINFER_CONFORMANCE_THOROUGH", "") not in ("", "0")
 PROFILE = "thorough" if THOROUGH else "quick"

@@ -1,9 +1,10 @@
-"""ABI 1.0 to 1.3 side by side: 1.0, 1.1 and 1.2 libraries keep loading and passing under this
+"""ABI 1.0 to 1.4 side by side: 1.0, 1.1, 1.2 and 1.3 libraries keep loading and passing under this
 runtime, the current library still serves runtimes that only know an older minor (a 1.1 host sends
-the smaller 1.1 DI_SampleArgs, a 1.2 host the 1.2 DI_MLADecodeArgs and DI_SiluMulArgs), the runtime
-refuses a field newer than a library's minor instead of letting it be ignored (a 1.3 scalar such as
-silu_mul's limit only when it is not zero), and the padding rule that made 1.0 unsafe to grow is gone
-(the check is shown to catch it in the frozen 1.0 header)."""
+the smaller 1.1 DI_SampleArgs, a 1.2 host the 1.2 DI_MLADecodeArgs and DI_SiluMulArgs, a 1.3 host a
+table it reads only up to layernorm), the runtime refuses a field newer than a library's minor instead
+of letting it be ignored (a 1.3 scalar such as silu_mul's limit only when it is not zero) and a
+communicator from a library that has none (1.4), and the padding rule that made 1.0 unsafe to grow is
+gone (the check is shown to catch it in the frozen 1.0 header)."""
 from __future__ import annotations
 
 import cffi
@@ -13,12 +14,16 @@ import pytest
 from deepinfer import abi
 from deepinfer.conformance import run_conformance, summary
 from deepinfer.loader import probe
-from plugin_build import ABI_V1_0_DIR, ABI_V1_1_DIR, ABI_V1_2_DIR, PROFILE
+from plugin_build import ABI_V1_0_DIR, ABI_V1_1_DIR, ABI_V1_2_DIR, ABI_V1_3_DIR, PROFILE
 
 V1_0_TEXT = (ABI_V1_0_DIR / "deepinfer_abi.h").read_text()
 V1_1_TEXT = (ABI_V1_1_DIR / "deepinfer_abi.h").read_text()
 V1_2_TEXT = (ABI_V1_2_DIR / "deepinfer_abi.h").read_text()
-OLD_TEXTS = {0: V1_0_TEXT, 1: V1_1_TEXT, 2: V1_2_TEXT}
+V1_3_TEXT = (ABI_V1_3_DIR / "deepinfer_abi.h").read_text()
+OLD_TEXTS = {0: V1_0_TEXT, 1: V1_1_TEXT, 2: V1_2_TEXT, 3: V1_3_TEXT}
+# the DI_Api entries 1.4 appended: the five ops, then the communicator entries
+API_V1_4_FIELDS = [f for f, _ in abi.ffi.typeof("DI_Api").fields if abi.API_ENTRY_SINCE.get(f) == 4]
+COLLECTIVES = ["all_reduce", "all_gather", "all_to_all"]
 
 
 def _padded_structs(f: cffi.FFI) -> dict:
@@ -27,7 +32,7 @@ def _padded_structs(f: cffi.FFI) -> dict:
     out = {}
     for name in typedefs:
         t = f.typeof(name)
-        if t.kind != "struct" or name in ("DI_Context", "DI_Graph"):
+        if t.kind != "struct" or t.fields is None:   # opaque handles: DI_Context, DI_Graph, DI_Comm (1.4)
             continue
         covered = sum(f.sizeof(fld.type) for _, fld in t.fields)
         if covered != f.sizeof(name):
@@ -50,16 +55,21 @@ def test_padding_check_catches_the_1_0_structs_and_passes_1_1():
 def test_the_frozen_headers_are_the_versions_they_say():
     for minor, text in OLD_TEXTS.items():
         assert f"#define DI_ABI_MINOR {minor}\n" in text, minor
-    assert abi.ABI_MINOR == 3 and abi.API_V1_3_FIELDS == ["hc_pre", "hc_post", "kv_compress", "indexer_topk",
-                                                           "sparse_attention", "layernorm"]
+    assert abi.API_V1_3_FIELDS == ["hc_pre", "hc_post", "kv_compress", "indexer_topk", "sparse_attention",
+                                   "layernorm"]
+    assert abi.ABI_MINOR == 4 and API_V1_4_FIELDS == ["all_reduce", "all_gather", "all_to_all", "moe_dispatch",
+                                                       "moe_combine", "comm_unique_id", "comm_create", "comm_destroy"]
+    # the frozen 1.3 header is HEAD's before 1.4: its table ends with layernorm, and it knows no communicator
+    assert "DI_OP_COUNT_V1_3      = 23\n" in V1_3_TEXT and "DI_Comm" not in V1_3_TEXT
 
 
-@pytest.mark.parametrize("minor", [0, 1, 2])
+@pytest.mark.parametrize("minor", [0, 1, 2, 3])
 def test_older_structs_keep_their_sizes(minor):
-    """Named reserved fields took the padding's place (1.1) and 1.2 and 1.3 only appended DI_ARGS_SINCE
-    fields (1.3's scalars with a reserved partner, so no struct has padding): the current header's
-    struct, cut at version 1.<minor>, has exactly that version's size and offsets, so a 1.<minor> library
-    sees a struct_size it knows and a 1.<minor> host sends one the library takes."""
+    """Named reserved fields took the padding's place (1.1), 1.2 and 1.3 only appended DI_ARGS_SINCE
+    fields (1.3's scalars with a reserved partner, so no struct has padding) and 1.4 only added structs
+    and DI_Api entries: the current header's struct, cut at version 1.<minor>, has exactly that version's
+    size and offsets, so a 1.<minor> library sees a struct_size it knows and a 1.<minor> host sends one
+    the library takes."""
     old = _ffi(OLD_TEXTS[minor])
     by_struct = {abi.OP_SPECS[op].struct: op for op in abi.OP_NAMES}
     typedefs, _, _ = old.list_types()
@@ -410,3 +420,164 @@ def test_the_runtime_refuses_1_3_fields_for_a_1_2_table(cpu_lib):
             be.call(op, **kw)
     finally:
         be.close()
+
+
+# ---------------------------------------------------------------------------- 1.4 against 1.3
+
+
+def test_a_1_3_runtime_runs_the_current_library(cpu_lib):
+    """A host with the 1.3 header loads the current library: the table is longer than the one it knows
+    (it never reads the communicator entries), and a 1.3 op runs through the 1.3 structs."""
+    f = _ffi(V1_3_TEXT)
+    lib = f.dlopen(str(cpu_lib))
+    info = lib.deepinfer_plugin_info()
+    assert (info.abi_major, info.abi_minor) == (1, abi.ABI_MINOR)
+    api = info.get_api(1)
+    assert api.struct_size >= f.sizeof("DI_Api") + len(API_V1_4_FIELDS) * f.sizeof("void*")
+    opts = f.new("DI_ContextOptions*", {"struct_size": f.sizeof("DI_ContextOptions")})
+    ctx = f.new("DI_Context**")
+    assert api.context_create(opts, ctx) == 0
+    try:
+        rng = np.random.default_rng(11)
+        x = (rng.standard_normal((3, 16)) + 2).astype(np.float32)
+        w = rng.standard_normal(16).astype(np.float32)
+        b = rng.standard_normal(16).astype(np.float32)
+        out = np.full((3, 16), np.nan, np.float32)
+        a = f.new("DI_LayerNormArgs*")
+        a.header.struct_size = f.sizeof("DI_LayerNormArgs")
+        for name, arr in (("x", x), ("weight", w), ("bias", b), ("out", out)):
+            _host_tensor(f, getattr(a, name), arr, 2)
+        a.eps = 1e-5
+        st = api.layernorm(ctx[0], a)
+        assert st == 0, f.string(api.last_error(ctx[0]))
+        x64 = x.astype(np.float64)
+        want = (x64 - x64.mean(-1, keepdims=True)) / np.sqrt(x64.var(-1, keepdims=True) + 1e-5) * w + b
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+    finally:
+        api.context_destroy(ctx[0])
+
+
+def test_a_1_3_build_of_the_tiny_plugin_loads_and_passes_under_1_4(plugin_factory):
+    """The tiny plugin built against the frozen 1.3 header (TEST_COMM asks for communicators, which a 1.3
+    header cannot have) says 1.3 and passes L0 and L1 under this runtime; the 1.4 ops are not in its table,
+    and the backend says plainly that it has no communicators: a multi-rank run cannot start on it."""
+    from deepinfer.errors import UnsupportedOpError
+    from deepinfer.loader import load_library
+    from deepinfer.tensor import Tensor
+
+    lib = plugin_factory("libdeepinfer_tiny13f.so", abi="1.3", TEST_NAME='"tiny13f"', TEST_COMM=None)
+    c = probe(lib)
+    assert c.ok and c.abi_version == "1.3", c.reason
+    assert not set(API_V1_4_FIELDS) & set(c.ops) and "silu_mul" in c.ops
+    cert = run_conformance(str(lib), levels=("L0", "L1"), profile=PROFILE, isolate=False,
+                           only_ops=["silu_mul", "all_reduce", "moe_dispatch"])
+    assert cert["passed"], summary(cert)
+    l0 = {r["case"]: r for r in cert["levels"]["L0"]["results"]}
+    assert l0["1.4 entries: not offered by an older library"]["message"] == "ABI 1.3"
+    assert not any(k.startswith("comm_unique_id") for k in l0)
+    l1 = cert["levels"]["L1"]["results"]
+    assert {r["op"] for r in l1 if r["status"] == "unsupported"} == {"all_reduce", "moe_dispatch"}
+    assert any(r["op"] == "silu_mul" and r["status"] == "pass" for r in l1)
+    be = load_library(lib)
+    try:
+        assert not be.supports_comm
+        with pytest.raises(UnsupportedOpError, match=r"ABI 1\.3\) lacks comm_unique_id"):
+            be.comm_unique_id()
+        with pytest.raises(UnsupportedOpError, match="lacks comm_unique_id"):
+            be.comm_create(bytes(128), 1, 0)
+        x = Tensor.from_numpy(np.ones((2, 4), np.float32))
+        with pytest.raises(UnsupportedOpError, match="does not implement all_reduce"):
+            be.all_reduce(comm=None, x=x, out=x)
+    finally:
+        be.close()
+
+
+def test_the_runtime_offers_no_communicator_for_a_1_3_table(cpu_lib):
+    """The CPU library's table presented as a 1.3 library's (abi_minor 3, the 1.3 struct_size): the 1.4
+    ops are not offered and neither are communicators, whatever lies past the table's end."""
+    from deepinfer.backend import BackendInfo, NativeBackend
+    from deepinfer.errors import UnsupportedOpError
+
+    ffi = abi.ffi
+    lib = ffi.dlopen(str(cpu_lib))
+    real = lib.deepinfer_plugin_info().get_api(1)
+    api = ffi.new("DI_Api*")
+    ffi.memmove(api, real, min(real.struct_size, ffi.sizeof("DI_Api")))
+    api.abi_minor = 3
+    api.struct_size = ffi.offsetof("DI_Api", "all_reduce")
+    be = NativeBackend(lib, api, BackendInfo("cpu13", "test", "cpu", str(cpu_lib), "1.3"))
+    try:
+        assert not set(API_V1_4_FIELDS) & set(be.ops()) and "layernorm" in be.ops()
+        assert not be.supports_comm
+        with pytest.raises(UnsupportedOpError, match=r"backend 'cpu13' \(ABI 1\.3\) lacks comm_unique_id"):
+            be.comm_create(bytes(128), 2, 0)
+    finally:
+        be.close()
+
+
+def test_a_current_build_of_the_tiny_plugin_with_communicators_passes(plugin_factory):
+    """tiny with TEST_COMM (one-rank communicators, the collectives as copies) passes L0's communicator
+    checks and L1's collective cases; through the Backend a communicator is a Comm bound to its library."""
+    from deepinfer.errors import UnsupportedOpError
+    from deepinfer.loader import load_library
+    from deepinfer.reference import ReferenceBackend
+    from deepinfer.tensor import Tensor
+
+    lib = plugin_factory("libdeepinfer_tinycomm.so", abi="current", TEST_NAME='"tinycomm"', TEST_COMM=None)
+    cert = run_conformance(str(lib), levels=("L0", "L1"), profile=PROFILE, isolate=False, only_ops=COLLECTIVES)
+    assert cert["passed"], summary(cert)
+    l0 = {(r["op"], r["case"]): r for r in cert["levels"]["L0"]["results"]}
+    assert l0[("*", "comm_unique_id / comm_create / comm_destroy: NULLs, nranks and rank out of range, "
+                    "one-rank communicators")]["message"] == "two one-rank communicators created and destroyed"
+    for op in COLLECTIVES:
+        assert l0[(op, "comm NULL -> INVALID_ARGUMENT")]["status"] == "pass"
+        assert l0[(op, "comm not made by comm_create (zero-filled, or arbitrary bytes) -> INVALID_ARGUMENT")][
+            "status"] == "pass"
+        assert l0[(op, "tensors that are not contiguous (column slices) -> INVALID_ARGUMENT")]["status"] == "pass"
+    l1 = cert["levels"]["L1"]["results"]
+    assert {r["op"] for r in l1 if r["status"] == "pass"} == set(COLLECTIVES)
+    be = load_library(lib)
+    try:
+        assert be.supports_comm
+        cid = be.comm_unique_id()
+        assert len(cid) == 128 and cid != be.comm_unique_id()
+        with pytest.raises(UnsupportedOpError, match="one rank only"):
+            be.comm_create(cid, 2, 0)      # rank 0 of 2 would wait for rank 1: tiny says it cannot
+        comm = be.comm_create(cid, 1, 0)
+        assert (comm.nranks, comm.rank) == (1, 0)
+        x = Tensor.from_numpy(np.arange(8, dtype=np.float32).reshape(2, 4))
+        out = Tensor.empty((2, 4), "f32", fill=np.nan)
+        be.all_reduce(comm=comm, x=x, out=out)
+        np.testing.assert_array_equal(out.numpy(), x.numpy())
+        ref = ReferenceBackend()
+        other = ref.comm_create(ref.comm_unique_id(), 1, 0)
+        with pytest.raises(ValueError, match="comm belongs to 'reference'"):
+            be.all_reduce(comm=other, x=x, out=out)
+        comm.close()
+        with pytest.raises(ValueError, match="comm was destroyed"):
+            be.all_reduce(comm=comm, x=x, out=out)
+    finally:
+        be.close()
+
+
+@pytest.mark.parametrize("variant", ["TEST_COMM_NO_CHECK", "TEST_COMM_NO_CREATE"])
+def test_l0_fails_a_library_whose_communicators_break_the_rules(plugin_factory, variant):
+    """TEST_COMM_NO_CHECK: all_reduce trusts any non-NULL comm, so a forged one runs (all_gather and
+    all_to_all happen to refuse it for its rank count). TEST_COMM_NO_CREATE: the collectives without
+    comm_create (the six entries are all or none); L1 then does not run them at all."""
+    lib = plugin_factory(f"libdeepinfer_tiny_{variant.lower()}.so", abi="current", TEST_NAME='"tinybad"',
+                         TEST_COMM=None, **{variant: None})
+    cert = run_conformance(str(lib), levels=("L0", "L1"), profile=PROFILE, isolate=False, only_ops=COLLECTIVES)
+    assert not cert["passed"]
+    failed = {(r["op"], r["case"]) for r in cert["levels"]["L0"]["results"] if r["status"] != "pass"}
+    l1 = cert["levels"]["L1"]["results"]
+    if variant == "TEST_COMM_NO_CHECK":
+        assert failed == {("all_reduce", "comm not made by comm_create (zero-filled, or arbitrary bytes) -> "
+                                         "INVALID_ARGUMENT")}, failed
+        assert all(r["status"] == "pass" for r in l1)
+    else:
+        assert ("*", "1.4 communicators: comm_unique_id, comm_create, comm_destroy and the three collectives all "
+                     "six or none") in failed
+        assert {op for op, case in failed if case == "a collective: its checks need a one-rank communicator"} == \
+            set(COLLECTIVES)
+        assert l1 and all(r["status"] == "unsupported" and "has no communicators" in r["message"] for r in l1)

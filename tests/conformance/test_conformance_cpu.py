@@ -30,12 +30,20 @@ def test_cpu_library_passes_conformance(cpu_lib, tmp_path):
     assert on_disk["ops_passed"]["L1"] == on_disk["ops_claimed"]
     assert on_disk["levels"]["L2"]["counts"].get("pass", 0) > 50
     assert on_disk["levels"]["L0"]["counts"].get("pass", 0) > 100
-    # the 1.1 entries were exercised, not skipped: events, host memory, async copies, per-thread errors
+    # the 1.1 entries were exercised, not skipped: events, host memory, async copies, per-thread errors;
+    # and 1.4's communicators
     l0 = {r["case"]: r for r in on_disk["levels"]["L0"]["results"]}
     for case in ("events: create, record, wait, query, synchronize, destroy, NULLs",
                  "host_register / host_unregister: overlap and double unregister rejected",
                  "mem_copy_async: host -> device -> host through pinned memory on a stream",
-                 "last_error is per thread: two threads failing on one context keep their own message"):
+                 "last_error is per thread: two threads failing on one context keep their own message",
+                 "comm_unique_id / comm_create / comm_destroy: NULLs, nranks and rank out of range, "
+                 "one-rank communicators"):
         assert l0[case]["status"] == "pass" and not l0[case].get("message", "").startswith("no "), l0[case]
+    assert l0["1.4 communicators: comm_unique_id, comm_create, comm_destroy and the three collectives all six or "
+              "none"]["message"].startswith("communicators yes")
+    forged = [r for r in on_disk["levels"]["L0"]["results"] if r["case"].startswith("comm not made by comm_create")]
+    assert sorted(r["op"] for r in forged) == ["all_gather", "all_reduce", "all_to_all"]
+    assert all(r["status"] == "pass" for r in forged), forged
     l3 = [r for r in on_disk["levels"]["L3"]["results"] if r["case"].startswith("an event orders")]
     assert len(l3) == 1 and l3[0]["status"] == "pass", on_disk["levels"]["L3"]

@@ -36,7 +36,7 @@ C_DUMP = r"""
 #include "deepinfer_abi_check.h"
 int main(void) {
     printf("[[");   /* [ops, DI_ARGS_SINCE rows] */
-    for (int32_t op = 0; op < DI_OP_COUNT_V1_3; op++) {
+    for (int32_t op = 0; op < DI_OP_COUNT_V1_4; op++) {
         const DI_OpInfo* o = di_op_info(op);
         printf("%s{\"id\": %d, \"name\": \"%s\", \"struct\": \"%s\", \"size\": %u, \"minor\": %u, "
                "\"min_size\": %u, \"args\": [", op ? ", " : "", o->id, o->name, o->struct_name, o->struct_size,
@@ -55,7 +55,7 @@ int main(void) {
         printf("%s[\"%s\", \"%s\", %u, %u]", i ? ", " : "", since[i].op, since[i].field, since[i].offset,
                since[i].minor);
     printf("]]\n");
-    return di_op_info(DI_OP_COUNT_V1_3) == NULL ? 0 : 1;
+    return di_op_info(DI_OP_COUNT_V1_4) == NULL ? 0 : 1;
 }
 """
 
@@ -115,6 +115,9 @@ MUTATIONS = {
     # a 1.2 op claimed by 1.0 (its DI_Api entry sits after the 1.1 entries)
     "1.2 op said to be 1.0": ("X(DI_OP_SPEC_VERIFY, spec_verify, DI_SpecVerifyArgs, 2)",
                               "X(DI_OP_SPEC_VERIFY, spec_verify, DI_SpecVerifyArgs, 0)"),
+    # a 1.4 op with another op's args struct (both have a comm, an x and an out)
+    "1.4 op with the wrong struct": ("X(DI_OP_ALL_GATHER, all_gather, DI_AllGatherArgs, 4)",
+                                     "X(DI_OP_ALL_GATHER, all_gather, DI_AllReduceArgs, 4)"),
 }
 # contradictions only the Python loader catches (deepinfer_abi_check.h does not compare a DI_ARGS_SINCE
 # row's minor with its op's)
@@ -146,10 +149,13 @@ def test_a_table_that_contradicts_the_structs_is_refused_by_the_loader(tmp_path,
 
 
 def test_every_args_struct_field_is_in_the_table_or_a_scalar():
+    """... or a collective's communicator (1.4): `DI_Comm* comm`, the one pointer an args struct holds."""
+    comm = ffi.typeof("DI_Comm*")
     for op, (_, struct, fields) in abi.OPS.items():
         tensors = {a.name for a in abi.OP_SPECS[op].args}
         for name, ctype in fields:
-            assert name in tensors or ctype.kind == "primitive", (op, name)
+            assert name in tensors or ctype.kind == "primitive" or (name == "comm" and ctype is comm), (op, name)
+    assert [op for op in abi.OP_NAMES if "comm" in abi.op_fields(op)] == ["all_reduce", "all_gather", "all_to_all"]
 
 
 def test_planner_and_conformance_cases_follow_the_table():

@@ -5,13 +5,14 @@
     print(summary(cert))
 
 Levels: L0 ABI behaviour (cffi, no Backend sugar), L1 op numerics against the reference on
-generated shapes for every op and format the library claims, L2 bit-exact dequantization of every
-quantized format, L3 streams and graph capture (libraries that have them). The special name
+generated shapes for every op and format the library claims (1.4's collectives on a one-rank
+communicator of its own), L2 bit-exact dequantization of every quantized format, L3 streams and
+graph capture (libraries that have them). The special name
 "reference" runs the suite's machinery against the reference itself (a smoke test).
 """
 from .cli import main
 from .runner import LEVELS, run_conformance, run_level, summary
-from .tolerances import TOLERANCES_V1, TOLERANCES_V2, TOLERANCES_V3, TOLERANCES_VERSION
+from .tolerances import TOLERANCES_V1, TOLERANCES_V2, TOLERANCES_V3, TOLERANCES_V4, TOLERANCES_VERSION
 
 __all__ = ["main", "run_conformance", "run_level", "summary", "LEVELS", "TOLERANCES_V1", "TOLERANCES_V2",
-           "TOLERANCES_V3", "TOLERANCES_VERSION"]
+           "TOLERANCES_V3", "TOLERANCES_V4", "TOLERANCES_VERSION"]

@@ -1,4 +1,4 @@
-"""L0: the ABI's behavioural rules (abi/README.md sections 1-7), called through cffi directly.
+"""L0: the ABI's behavioural rules (abi/README.md sections 1-7 and 9), called through cffi directly.
 
 The Backend wrapper would hide exactly what is checked here (it always fills struct_size, never
 passes NULL), so every call below builds or mangles the C structs itself. Each check is one
@@ -19,7 +19,7 @@ from ..backend import BackendInfo, NativeBackend
 from ..errors import BackendCallError, UnsupportedOpError
 from ..loader import open_library, probe
 from . import cases as C
-from .harness import Materialized, Outcome, Recorder
+from .harness import Materialized, Outcome, Recorder, comm_unavailable, release_comm
 
 ffi = abi.ffi
 S = abi.STATUS_NAMES
@@ -45,6 +45,9 @@ class L0:
         self.results: list[Outcome] = []
         self.lib = self.info = self.api = None
         self.be: Optional[NativeBackend] = None
+        self._comm_why: Optional[str] = None   # why the collectives cannot be called here (1.4)
+        self._comm_failed = False              # ... because making a one-rank communicator failed
+        self._comm_known = False
 
     # ------------------------------------------------------------------ plumbing
     def check(self, op: str, name: str, fn: Callable[[], Optional[str]], fmt: str = "abi",
@@ -117,8 +120,12 @@ class L0:
             self.check("*", "streams", self.c_streams)
             self.check("*", "op_query: every op id, unknown op id, NULL out, struct_size", self.c_op_query)
             self.v11_checks()
+            self.v14_checks()
             for op in abi.OP_NAMES:
-                if self.has(op):
+                if self.has(op) and op in self.COLLECTIVES and self.comm_why():
+                    self.check(op, "a collective: its checks need a one-rank communicator",
+                               lambda op=op: self.c_collective_without_comm(op))
+                elif self.has(op):
                     self.op_checks(op)
                 else:
                     self.check(op, "NULL entry: the Backend reports UNIMPLEMENTED and never calls it",
@@ -130,6 +137,7 @@ class L0:
             self.check("*", "unload and reload (fresh process: dlopen, contexts, dlclose, dlopen again)",
                        self.c_reload)
         finally:
+            release_comm(self.be)
             self.be.close()
         return self.results
 
@@ -326,6 +334,118 @@ class L0:
         self.check("*", "last_error is per thread: two threads failing on one context keep their own message",
                    self.c_thread_errors)
 
+    # ------------------------------------------------------------------ ABI 1.4 entries
+    COMM_ENTRIES = ("comm_unique_id", "comm_create", "comm_destroy")
+    COLLECTIVES = ("all_reduce", "all_gather", "all_to_all")
+
+    def v14_checks(self):
+        """Communicators (README section 9). A 1.3 library's table ends before these entries."""
+        if self.info.abi_minor < 4:
+            self.check("*", "1.4 entries: not offered by an older library", lambda: f"ABI 1.{self.info.abi_minor}")
+            return
+        self.check("*", "1.4 communicators: comm_unique_id, comm_create, comm_destroy and the three collectives "
+                        "all six or none", self.c_v14_group)
+        self.check("*", "comm_unique_id / comm_create / comm_destroy: NULLs, nranks and rank out of range, "
+                        "one-rank communicators", self.c_comm)
+
+    def comm_why(self) -> Optional[str]:
+        """Why the collectives cannot be called through the Backend here (None: they can); asked once."""
+        if not self._comm_known:
+            try:
+                self._comm_why = comm_unavailable(self.be)
+            except BackendCallError as e:
+                self._comm_why, self._comm_failed = f"comm_create of one rank failed: {e}", True
+            self._comm_known = True
+        return self._comm_why
+
+    def c_v14_group(self):
+        have = {e: self.has(e) for e in self.COMM_ENTRIES + self.COLLECTIVES}
+        if any(have.values()) and not all(have.values()):
+            missing = [e for e, h in have.items() if not h]
+            raise CheckFailed(f"{', '.join(missing)} NULL while others are set: comm_unique_id, comm_create, "
+                              f"comm_destroy, all_reduce, all_gather and all_to_all are all six or none")
+        local = [op for op in ("moe_dispatch", "moe_combine") if self.has(op)]
+        return f"communicators {'yes' if all(have.values()) else 'no'}; moe_dispatch/moe_combine: " \
+               f"{', '.join(local) or 'none'}"
+
+    def c_comm(self):
+        if not all(self.has(e) for e in self.COMM_ENTRIES):
+            return "no communicators"
+        api, ctx = self.api, self.be._ctx
+        cid, cid2 = ffi.new("DI_CommId*"), ffi.new("DI_CommId*")
+        self.expect(api.comm_unique_id(ctx, ffi.NULL), INVALID, "comm_unique_id(out=NULL)", ctx)
+        self.expect(api.comm_unique_id(ffi.NULL, cid), INVALID, "comm_unique_id(ctx=NULL)", None)
+        st = api.comm_unique_id(ctx, cid)
+        if st == UNIMPL:   # e.g. a GPU library whose transport (NCCL) is not installed
+            return f"comm_unique_id is UNIMPLEMENTED here: {self.err(ctx)}"
+        self.expect(st, abi.OK, "comm_unique_id", ctx)
+        self.expect(api.comm_unique_id(ctx, cid2), abi.OK, "comm_unique_id (a second id)", ctx)
+        if ffi.buffer(cid)[:] == ffi.buffer(cid2)[:]:
+            raise CheckFailed("two comm_unique_id calls returned the same bytes (each names a new communicator)")
+        out = ffi.new("DI_Comm**")
+        # refused before joining anything: none of these may block waiting for other ranks
+        for nranks, rank in ((0, 0), (-1, 0), (1, 1), (1, -1), (2, 2), (2, -1)):
+            self.expect(api.comm_create(ctx, cid, nranks, rank, out), INVALID,
+                        f"comm_create(nranks={nranks}, rank={rank})", ctx)
+        self.expect(api.comm_create(ctx, ffi.NULL, 1, 0, out), INVALID, "comm_create(id=NULL)", ctx)
+        self.expect(api.comm_create(ctx, cid, 1, 0, ffi.NULL), INVALID, "comm_create(out=NULL)", ctx)
+        self.expect(api.comm_create(ffi.NULL, cid, 1, 0, out), INVALID, "comm_create(ctx=NULL)", None)
+        comms = []
+        try:
+            for i, c in enumerate((cid, cid2)):   # two communicators alive at once
+                out[0] = ffi.NULL
+                st = api.comm_create(ctx, c, 1, 0, out)
+                if st == UNIMPL:
+                    return f"comm_create of one rank is UNIMPLEMENTED here: {self.err(ctx)}"
+                self.expect(st, abi.OK, f"comm_create(nranks=1, rank=0) #{i + 1}", ctx)
+                if out[0] == ffi.NULL:
+                    raise CheckFailed("comm_create returned OK and a NULL communicator")
+                comms.append(out[0])
+            if comms[0] == comms[1]:
+                raise CheckFailed("two comm_create calls returned the same communicator")
+            self.expect(api.comm_destroy(ctx, ffi.NULL), INVALID, "comm_destroy(NULL)", ctx)
+            self.expect(api.comm_destroy(ffi.NULL, comms[0]), INVALID, "comm_destroy(ctx=NULL)", None)
+        finally:
+            failed = [c for c in comms if api.comm_destroy(ctx, c) != abi.OK]
+        if failed:
+            raise CheckFailed(f"comm_destroy of a one-rank communicator failed: {self.err(ctx)}")
+        return "two one-rank communicators created and destroyed"
+
+    def c_collective_without_comm(self, op):
+        if self._comm_failed:
+            raise CheckFailed(f"{op}: not called, {self.comm_why()}")
+        if self.has("comm_create"):
+            return f"not called: {self.comm_why()}"   # the library said UNIMPLEMENTED (e.g. no transport here)
+        raise CheckFailed(f"{op} is in the table but the library has no communicators to call it with")
+
+    def _comm_checks(self, op: str):
+        """A collective's comm: NULL, or a pointer comm_create never returned, is INVALID_ARGUMENT (a library
+        recognizes its own communicators), never a crash. And its tensors must be contiguous."""
+        def null(args, keep, case):
+            args.comm = ffi.NULL
+
+        def forged(args, keep, case):
+            fake = ffi.new("char[]", 4096)   # zero-filled, readable: no communicator a library made
+            keep.append(fake)
+            args.comm = ffi.cast("DI_Comm*", fake)
+
+        def garbage(args, keep, case):
+            fake = ffi.new("char[]", bytes(range(256)) * 16)
+            keep.append(fake)
+            args.comm = ffi.cast("DI_Comm*", fake)
+
+        def strided(args, keep, case):   # every data tensor a column slice of itself: same shapes, not contiguous
+            for name in ("x", "out", "send", "recv"):
+                if hasattr(args, name):
+                    t = getattr(args, name)
+                    t.shape[t.ndim - 1] //= 2
+        self.check(op, "comm NULL -> INVALID_ARGUMENT", lambda: self._expect_rejected(op, null, INVALID, "comm=NULL"))
+        self.check(op, "tensors that are not contiguous (column slices) -> INVALID_ARGUMENT",
+                   lambda: self._expect_rejected(op, strided, INVALID, "column slices of the inputs and outputs"))
+        self.check(op, "comm not made by comm_create (zero-filled, or arbitrary bytes) -> INVALID_ARGUMENT",
+                   lambda: (self._expect_rejected(op, forged, INVALID, "a zero-filled buffer as comm"),
+                            self._expect_rejected(op, garbage, INVALID, "arbitrary bytes as comm"))[0])
+
     EVENT_ENTRIES = ("event_create", "event_destroy", "event_record", "stream_wait_event", "event_query",
                      "event_synchronize")
     HOST_ENTRIES = ("host_alloc", "host_free", "host_register", "host_unregister")
@@ -519,6 +639,8 @@ class L0:
         res.struct_size = ffi.sizeof("DI_OpQuery")
         for op in abi.OP_NAMES:
             op_id, struct, _ = abi.OPS[op]
+            if self.has(op) and op in self.COLLECTIVES and self.comm_why():
+                continue   # no communicator to call it with: c_collective_without_comm says why
             if self.has(op):
                 m = Materialized(self.be, C.a_valid_case(op))
                 args, keep = self.be._marshal(op, m.kwargs)
@@ -605,6 +727,8 @@ class L0:
             return np.ascontiguousarray(m.read(case.check[0])).tobytes()
 
         ok = self.check(op, "valid call", lambda: baseline() and None)
+        if op in self.COLLECTIVES:
+            self._comm_checks(op)
         self.check(op, "NULL ctx -> INVALID_ARGUMENT, message in last_error(NULL)", lambda: self._null_ctx(op))
         self.check(op, "NULL args -> INVALID_ARGUMENT with a message",
                    lambda: self.expect(self._call_raw(op, ffi.NULL), INVALID, f"{op}(ctx, NULL)", ctx) and None)

@@ -20,7 +20,7 @@ from .. import abi
 from ..loader import load_library
 from . import cases as C
 from .abi_checks import CheckFailed, _name
-from .harness import POISON_BYTE, Materialized, Outcome, Recorder
+from .harness import POISON_BYTE, Materialized, Outcome, Recorder, release_comm
 
 ffi = abi.ffi
 
@@ -108,6 +108,7 @@ class L3:
                     self.check(op, "an event orders an async upload on one stream before an op on another",
                                lambda: self.event_order(be, op))
         finally:
+            release_comm(be)
             be.close()
         return self.results
 
@@ -273,6 +274,7 @@ class L3:
                 t.join(120)
         finally:
             for b in bes:
+                release_comm(b)
                 b.close()
         if errors:
             raise CheckFailed("; ".join(errors))

@@ -87,6 +87,44 @@ def _host_quant(q: QSpec) -> Quant:
     return Quant(s, tuple(q.block), z)
 
 
+# ====================================================================== communicators (ABI 1.4)
+
+# backend id -> its one-rank communicator, made on first use and kept until release_comm (the Comm
+# holds its backend, so an id stays that backend's while it is here)
+_COMMS: dict = {}
+
+
+def one_rank_comm(backend):
+    """The backend's communicator of one rank (rank 0 of 1), the `comm` of every collective case run on
+    it: made once from the backend's own id (comm_unique_id, comm_create), as a process of a one-rank job
+    would. Raises what the backend raises when it cannot make one (UnsupportedOpError: no communicators)."""
+    c = _COMMS.get(id(backend))
+    if c is None or c.handle is None or c.backend is not backend:
+        c = backend.comm_create(backend.comm_unique_id(), 1, 0)
+        _COMMS[id(backend)] = c
+    return c
+
+
+def release_comm(backend) -> None:
+    """Destroy the backend's one-rank communicator, if it made one (before the backend is closed)."""
+    c = _COMMS.pop(id(backend), None)
+    if c is not None and c.backend is backend:
+        c.close()
+
+
+def comm_unavailable(backend) -> Optional[str]:
+    """Why the collective cases cannot run on this backend, or None: it has no communicators (an older
+    ABI, or a library that implements none), or making a one-rank one is UNIMPLEMENTED here (a GPU
+    library whose NCCL is missing)."""
+    if not getattr(backend, "supports_comm", False):
+        return "the library has no communicators (comm_unique_id, comm_create, comm_destroy): collectives not run"
+    try:
+        one_rank_comm(backend)
+    except UnsupportedOpError as e:
+        return f"no communicator here: {e.message or 'comm_create is UNIMPLEMENTED'}"
+    return None
+
+
 class Materialized:
     """The kwargs of one call on one backend, and the handles to read its outputs back."""
 
@@ -107,6 +145,8 @@ class Materialized:
                 continue
             self.kwargs[name] = self._one(name, spec, device)
         self.kwargs.update(case.scalars)
+        if case.comm:   # a backend without communicators gets NULL (it must say INVALID_ARGUMENT or lack the op)
+            self.kwargs["comm"] = one_rank_comm(backend) if getattr(backend, "supports_comm", False) else None
 
     def _one(self, name: str, spec: TSpec, device: bool) -> Tensor:
         view, base, lo, hi = _host(spec)
@@ -279,6 +319,12 @@ def compare_close(got: np.ndarray, want: np.ndarray, tol: TOL.Tol, what: str) ->
     if nmse > tol.nmse:
         return f"{what}: nmse {nmse:.3g} > {tol.nmse}", max_err, nmse
     return None, max_err, nmse
+
+
+def counted_rows(counts: np.ndarray, shape: tuple) -> np.ndarray:
+    """[N, C] mask of the rows j < counts[p] of slot p (an output [N, C, ...] with counts [N])."""
+    counts = np.asarray(counts, np.int64).reshape(-1)
+    return np.arange(shape[1])[None, :] < counts[:, None]
 
 
 def _router_select_scores(case: Case) -> np.ndarray:
@@ -591,6 +637,15 @@ def _check_case(target, case, ref, tolerances, o: Outcome) -> None:
         o.status, o.message = "unsupported", (f"{', '.join(newer)}: newer than the library's ABI 1.{minor} "
                                               f"(DI_ARGS_SINCE)")
         return
+    if case.comm:
+        try:
+            why = comm_unavailable(target)
+        except BackendCallError as e:   # a library with communicators must make one of one rank
+            o.message = f"comm_create of a one-rank communicator failed: {e}"
+            return
+        if why:
+            o.status, o.message = "unsupported", why
+            return
     m = Materialized(target, case)
     try:
         support, _ws = target.query(case.op, **m.kwargs)
@@ -662,7 +717,11 @@ def _check_case(target, case, ref, tolerances, o: Outcome) -> None:
         for n in case.check:
             tol = TOL.EXACT if case.compare == "exact" else TOL.lookup(case.op, case.tol_keys.get(n, case.tol_key),
                                                                         table)
-            msg, me, nm = compare_close(got[n], want[n], tol, n)
+            g, w, what = got[n], want[n], n
+            if n in case.counted:   # 1.4: only the rows below the counts are specified
+                rows = counted_rows(want[case.counted[n]], w.shape)
+                g, w, what = g[rows], w[rows], f"{n} (rows below {case.counted[n]})"
+            msg, me, nm = compare_close(g, w, tol, what)
             o.max_err, o.nmse = max(o.max_err, me), max(o.nmse, nm)
             if msg:
                 problems.append(msg)

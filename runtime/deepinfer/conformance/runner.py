@@ -98,7 +98,7 @@ def _unclaimed(target, only_ops: Optional[Iterable[str]], rec: Recorder) -> list
 
 
 def _run_cases(target, cs, rec: Recorder) -> list[Outcome]:
-    from .harness import Recorder, ReferenceCache, check_case
+    from .harness import Recorder, ReferenceCache, check_case, release_comm
 
     ref = ReferenceCache(reference_backend())
     out = []
@@ -111,6 +111,7 @@ def _run_cases(target, cs, rec: Recorder) -> list[Outcome]:
         out.append(o)
         if o.status in ("fail", "error"):
             rec.progress(f"  FAIL {case.name} (seed {case.seed}): {o.message.splitlines()[0] if o.message else ''}")
+    release_comm(ref.reference)
     return out
 
 
@@ -173,6 +174,8 @@ def run_level(level: str, lib_path: str, profile: str = "default", seed: int = 0
         from .device_checks import run_l3
 
         return [o.as_dict() for o in run_l3(lib_path, rec)]
+    from .harness import release_comm
+
     target = open_target(lib_path)
     try:
         if level == "L1":
@@ -182,6 +185,7 @@ def run_level(level: str, lib_path: str, profile: str = "default", seed: int = 0
         else:
             raise ValueError(f"unknown level {level!r}; levels are {', '.join(LEVELS)}")
     finally:
+        release_comm(target)    # the collectives' one-rank communicator, before its context goes
         target.close()
     return [o.as_dict() for o in res]
 

@@ -16,6 +16,9 @@
  *   -DTEST_GRAPHS           streams and graph capture: ops issued on a capturing stream are recorded
  *                           (args copied) and run by graph_launch, so the L3 checks have something to see
  *   -DTEST_GRAPH_NOOP       with TEST_GRAPHS: graph_launch does nothing (the L3 checks must fail it)
+ *   -DTEST_COMM             (1.4 headers) communicators of one rank and the three collectives as copies
+ *   -DTEST_COMM_NO_CHECK    with TEST_COMM: a collective trusts any non-NULL comm (L0 must fail it)
+ *   -DTEST_COMM_NO_CREATE   with TEST_COMM: comm_create left NULL (the six 1.4 entries are all or none)
  *
  * and plugins that would take down whatever process loads them (the loader must probe them in a
  * child process, the conformance suite must time them out):
@@ -192,7 +195,8 @@ __attribute__((unused)) static int known_dtype(DI_DataType d) {
 
 static size_t elem_size(int k) { return k == BF16 ? 2 : 4; }
 
-/* Everything about one tensor argument except how its shape relates to the others. */
+/* Everything about one tensor argument except how its shape relates to the others; want_float 1: f32 or
+ * bf16, 0: int32, -1: any known dtype (the caller checks which). */
 static DI_Status check_tensor(DI_Context* ctx, const char* op, const char* name, const DI_Tensor* t, int ndim_lo,
                               int ndim_hi, int want_float) {
 #ifdef TEST_NO_VALIDATION
@@ -224,6 +228,8 @@ static DI_Status check_tensor(DI_Context* ctx, const char* op, const char* name,
         return fail(ctx, DI_INVALID_ARGUMENT, "%s: %s.strides[%d]=%lld, the last stride must be 1", op, name,
                     t->ndim - 1, (long long)t->strides[t->ndim - 1]);
     int k = kind(t->dtype);
+    if (want_float < 0)
+        return DI_OK;   /* any dtype: the caller checks it */
     if (want_float && k != F32 && k != BF16)
         return fail(ctx, DI_UNIMPLEMENTED, "%s: %s dtype (code %u, %u bits) unsupported; tiny takes f32 or bf16", op,
                     name, t->dtype.code, t->dtype.bits);
@@ -418,6 +424,228 @@ static DI_Status tiny_embedding(DI_Context* ctx, const DI_EmbeddingArgs* args) {
     return embedding_impl(ctx, args, 0);
 }
 
+#if defined(TEST_COMM) && DI_ABI_MINOR >= 4
+/* ------------------------------------------------------------------ communicators (1.4), one rank
+ * tiny's communicators are one process each: comm_create takes nranks == 1 only (UNIMPLEMENTED past
+ * that) and the collectives are copies. It knows its own communicators by a registry of live ones, so
+ * a NULL or forged comm is INVALID_ARGUMENT without reading through the pointer. */
+#include <pthread.h>
+
+struct DI_Comm {
+    DI_Context* ctx;
+    int32_t     nranks, rank;
+};
+
+#define TINY_MAX_COMMS 64
+static DI_Comm*        g_comms[TINY_MAX_COMMS];
+static pthread_mutex_t g_comms_lock = PTHREAD_MUTEX_INITIALIZER;
+static const char      g_id_magic[] = "tiny-comm-id";
+
+static int comm_live(const DI_Comm* c) {
+    int found = 0;
+    pthread_mutex_lock(&g_comms_lock);
+    for (int i = 0; i < TINY_MAX_COMMS && !found; ++i)
+        found = c && g_comms[i] == c;
+    pthread_mutex_unlock(&g_comms_lock);
+    return found;
+}
+
+static DI_Status tiny_comm_unique_id(DI_Context* ctx, DI_CommId* out) {
+    static uint64_t counter;
+    if (!ctx) return fail(NULL, DI_INVALID_ARGUMENT, "comm_unique_id: ctx is NULL");
+    if (!out) return fail(ctx, DI_INVALID_ARGUMENT, "comm_unique_id: out is NULL");
+    memset(out, 0, sizeof *out);
+    memcpy(out->bytes, g_id_magic, sizeof g_id_magic);
+    uint64_t n = __atomic_add_fetch(&counter, 1, __ATOMIC_RELAXED);
+    memcpy(out->bytes + 16, &n, sizeof n);
+    return ok(ctx);
+}
+
+__attribute__((unused)) static DI_Status tiny_comm_create(DI_Context* ctx, const DI_CommId* id, int32_t nranks, int32_t rank, DI_Comm** out) {
+    if (!ctx) return fail(NULL, DI_INVALID_ARGUMENT, "comm_create: ctx is NULL");
+    if (!id || !out) return fail(ctx, DI_INVALID_ARGUMENT, "comm_create: id and out must not be NULL");
+    if (nranks < 1 || rank < 0 || rank >= nranks)
+        return fail(ctx, DI_INVALID_ARGUMENT, "comm_create: rank %d of %d ranks is out of range", rank, nranks);
+    if (memcmp(id->bytes, g_id_magic, sizeof g_id_magic))
+        return fail(ctx, DI_INVALID_ARGUMENT, "comm_create: the id was not made by tiny's comm_unique_id");
+    if (nranks > 1)
+        return fail(ctx, DI_UNIMPLEMENTED, "comm_create: tiny runs one rank only (nranks=%d)", nranks);
+    DI_Comm* c = (DI_Comm*)calloc(1, sizeof *c);
+    if (!c) return fail(ctx, DI_RESOURCE_EXHAUSTED, "comm_create: out of memory");
+    c->ctx = ctx;
+    c->nranks = nranks;
+    c->rank = rank;
+    int slot = -1;
+    pthread_mutex_lock(&g_comms_lock);
+    for (int i = 0; i < TINY_MAX_COMMS && slot < 0; ++i)
+        if (!g_comms[i]) g_comms[slot = i] = c;
+    pthread_mutex_unlock(&g_comms_lock);
+    if (slot < 0) {
+        free(c);
+        return fail(ctx, DI_RESOURCE_EXHAUSTED, "comm_create: more than %d communicators", TINY_MAX_COMMS);
+    }
+    *out = c;
+    return ok(ctx);
+}
+
+static DI_Status tiny_comm_destroy(DI_Context* ctx, DI_Comm* comm) {
+    if (!ctx) return fail(NULL, DI_INVALID_ARGUMENT, "comm_destroy: ctx is NULL");
+    int found = 0;
+    pthread_mutex_lock(&g_comms_lock);
+    for (int i = 0; i < TINY_MAX_COMMS && !found; ++i)
+        if (comm && g_comms[i] == comm) {
+            g_comms[i] = NULL;
+            found = 1;
+        }
+    pthread_mutex_unlock(&g_comms_lock);
+    if (!found) return fail(ctx, DI_INVALID_ARGUMENT, "comm_destroy: not a live communicator of this library");
+    free(comm);
+    return ok(ctx);
+}
+
+static DI_Status check_comm(DI_Context* ctx, const char* op, const DI_Comm* comm) {
+    if (!comm) return fail(ctx, DI_INVALID_ARGUMENT, "%s: comm is NULL", op);
+#ifndef TEST_COMM_NO_CHECK
+    if (!comm_live(comm))
+        return fail(ctx, DI_INVALID_ARGUMENT, "%s: comm was not made by comm_create (or was destroyed)", op);
+    if (comm->ctx != ctx)
+        return fail(ctx, DI_INVALID_ARGUMENT, "%s: comm belongs to another context", op);
+#else
+    (void)comm_live;
+#endif
+    return DI_OK;
+}
+
+/* bytes per element of a dtype the collectives move (DI_DTS_COMM), 0 for any other;
+ * *is_float says whether it is a float type (another float is UNIMPLEMENTED, the rest INVALID) */
+static size_t comm_elem(DI_DataType d, int floats_only, int* is_float) {
+    *is_float = d.code == DI_DTYPE_FLOAT || d.code == DI_DTYPE_BFLOAT || d.code == DI_DTYPE_F8_E4M3FN ||
+                d.code == DI_DTYPE_F8_E5M2 || d.code == DI_DTYPE_F8_E8M0FNU || d.code == DI_DTYPE_F4_E2M1FN;
+    if (kind(d) == F32 || kind(d) == BF16) return kind(d) == F32 ? 4 : 2;
+    if (floats_only) return 0;
+    if (d.code == DI_DTYPE_FLOAT && d.bits == 16) return 2;
+    if (d.code == DI_DTYPE_INT && d.bits == 32) return 4;
+    if ((d.code == DI_DTYPE_INT || d.code == DI_DTYPE_UINT) && d.bits == 8) return 1;
+    if (d.code == DI_DTYPE_F8_E4M3FN && d.bits == 8) return 1;
+    return 0;
+}
+
+/* a tensor the collectives take: contiguous, of a dtype they move; returns its bytes per element */
+static DI_Status comm_tensor(DI_Context* ctx, const char* op, const char* name, const DI_Tensor* t, int lo, int hi,
+                             int floats_only, size_t* es) {
+    DI_Status st = check_tensor(ctx, op, name, t, lo, hi, -1);
+    if (st) return st;
+    int is_float;
+    *es = comm_elem(t->dtype, floats_only, &is_float);
+    if (!*es)
+        return fail(ctx, is_float ? DI_UNIMPLEMENTED : DI_INVALID_ARGUMENT, "%s: %s has a dtype (code %u, %u bits) "
+                    "this op does not move", op, name, t->dtype.code, t->dtype.bits);
+    int64_t want = 1;
+    for (int i = t->ndim - 1; i >= 0; --i) {
+        if (t->shape[i] > 1 && t->strides[i] != want)
+            return fail(ctx, DI_INVALID_ARGUMENT, "%s: %s must be contiguous", op, name);
+        want *= t->shape[i];
+    }
+    return DI_OK;
+}
+
+static int64_t numel(const DI_Tensor* t) {
+    int64_t n = 1;
+    for (int i = 0; i < t->ndim; ++i) n *= t->shape[i];
+    return n;
+}
+
+static DI_Status same_dtype(DI_Context* ctx, const char* op, const DI_Tensor* a, const DI_Tensor* b) {
+    if (a->dtype.code != b->dtype.code || a->dtype.bits != b->dtype.bits)
+        return fail(ctx, DI_INVALID_ARGUMENT, "%s: the output's dtype differs from the input's", op);
+    return DI_OK;
+}
+
+static DI_Status comm_op_header(DI_Context* ctx, const void* args, size_t size, const char* op) {
+    DI_Status st = check_header(ctx, args, size, op);
+    if (st) return st;
+#ifdef TEST_GRAPHS
+    if (ctx->capturing && ((const DI_ArgsHeader*)args)->stream == ctx->capturing)
+        return fail(ctx, DI_UNIMPLEMENTED, "%s: tiny does not capture collectives", op);
+#endif
+    return DI_OK;
+}
+
+static DI_Status all_reduce_impl(DI_Context* ctx, const DI_AllReduceArgs* a, int validate_only) {
+    const char* op = "all_reduce";
+    size_t es, eo;
+    DI_Status st = comm_op_header(ctx, a, sizeof *a, op);
+    if (st) return st;
+    if ((st = check_comm(ctx, op, a->comm))) return st;
+    if ((st = comm_tensor(ctx, op, "x", &a->x, 1, 6, 1, &es))) return st;
+    if ((st = comm_tensor(ctx, op, "out", &a->out, 1, 6, 1, &eo))) return st;
+    if ((st = same_shape(ctx, op, "x", &a->x, "out", &a->out))) return st;
+    if ((st = same_dtype(ctx, op, &a->x, &a->out))) return st;
+    if (!validate_only)   /* the sum over one rank */
+        memmove(base_of(&a->out), base_of(&a->x), (size_t)numel(&a->x) * es);
+    return ok(ctx);
+}
+
+static DI_Status all_gather_impl(DI_Context* ctx, const DI_AllGatherArgs* a, int validate_only) {
+    const char* op = "all_gather";
+    size_t es, eo;
+    DI_Status st = comm_op_header(ctx, a, sizeof *a, op);
+    if (st) return st;
+    if ((st = check_comm(ctx, op, a->comm))) return st;
+    if ((st = comm_tensor(ctx, op, "x", &a->x, 1, 5, 0, &es))) return st;
+    if ((st = comm_tensor(ctx, op, "out", &a->out, 2, 6, 0, &eo))) return st;
+    int same = a->out.ndim == a->x.ndim + 1 && a->out.shape[0] == a->comm->nranks;
+    for (int i = 0; same && i < a->x.ndim; ++i)
+        same = a->out.shape[i + 1] == a->x.shape[i];
+    if (!same) return fail(ctx, DI_INVALID_ARGUMENT, "%s: out must be [nranks, *x.shape]", op);
+    if ((st = same_dtype(ctx, op, &a->x, &a->out))) return st;
+    if (!validate_only)
+        memcpy(base_of(&a->out), base_of(&a->x), (size_t)numel(&a->x) * es);
+    return ok(ctx);
+}
+
+static DI_Status all_to_all_impl(DI_Context* ctx, const DI_AllToAllArgs* a, int validate_only) {
+    const char* op = "all_to_all";
+    size_t es, eo;
+    DI_Status st = comm_op_header(ctx, a, sizeof *a, op);
+    if (st) return st;
+    if ((st = check_comm(ctx, op, a->comm))) return st;
+    if ((st = comm_tensor(ctx, op, "send", &a->send, 2, 6, 0, &es))) return st;
+    if ((st = comm_tensor(ctx, op, "recv", &a->recv, 2, 6, 0, &eo))) return st;
+    if ((st = same_shape(ctx, op, "send", &a->send, "recv", &a->recv))) return st;
+    if ((st = same_dtype(ctx, op, &a->send, &a->recv))) return st;
+    int32_t N = a->comm->nranks;
+    int64_t C = a->send.shape[1];
+    if (a->send.shape[0] != N)
+        return fail(ctx, DI_INVALID_ARGUMENT, "%s: send.shape[0]=%lld != the communicator's %d ranks", op,
+                    (long long)a->send.shape[0], N);
+    int counts = a->send_counts.data != NULL;
+    if (counts != (a->recv_counts.data != NULL))
+        return fail(ctx, DI_INVALID_ARGUMENT, "%s: send_counts and recv_counts go together", op);
+    int32_t n = (int32_t)C;
+    if (counts) {
+        if ((st = check_tensor(ctx, op, "send_counts", &a->send_counts, 1, 1, 0))) return st;
+        if ((st = check_tensor(ctx, op, "recv_counts", &a->recv_counts, 1, 1, 0))) return st;
+        if (a->send_counts.shape[0] != N || a->recv_counts.shape[0] != N)
+            return fail(ctx, DI_INVALID_ARGUMENT, "%s: send_counts and recv_counts must be [%d]", op, N);
+        n = ((const int32_t*)base_of(&a->send_counts))[0];
+        if (n < 0 || n > C)
+            return fail(ctx, DI_INVALID_ARGUMENT, "%s: send_counts[0]=%d outside [0, C=%lld]", op, n, (long long)C);
+    }
+    if (validate_only)
+        return ok(ctx);
+    size_t row = C ? (size_t)(numel(&a->send) / (N * C)) * es : 0;
+    memcpy(base_of(&a->recv), base_of(&a->send), (size_t)n * row);
+    if (counts)
+        ((int32_t*)base_of(&a->recv_counts))[0] = n;
+    return ok(ctx);
+}
+
+static DI_Status tiny_all_reduce(DI_Context* ctx, const DI_AllReduceArgs* a) { return all_reduce_impl(ctx, a, 0); }
+static DI_Status tiny_all_gather(DI_Context* ctx, const DI_AllGatherArgs* a) { return all_gather_impl(ctx, a, 0); }
+static DI_Status tiny_all_to_all(DI_Context* ctx, const DI_AllToAllArgs* a) { return all_to_all_impl(ctx, a, 0); }
+#endif
+
 /* ------------------------------------------------------------------ contexts, memory, attributes */
 static DI_Status tiny_context_create(const DI_ContextOptions* options, DI_Context** out) {
     if (!out)
@@ -602,6 +830,11 @@ static DI_Status tiny_op_query(DI_Context* ctx, int32_t op, const void* args, DI
     case DI_OP_ADD: case DI_OP_MUL: st = binary(ctx, (const DI_BinaryArgs*)args, "add", op_add, 1); break;
     case DI_OP_SILU_MUL: st = silu_mul_impl(ctx, (const DI_SiluMulArgs*)args, 1); break;
     case DI_OP_EMBEDDING: st = embedding_impl(ctx, (const DI_EmbeddingArgs*)args, 1); break;
+#if defined(TEST_COMM) && DI_ABI_MINOR >= 4
+    case DI_OP_ALL_REDUCE: st = all_reduce_impl(ctx, (const DI_AllReduceArgs*)args, 1); break;
+    case DI_OP_ALL_GATHER: st = all_gather_impl(ctx, (const DI_AllGatherArgs*)args, 1); break;
+    case DI_OP_ALL_TO_ALL: st = all_to_all_impl(ctx, (const DI_AllToAllArgs*)args, 1); break;
+#endif
     default: return ok(ctx);   /* an op tiny lacks, or one newer than v1.0: NO */
     }
     if (st == DI_UNIMPLEMENTED) return ok(ctx);    /* well-formed but unsupported: NO */
@@ -636,6 +869,16 @@ static const DI_Api g_api = {
     .add = tiny_add,
     .mul = tiny_mul,
     .silu_mul = tiny_silu_mul,
+#if defined(TEST_COMM) && DI_ABI_MINOR >= 4
+    .all_reduce = tiny_all_reduce,
+    .all_gather = tiny_all_gather,
+    .all_to_all = tiny_all_to_all,
+    .comm_unique_id = tiny_comm_unique_id,
+#ifndef TEST_COMM_NO_CREATE
+    .comm_create = tiny_comm_create,
+#endif
+    .comm_destroy = tiny_comm_destroy,
+#endif
 };
 
 #ifdef TEST_API_GARBAGE
