@@ -245,12 +245,16 @@ def test_local_config(tiny_v3):
 
 
 def test_engine_outside_a_job_needs_mpirun(tiny_v3):
-    """tensor_parallel 2 in a plain process (no mpirun): a clear error, not a hang."""
+    """tensor_parallel 2 in a plain process (no mpirun): a clear error, not a hang. (In a child: MPI
+    initialized in the test process would stay so for every later test.)"""
     pytest.importorskip("mpi4py")
-    from deepinfer.engine import Engine
-
-    with pytest.raises(ConfigError, match="mpirun -n 2"):
-        Engine.from_pretrained(str(tiny_v3), config={"backend": "reference", "tensor_parallel": 2})
+    code = ("import sys\nfrom deepinfer.engine import Engine\nfrom deepinfer.errors import ConfigError\n"
+            "try:\n    Engine.from_pretrained(sys.argv[1], config={'backend': 'reference', 'tensor_parallel': 2})\n"
+            "except ConfigError as e:\n    print(e)\n    sys.exit(3)\n")
+    r = subprocess.run([sys.executable, "-c", code, str(tiny_v3)], env=_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 3, r.stderr[-2000:]
+    assert "mpirun -n 2" in r.stdout
 
 
 @needs_mpi
