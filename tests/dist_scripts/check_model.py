@@ -60,7 +60,7 @@ def compute(engine) -> dict:
 def config(args) -> dict:
     return dict(backend=args.backend, tensor_parallel=args.tp, expert_parallel=args.ep, max_batch=4,
                 max_seq_len=64, kv_cache_tokens=1024, activation_dtype=args.dtype, precision=args.precision,
-                enforce_eager=True)
+                enforce_eager=not args.graphs)
 
 
 def die_in_third_step(model, cfg) -> None:
@@ -93,6 +93,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--dtype", default="f32")
     ap.add_argument("--precision", default="f32")
+    ap.add_argument("--graphs", action="store_true", help="device backends: capture decode steps as graphs")
     ap.add_argument("--die", type=int, default=-1, help="this rank dies (SIGKILL) in the middle of its third step")
     args = ap.parse_args(argv)
 

@@ -6,6 +6,7 @@
 
 #include "common.cuh"
 #include "deepinfer_abi_check.h"
+#include "dist_api.cuh"
 
 using namespace di;
 
@@ -302,7 +303,7 @@ static DI_Status op_query(DI_Context* ctx, int32_t op, const void* args, DI_OpQu
     out->support = DI_SUPPORT_NO;
     out->workspace_size = 0;
     if (op < 0) return set_error(ctx, DI_INVALID_ARGUMENT, "op_query: op id %d is negative", op);
-    if (op >= DI_OP_COUNT_V1_3) return DI_OK;  // an op from a newer ABI: not supported here
+    if (op >= DI_OP_COUNT_V1_4) return DI_OK;  // an op from a newer ABI: not supported here
     if (!args) return set_error(ctx, DI_INVALID_ARGUMENT, "op_query: args is NULL");
     DI_GUARD_BEGIN
     OpMode m{false, false, DI_SUPPORT_YES, 0};
@@ -455,6 +456,29 @@ static DI_Status mem_copy_async(DI_Context* ctx, void* dst, const void* src, uin
     return mem_copy(ctx, dst, src, bytes, kind, stream);
 }
 
+// ---------------------------------------------------------------------------------------- v1.4
+// Communicators (ops_dist.cu): NCCL, loaded at run time, or a one-rank communicator without it.
+static DI_Status comm_unique_id(DI_Context* ctx, DI_CommId* out) {
+    NEED_CTX(ctx, "comm_unique_id");
+    DI_GUARD_BEGIN
+    return dist_comm_unique_id(ctx, out);
+    DI_GUARD_END(ctx)
+}
+
+static DI_Status comm_create(DI_Context* ctx, const DI_CommId* id, int32_t nranks, int32_t rank, DI_Comm** out) {
+    NEED_CTX(ctx, "comm_create");
+    DI_GUARD_BEGIN
+    return dist_comm_create(ctx, id, nranks, rank, out);
+    DI_GUARD_END(ctx)
+}
+
+static DI_Status comm_destroy(DI_Context* ctx, DI_Comm* comm) {
+    NEED_CTX(ctx, "comm_destroy");
+    DI_GUARD_BEGIN
+    return dist_comm_destroy(ctx, comm);
+    DI_GUARD_END(ctx)
+}
+
 static DI_Status device_count(int32_t* out) {
     clear_error(nullptr);
     if (!out) return set_error(nullptr, DI_INVALID_ARGUMENT, "device_count: out is NULL");
@@ -505,6 +529,9 @@ static DI_Api make_api() {
     a.host_unregister = host_unregister;
     a.mem_copy_async = mem_copy_async;
     a.device_count = device_count;
+    a.comm_unique_id = comm_unique_id;
+    a.comm_create = comm_create;
+    a.comm_destroy = comm_destroy;
     return a;
 }
 static const DI_Api g_api = make_api();
