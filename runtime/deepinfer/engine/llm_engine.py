@@ -81,7 +81,7 @@ def load_backend_and_runner(model_dir: Path, config: EngineConfig, group=None):
         threads = max(1, (os.cpu_count() or 1) // group.world)
     backend = get_backend(config.backend, fallback=config.fallback, device_id=config.device_id,
                           num_threads=threads, local_rank=group.local_rank if group is not None else 0)
-    return backend, load_runner(model_dir, backend, config, par=group)
+    return backend, load_runner(model_dir, backend, config, group=group)
 
 
 class Engine:

@@ -24,6 +24,7 @@ perplexity and benchmarks; it keeps a Sequence per id, so positions still live i
 from __future__ import annotations
 
 import logging
+import re
 from collections import OrderedDict
 from typing import Optional, Sequence as Seq
 
@@ -659,7 +660,7 @@ class ModelRunner:
         }
 
 
-def load_runner(model_dir, backend, engine_config=None, par=None) -> ModelRunner:
+def load_runner(model_dir, backend, engine_config=None, group=None) -> ModelRunner:
     """A ModelRunner sized and typed from an EngineConfig: max_batch, max_seq_len, kv_cache_tokens
     (None: sized from the memory free after a warm-up, kv_cache_memory_fraction of it),
     kv_block_size, max_num_batched_tokens, activation_dtype, precision (auto: the checkpoint's own
@@ -675,8 +676,8 @@ def load_runner(model_dir, backend, engine_config=None, par=None) -> ModelRunner
     bs = int(getattr(ec, "kv_block_size", 16) or 16)
     scheme = ckpt.config.quant_scheme
     # an int4 checkpoint keeps its own groups; the config's group_size is for quantizing at load
-    group = scheme.group_size if scheme is not None and scheme.format == "int4" else ec.group_size
-    kw = dict(max_batch=int(ec.max_batch), max_seq_len=int(ec.max_seq_len), block_size=bs, group_size=int(group),
+    gsize = scheme.group_size if scheme is not None and scheme.format == "int4" else ec.group_size
+    kw = dict(max_batch=int(ec.max_batch), max_seq_len=int(ec.max_seq_len), block_size=bs, group_size=int(gsize),
               max_num_batched_tokens=getattr(ec, "max_num_batched_tokens", None),
               enable_prefix_cache=bool(getattr(ec, "enable_prefix_cache", True)),
               enforce_eager=bool(getattr(ec, "enforce_eager", False)),
@@ -693,20 +694,18 @@ def load_runner(model_dir, backend, engine_config=None, par=None) -> ModelRunner
     kw["load_mtp"] = bool(spec.get("mtp", True))
     entries = ckpt.entries()
     shapes = QF.logical_shapes(entries, ckpt.array)
-    if par is not None and par.world > 1:
-        shapes = _local_shapes(shapes, par)     # what fits is what one rank holds
+    if group is not None and group.world > 1:
+        shapes = _local_shapes(shapes, group)   # what fits is what one rank holds
     stored = P.stored_precision(entries, scheme)
     precision, reason = P.resolve(backend, ec, shapes, scheme.to_config() if scheme is not None else None,
                                   stored=stored)
-    if par is not None and par.world > 1:
+    if group is not None and group.world > 1:
         # one precision for the job: rank 0's choice (ranks with less free memory would differ)
-        precision, reason = par.from_driver(precision) or None, par.from_driver(reason)
+        precision, reason = group.from_driver(precision) or None, group.from_driver(reason)
     lossy = P.is_lossy(precision, stored[0])
     if scheme is not None and precision == scheme.format:
         precision = None   # the checkpoint's own format: the weights are used as stored
-    if par is not None:
-        kw["group"] = par
-    runner = ModelRunner(ckpt, backend, precision=precision, **kw)
+    runner = ModelRunner(ckpt, backend, precision=precision, group=group, **kw)
     runner.precision_reason = reason
     runner.precision_lossy = lossy   # the weights compute something other than the stored ones
     return runner
@@ -714,8 +713,6 @@ def load_runner(model_dir, backend, engine_config=None, par=None) -> ModelRunner
 
 def _local_shapes(shapes: dict, group) -> dict:
     """The weights one rank of a split model holds (its shards), for sizing the precision choice."""
-    import re
-
     plan = group.shard
     experts = [int(m[1]) for m in (re.search(r"\.experts\.(\d+)\.", n) for n in shapes) if m]
     E = max(experts) + 1 if experts else 0
