@@ -76,30 +76,45 @@ def handle_stop_signal(is_rank0: bool) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _die_with_parent() -> None:
+    """In mpirun's process, before exec: if the launcher dies (even SIGKILL), mpirun gets SIGTERM and
+    takes the job down, rather than leaving ranks (a server holding its port) behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def launch(nranks: int, argv: Sequence[str], *, timeout: Optional[float] = None) -> int:
     """Run `argv` as `nranks` ranks and wait; returns the job's exit status. A rank that dies (a
     signal, or a non-zero exit) makes mpirun stop the others; this says so in one line besides
-    mpirun's own report."""
+    mpirun's own report. SIGINT, SIGTERM and SIGHUP of the launcher become STOP_SIGNAL for the job
+    (rank 0 stops as on Ctrl-C, the rest with it); a second one kills the job."""
     cmd = mpirun_argv(nranks, argv)
-    proc = subprocess.Popen(cmd, env=mpirun_env(), start_new_session=True)
-    interrupted = False
-    try:
-        try:
-            rc = proc.wait(timeout=timeout)
-        except KeyboardInterrupt:
-            interrupted = True
+    proc = subprocess.Popen(cmd, env=mpirun_env(), start_new_session=True, preexec_fn=_die_with_parent)
+    stops = []
+
+    def stop(*_):
+        if stops:
+            proc.kill()
+        else:
             proc.send_signal(STOP_SIGNAL)
-            try:
-                rc = proc.wait()
-            except KeyboardInterrupt:
-                proc.kill()
-                rc = proc.wait()
+        stops.append(1)
+
+    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
         print(f"deepinfer: the {nranks}-rank job ran past {timeout:.0f} s and was stopped", file=sys.stderr)
         return 124
-    if rc != 0 and not interrupted:
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+    if rc != 0 and not stops:
         print(f"deepinfer: a rank of the {nranks}-rank job failed (exit status {rc}); every rank was stopped "
               f"(mpirun's report above names the rank)", file=sys.stderr)
     return rc
