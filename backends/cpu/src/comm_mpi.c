@@ -13,9 +13,9 @@
  * CPU graph replays them as ordinary nodes (graph.c records the comm pointer with the args).
  *
  * Errors: every MPI call's status is checked and turned into a DI_Status with MPI_Error_string's
- * text. Open MPI's default error handler on a communicator aborts the job instead of returning,
- * and that is kept deliberately: a rank that returns an error from a collective its peers are
- * blocked in would leave them hanging, while an abort makes mpirun stop the whole job.
+ * text (nothing aborts across the ABI). The duplicated communicator inherits COMM_WORLD's error
+ * handler, which mpi4py sets to MPI_ERRORS_RETURN; a rank whose collective failed while its peers
+ * wait in it is the runtime's to stop (it aborts the job, and mpirun stops every rank).
  */
 #include <dlfcn.h>
 #include <fcntl.h>
@@ -341,6 +341,44 @@ static DI_Status need_int_count(VC* v, int64_t n, const char* what) {
     return DI_OK;
 }
 
+/* The ranks compare t's shape and dtype before the collective moves anything (README section 9), so
+ * a mismatch fails the call on every rank with a message instead of hanging or aborting the job. */
+typedef struct {
+    int32_t ndim, dt;
+    int64_t shape[DI_MAX_DIMS];
+} ShapeMsg;
+
+static void shape_str(const ShapeMsg* m, char* buf, size_t n) {
+    size_t l = (size_t)snprintf(buf, n, "%s [", dt_name(m->dt));
+    for (int d = 0; d < m->ndim && d < DI_MAX_DIMS && l < n; d++)
+        l += (size_t)snprintf(buf + l, n - l, "%s%lld", d ? ", " : "", (long long)m->shape[d]);
+    if (l < n) snprintf(buf + l, n - l, "]");
+}
+
+static DI_Status need_same_shapes(VC* v, DI_Comm* c, const DI_Tensor* t) {
+    if (!c->mpi) return DI_OK;
+    ShapeMsg mine;
+    memset(&mine, 0, sizeof mine);
+    mine.ndim = t->ndim;
+    mine.dt = dt_id(t->dtype);
+    for (int d = 0; d < t->ndim && d < DI_MAX_DIMS; d++) mine.shape[d] = t->shape[d];
+    ShapeMsg* all = di_malloc((size_t)c->nranks * sizeof *all);
+    if (!all) return DI_OOM(v->ctx, v->op);
+    DI_Status st = DI_OK;
+    int rc = g_mpi.Allgather(&mine, (int)sizeof mine, g_mpi.t_byte, all, (int)sizeof mine, g_mpi.t_byte, c->mpi);
+    if (rc != MPI_OK) st = mpi_fail(v->ctx, v->op, "MPI_Allgather (shapes)", rc);
+    for (int q = 0; !st && q < c->nranks; q++)
+        if (memcmp(&all[q], &mine, sizeof mine)) {
+            char theirs[160], ours[160];
+            shape_str(&all[q], theirs, sizeof theirs);
+            shape_str(&mine, ours, sizeof ours);
+            st = di_fail(v->ctx, DI_INVALID_ARGUMENT, "%s: the ranks passed different shapes: rank %d has %s, this "
+                         "rank %s (every rank needs the same shape and dtype)", v->op, q, theirs, ours);
+        }
+    free(all);
+    return st;
+}
+
 /* ================================================================== all_reduce */
 #define REDUCE_CHUNK ((int64_t)1 << 30)   /* elements per MPI_Allreduce: counts are ints */
 
@@ -380,6 +418,7 @@ DI_Status op_all_reduce(DI_Context* ctx, const DI_AllReduceArgs* a, int query) {
     /* out is x itself (in place) or apart from it: a partial overlap has no meaning for a sum */
     if (!query && t_base(&a->x) != t_base(&a->out) && (st = need_disjoint(&v, &a->x, "x", &a->out, "out"))) return st;
     if (query) return DI_OK;
+    if ((st = need_same_shapes(&v, a->comm, &a->x))) return st;
     int64_t n = numel(&a->x);
     if (dt_id(a->x.dtype) == DT_F32) return reduce_f32(&v, a->comm, (const float*)t_base(&a->x), (float*)t_base(&a->out), n);
     return reduce_bf16(&v, a->comm, (const uint16_t*)t_base(&a->x), (uint16_t*)t_base(&a->out), n);
@@ -402,7 +441,9 @@ DI_Status op_all_gather(DI_Context* ctx, const DI_AllGatherArgs* a, int query) {
     if ((st = need_disjoint(&v, x, "x", out, "out"))) return st;
     int64_t bytes = nbytes(x);
     if ((st = need_int_count(&v, bytes, "the bytes of x"))) return st;
-    if (query || bytes == 0) return DI_OK;
+    if (query) return DI_OK;
+    if ((st = need_same_shapes(&v, a->comm, x))) return st;
+    if (bytes == 0) return DI_OK;
     if (!a->comm->mpi) {
         memcpy(t_base(out), t_base(x), (size_t)bytes);
         return DI_OK;
@@ -518,5 +559,7 @@ DI_Status op_all_to_all(DI_Context* ctx, const DI_AllToAllArgs* a, int query) {
     for (int d = 2; d < send->ndim; d++) s.row *= send->shape[d];
     if (!with_counts && (st = need_int_count(&v, s.C * s.row, "the bytes of a slot"))) return st;
     if (query) return DI_OK;
+    /* with counts, the count messages carry C and the row size (a2a_counted compares them) */
+    if (!with_counts && (st = need_same_shapes(&v, a->comm, send))) return st;
     return with_counts ? a2a_counted(&v, a->comm, a, s) : a2a_whole(&v, a->comm, a, s);
 }

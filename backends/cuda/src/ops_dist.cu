@@ -14,10 +14,9 @@
 // which comm_create accepts for nranks == 1 only): the single-process conformance suite runs the
 // collectives anywhere, as the reference's one-rank communicator needs no MPI.
 //
-// Capture: every op enqueues on the args' stream and never allocates. all_to_all with counts reads
-// the counts on the host (one stream synchronize) to move exactly the rows that exist, except while
-// the stream is being captured, where it moves whole slots (recv rows past recv_counts are
-// unspecified, abi/deepinfer_abi.h) and the counts travel on the device.
+// Capture: every op enqueues on the args' stream, never allocates and never reads device memory on
+// the host. all_to_all with counts moves whole slots, the counts travelling on the device alongside
+// (recv rows past recv_counts are unspecified, abi/deepinfer_abi.h).
 #include <dlfcn.h>
 #include <stdlib.h>
 
@@ -281,7 +280,12 @@ DI_Status dist_comm_destroy(DI_Context* ctx, DI_Comm* c) {
     if (c->nccl) {
         char why[768];
         const Nccl* L = load_nccl(why, sizeof(why));  // loaded: the comm was made with it
-        if (L) st = nccl_status(ctx, *L, L->comm_destroy(c->nccl), c->nccl, "comm_destroy", "ncclCommDestroy");
+        // a communicator with an asynchronous error (a peer died, a collective failed) is aborted:
+        // ncclCommDestroy would wait for its unfinished kernels, i.e. forever
+        NcclResult ae = NCCL_OK;
+        const bool broken = L && L->async_error(c->nccl, &ae) == NCCL_OK && ae != NCCL_OK && ae != NCCL_IN_PROGRESS;
+        if (broken) st = nccl_status(ctx, *L, L->comm_abort(c->nccl), nullptr, "comm_destroy", "ncclCommAbort");
+        else if (L) st = nccl_status(ctx, *L, L->comm_destroy(c->nccl), nullptr, "comm_destroy", "ncclCommDestroy");
     }
     c->magic = 0;
     delete c;
