@@ -154,7 +154,7 @@ const Nccl* load_nccl(char* why, size_t n) {
     DI_BIND(async_error, "ncclCommGetAsyncError")
 #undef DI_BIND
     if (missing) {
-        snprintf(why, n, "%s lacks %s: " DI_NCCL_NAME " 2.7 or newer is needed (" DI_NCCL_HINT ")", name, missing);
+        snprintf(why, n, "%s lacks %s: " DI_NCCL_NAME " 2.10 or newer (bf16) is needed (" DI_NCCL_HINT ")", name, missing);
         dlclose(lib);
         return nullptr;
     }
