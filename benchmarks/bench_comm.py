@@ -9,12 +9,14 @@ Rank r binds its backend to device r (the local rank: OMPI_COMM_WORLD_LOCAL_RANK
 ranks make one communicator (rank 0's comm_unique_id, handed to all over the control channel: MPI
 under mpirun, torch's TCPStore under --spawn) and then:
 
-  --check   correctness first, every rank on its own random data, each rank regenerating the others'
-            (no data moves outside the library): all_reduce (f32, bf16, in place), all_gather,
-            all_to_all whole and with counts, an expert-parallel round trip (moe_dispatch, all_to_all,
-            the identity expert, all_to_all back, moe_combine) against the reference backend's
-            dispatch, a graph captured with an all_reduce and a counted all_to_all and launched twice
-            (devices with graphs), and counts out of range failing on every rank instead of hanging.
+  --check   correctness first: the checks of the conformance suite's multi-rank level
+            (deepinfer/conformance/multi_rank.py, what `deepinfer conformance LIB --ranks N` runs),
+            every rank on its own random data, regenerating the others' (no data moves outside the
+            library), against the reference backend: all_reduce (f32, bf16, in place, the same bits on
+            every rank), all_gather, all_to_all whole and with counts, an expert-parallel round trip
+            (moe_dispatch, all_to_all, experts, all_to_all back, moe_combine), a graph captured with an
+            all_reduce and a counted all_to_all and launched twice (libraries with graphs), and counts
+            out of range failing instead of hanging (host libraries).
   timing    all_to_all with counts at MoE-dispatch sizes (7168-wide bf16 rows, 128..8192 rows per
             peer, every row sent) and all_reduce of [T, 7168] bf16 (T = 1..8192), each the median of
             batches of calls, the slowest rank's time. Beside them torch.distributed's
@@ -28,6 +30,7 @@ Rank 0 prints a table and writes --json / --md. Exit status 0 when every check p
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import pickle
@@ -44,62 +47,58 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "runtime"))
 
-RANK_ENVS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
-SIZE_ENVS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-LOCAL_ENVS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "LOCAL_RANK")
+from deepinfer.conformance import multi_rank as MR  # noqa: E402 (after the path above)
+from deepinfer.parallel.launch import SIZE_ENVS  # noqa: E402
+
 H = 7168   # DeepSeek V3's hidden size: the rows of MoE dispatch and the all_reduce of tensor parallelism
 
 
-def _env_int(names, default):
-    return next((int(os.environ[k]) for k in names if os.environ.get(k)), default)
-
-
 # ------------------------------------------------------------------------------ the control channel
-class Control:
-    """How the ranks agree on small things (the comm id, timings, verdicts); never the data path.
-    MPI's COMM_WORLD under mpirun; torch's TCPStore under --spawn (RANK, WORLD_SIZE, MASTER_*); alone
-    otherwise."""
+class StoreChannel:
+    """--spawn's control channel (the comm id, timings, verdicts; never the data path): torch's TCPStore
+    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Under mpirun it is multi_rank.MpiChannel."""
 
     def __init__(self):
-        self.mpi = None
-        self.store = None
+        import torch.distributed as tdist
+
+        self.rank, self.size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        self.store = tdist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
+                                    self.size, self.rank == 0, timeout=datetime.timedelta(seconds=300))
         self._n = 0
-        if any(os.environ.get(k) for k in SIZE_ENVS):
-            from mpi4py import MPI   # first: a CPU library finds its libmpi already loaded
-
-            self.mpi = MPI.COMM_WORLD
-            self.rank, self.size = self.mpi.Get_rank(), self.mpi.Get_size()
-        elif os.environ.get("WORLD_SIZE"):
-            import torch.distributed as tdist
-
-            self.rank, self.size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            self.store = tdist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
-                                        self.size, self.rank == 0, timeout=__import__("datetime").timedelta(seconds=300))
-        else:
-            self.rank, self.size = 0, 1
-        self.local_rank = _env_int(LOCAL_ENVS, self.rank)
 
     def allgather(self, obj) -> list:
-        if self.mpi is not None:
-            return self.mpi.allgather(obj)
-        if self.store is None:
-            return [obj]
         self._n += 1
         self.store.set(f"ag{self._n}/{self.rank}", pickle.dumps(obj))
         return [pickle.loads(self.store.get(f"ag{self._n}/{r}")) for r in range(self.size)]
 
     def bcast(self, obj, root: int = 0):
-        if self.mpi is not None:
-            return self.mpi.bcast(obj, root=root)
         return self.allgather(obj if self.rank == root else None)[root]
 
     def barrier(self) -> None:
         self.allgather(None)
 
+    def meet(self, timeout: float) -> bool:
+        self._n += 1
+        self.store.set(f"meet{self._n}/{self.rank}", b"")
+        try:
+            self.store.wait([f"meet{self._n}/{r}" for r in range(self.size)], datetime.timedelta(seconds=timeout))
+        except Exception:   # torch's store timeout (its exception type differs between versions)
+            return False
+        return True
+
     def abort(self, code: int) -> None:
-        if self.mpi is not None:
-            self.mpi.Abort(code)
-        os._exit(code)
+        sys.stdout.flush()
+        os._exit(code)   # spawn() stops the other ranks
+
+
+def control():
+    """MPI's COMM_WORLD under mpirun, torch's TCPStore under --spawn, one rank alone otherwise."""
+    if any(os.environ.get(k) for k in SIZE_ENVS):
+        return MR.MpiChannel()   # first: a CPU library finds its libmpi already loaded
+    if os.environ.get("WORLD_SIZE"):
+        return StoreChannel()
+    return MR.LocalChannel()
 
 
 def free_port() -> int:
@@ -137,248 +136,8 @@ def spawn(n: int, argv: list) -> int:
     return rc
 
 
-# ------------------------------------------------------------------------------ the backend
-def open_backend(spec: str, device_id: int, threads: int):
-    """The backend, rank r on device r; a CPU library has one device, shared by its ranks."""
-    import deepinfer
-
-    if spec == "cpu" or Path(spec).name == "libdeepinfer_cpu.so":
-        device_id = 0
-    if spec == "reference":
-        return deepinfer.get_backend("reference")
-    if os.sep in spec or spec.endswith(".so"):
-        return deepinfer.loader.load_library(spec, device_id=device_id, num_threads=threads)
-    return deepinfer.get_backend(spec, device_id=device_id, num_threads=threads)
-
-
-class Ranks:
-    """This rank's backend and communicator, and helpers over both."""
-
-    def __init__(self, ctl: Control, be):
-        self.ctl, self.be = ctl, be
-        self.N, self.rank = ctl.size, ctl.rank
-        cid = ctl.bcast(be.comm_unique_id() if ctl.rank == 0 else None)
-        self.comm = be.comm_create(cid, self.N, self.rank)
-
-    def up(self, a: np.ndarray):
-        t = self.be.empty(a.shape, _dtname(a.dtype))
-        if a.size:
-            self.be.write(t, np.ascontiguousarray(a))
-        return t
-
-    def down(self, t) -> np.ndarray:
-        return self.be.to_numpy(t)
-
-
-def _dtname(dt) -> str:
-    import ml_dtypes
-
-    return {np.dtype(np.float32): "f32", np.dtype(ml_dtypes.bfloat16): "bf16", np.dtype(np.int32): "int32",
-            np.dtype(np.uint8): "uint8", np.dtype(np.int8): "int8"}[np.dtype(dt)]
-
-
-# ------------------------------------------------------------------------------ checks
-class Checks:
-    def __init__(self, R: Ranks):
-        self.R = R
-        self.failures: list = []
-
-    def fail(self, what: str) -> None:
-        self.failures.append(what)
-        print(f"rank {self.R.rank}: FAIL: {what}", flush=True)
-
-    def data(self, rank: int, tag: str, shape, dtype):
-        """Rank `rank`'s input `tag`: every rank can make every other rank's."""
-        import ml_dtypes
-
-        seed = (rank * 1_000_003 + sum(map(ord, tag)) * 7919 + len(shape)) % (2 ** 32)
-        a = np.random.default_rng(seed).standard_normal(shape) * 8
-        return a.astype({"f32": np.float32, "bf16": ml_dtypes.bfloat16, "int32": np.int32, "uint8": np.uint8,
-                         "int8": np.int8}[dtype])
-
-    def all_reduce(self) -> None:
-        R = self.R
-        for dtype in ("f32", "bf16"):
-            for shape in [(5,), (3, 17), (2, 3, 64), (1 << 16,)]:
-                tag = f"ar{dtype}{shape}"
-                x = self.data(R.rank, tag, shape, dtype)
-                want = sum(self.data(r, tag, shape, dtype).astype(np.float64) for r in range(R.N))
-                out = R.be.empty(shape, dtype)
-                R.be.call("all_reduce", comm=R.comm, x=R.up(x), out=out)
-                got = R.down(out).astype(np.float64)
-                rtol = 2 ** -7 if dtype == "bf16" else 1e-5
-                bad = np.abs(got - want) > rtol * np.abs(want) + 1e-5 * float(np.abs(want).max())
-                if bad.any():
-                    self.fail(f"all_reduce {dtype} {shape}: {int(bad.sum())} of {bad.size} differ")
-                xin = R.up(x)
-                R.be.call("all_reduce", comm=R.comm, x=xin, out=xin)
-                if not np.array_equal(R.down(xin).astype(np.float64), got):
-                    self.fail(f"all_reduce {dtype} {shape} in place differs from out of place")
-                everyone = R.ctl.allgather(got.tobytes())
-                if any(b != everyone[0] for b in everyone):
-                    self.fail(f"all_reduce {dtype} {shape}: the ranks got different sums")
-
-    def all_gather(self) -> None:
-        R = self.R
-        for dtype in ("f32", "bf16", "int32", "uint8"):
-            for shape in [(4,), (3, 5), (2, 2, 33)]:
-                tag = f"ag{dtype}{shape}"
-                out = R.be.empty((R.N,) + shape, dtype)
-                R.be.call("all_gather", comm=R.comm, x=R.up(self.data(R.rank, tag, shape, dtype)), out=out)
-                want = np.stack([self.data(r, tag, shape, dtype) for r in range(R.N)])
-                if R.down(out).tobytes() != want.tobytes():
-                    self.fail(f"all_gather {dtype} {shape}")
-
-    def counts_of(self, rank: int, C: int, tag: str) -> np.ndarray:
-        c = np.random.default_rng(rank * 31 + len(tag)).integers(0, C + 1, self.R.N).astype(np.int32)
-        if C and self.R.N > 1:
-            c[0], c[-1] = 0, C   # the edges: nothing and everything
-        return c
-
-    def all_to_all(self) -> None:
-        R = self.R
-        for dtype in ("f32", "bf16", "int8"):
-            for C, row in [(1, (4,)), (6, (3, 2)), (0, (5,)), (9, ())]:
-                tag = f"a2a{dtype}{C}{row}"
-                shape = (R.N, C) + row
-                for counted in (False, True):
-                    recv = R.be.empty(shape, dtype, fill=0)
-                    kw = {}
-                    if counted:
-                        kw = dict(send_counts=R.up(self.counts_of(R.rank, C, tag)), recv_counts=R.be.empty((R.N,), "int32"))
-                    R.be.call("all_to_all", comm=R.comm, send=R.up(self.data(R.rank, tag, shape, dtype)), recv=recv, **kw)
-                    got = R.down(recv)
-                    rc = R.down(kw["recv_counts"]) if counted else None
-                    for q in range(R.N):
-                        n = int(self.counts_of(q, C, tag)[R.rank]) if counted else C
-                        if counted and int(rc[q]) != n:
-                            self.fail(f"all_to_all {dtype} C={C}: recv_counts[{q}]={int(rc[q])}, want {n}")
-                        want = self.data(q, tag, shape, dtype)[R.rank, :n]
-                        if got[q, :n].tobytes() != want.tobytes():
-                            self.fail(f"all_to_all {dtype} C={C} row={row} counted={counted}: slot {q}")
-
-    def ep_round_trip(self) -> None:
-        """moe_dispatch -> all_to_all -> the identity expert -> all_to_all back -> moe_combine: every
-        token comes back times the number of ranks that own one of its experts; the dispatch itself
-        against the reference backend's."""
-        from deepinfer.reference import ReferenceBackend
-        from deepinfer.tensor import Tensor
-
-        R = self.R
-        N, Er, K, T, Hs = R.N, 4, 4, 37, 96
-        rng = np.random.default_rng(500 + R.rank)
-        ids = rng.integers(0, N * Er, size=(T, K)).astype(np.int32)
-        ids[rng.random((T, K)) < 0.1] = -1
-        wts = rng.random((T, K)).astype(np.float32)
-        x = self.data(R.rank, "ep", (T, Hs), "bf16")
-        C = T
-        sx, sids, swts = R.be.empty((N, C, Hs), "bf16"), R.be.empty((N, C, K), "int32"), R.be.empty((N, C, K), "f32")
-        cnt, route = R.be.empty((N,), "int32"), R.be.empty((T, N), "int32")
-        R.be.call("moe_dispatch", x=R.up(x), topk_ids=R.up(ids), topk_weights=R.up(wts), send_x=sx, send_ids=sids,
-                  send_weights=swts, send_counts=cnt, route=route, experts_per_rank=Er)
-        ref = {k: Tensor.empty(s, d) for k, s, d in (("send_x", (N, C, Hs), "bf16"), ("send_ids", (N, C, K), "int32"),
-                                                     ("send_weights", (N, C, K), "f32"), ("send_counts", (N,), "int32"),
-                                                     ("route", (T, N), "int32"))}
-        ReferenceBackend().call("moe_dispatch", x=Tensor.from_numpy(x), topk_ids=Tensor.from_numpy(ids),
-                                topk_weights=Tensor.from_numpy(wts), experts_per_rank=Er, **ref)
-        ref = {k: np.array(v.numpy()) for k, v in ref.items()}
-        got_counts = R.down(cnt)
-        for name, t in (("send_counts", cnt), ("route", route), ("send_ids", sids), ("send_weights", swts)):
-            if not np.array_equal(R.down(t), ref[name]):
-                self.fail(f"moe_dispatch: {name} differs from the reference")
-        gx = R.down(sx)
-        for p in range(N):
-            n = int(ref["send_counts"][p])
-            if gx[p, :n].tobytes() != ref["send_x"][p, :n].tobytes():
-                self.fail(f"moe_dispatch: send_x slot {p} differs from the reference")
-        recv, rcnt = R.be.empty((N, C, Hs), "bf16"), R.be.empty((N,), "int32")
-        R.be.call("all_to_all", comm=R.comm, send=sx, recv=recv, send_counts=cnt, recv_counts=rcnt)
-        back, bcnt = R.be.empty((N, C, Hs), "bf16"), R.be.empty((N,), "int32")
-        R.be.call("all_to_all", comm=R.comm, send=recv, recv=back, send_counts=rcnt, recv_counts=bcnt)
-        if not np.array_equal(R.down(bcnt), got_counts):
-            self.fail("ep round trip: the counts that came back differ from those sent")
-        out = R.be.empty((T, Hs), "f32")
-        R.be.call("moe_combine", back=back, route=route, out=out, accumulate=0)
-        owners = np.array([len({int(e) // Er for e in ids[t] if 0 <= e < N * Er}) for t in range(T)], np.float64)
-        want = x.astype(np.float64) * owners[:, None]
-        if not np.allclose(R.down(out).astype(np.float64), want, rtol=1e-6, atol=1e-6):
-            self.fail("ep round trip: moe_combine of the identity expert is not x times its owner ranks")
-
-    def graph(self) -> None:
-        """An all_reduce and a counted all_to_all captured once and launched twice (GPU backends)."""
-        R = self.R
-        be = R.be
-        if not be.supports_graphs:
-            return
-        import ml_dtypes
-
-        N, C, Hs = R.N, 4, 8
-        x, out = be.empty((3, Hs), "f32", fill=0), be.empty((3, Hs), "f32", fill=0)
-        send, recv = be.empty((N, C, Hs), "bf16", fill=0), be.empty((N, C, Hs), "bf16", fill=0)
-        sc, rcnt = be.empty((N,), "int32", fill=0), be.empty((N,), "int32", fill=0)
-        be.set_stream(be.create_stream())   # before prepare: a prepared call keeps its stream
-        calls = [be.prepare("all_reduce", comm=R.comm, x=x, out=out),
-                 be.prepare("all_to_all", comm=R.comm, send=send, recv=recv, send_counts=sc, recv_counts=rcnt)]
-        g = be.capture(calls)
-        base = np.arange(N * C * Hs).reshape(N, C, Hs)
-        for it in range(2):
-            be.write(x, np.full((3, Hs), R.rank + it, np.float32))
-            be.write(send, (base + R.rank).astype(ml_dtypes.bfloat16))
-            be.write(sc, ((np.arange(N) + R.rank + it) % (C + 1)).astype(np.int32))
-            g.launch()
-            be.synchronize()
-            want = sum(r + it for r in range(N))
-            if not (R.down(out) == want).all():
-                self.fail(f"graph launch {it}: all_reduce gave {R.down(out)[0, :3]}, want {want}")
-            want_counts = [(R.rank + q + it) % (C + 1) for q in range(N)]
-            if R.down(rcnt).tolist() != want_counts:
-                self.fail(f"graph launch {it}: recv_counts {R.down(rcnt).tolist()} != {want_counts}")
-            r = R.down(recv).astype(np.float32)
-            for q in range(N):
-                n = want_counts[q]
-                w = (base[R.rank, :n] + q).astype(ml_dtypes.bfloat16).astype(np.float32)
-                if not np.array_equal(r[q, :n], w):
-                    self.fail(f"graph launch {it}: slot {q} of recv")
-        g.close()
-        be.set_stream(None)
-
-    def bad_counts(self) -> None:
-        """Counts out of range on rank 0: an error on rank 0 and on the rank they were for (N-1; a
-        library may fail the others too), and no rank hangs. Host libraries only: a device library's
-        counts stay in device memory (it moves whole slots and never reads them on the host), and
-        the reference's bad rank raises before the exchange and leaves its peers waiting."""
-        from deepinfer.errors import BackendCallError
-
-        R = self.R
-        if R.be.name == "reference" or R.be.device != "cpu":
-            return
-        C = 3
-        counts = np.ones(R.N, np.int32)
-        if R.rank == 0:
-            counts[-1] = C + 1
-        try:
-            R.be.call("all_to_all", comm=R.comm, send=R.be.empty((R.N, C, 2), "f32", fill=0),
-                      recv=R.be.empty((R.N, C, 2), "f32"), send_counts=R.up(counts), recv_counts=R.be.empty((R.N,), "int32"))
-            if R.rank in (0, R.N - 1):   # rank 0 sent the bad count to rank N-1
-                self.fail("all_to_all with rank 0's send_counts out of range did not fail here")
-        except BackendCallError as e:
-            if R.rank == 0 and "send_counts" not in str(e):
-                self.fail(f"all_to_all bad counts: the message does not name send_counts: {e}")
-        R.ctl.barrier()
-
-    def run(self) -> list:
-        for name in ("all_reduce", "all_gather", "all_to_all", "ep_round_trip", "graph", "bad_counts"):
-            try:
-                getattr(self, name)()
-            except Exception as e:   # one failing check must not leave the peers waiting in the next
-                self.fail(f"{name}: {type(e).__name__}: {e}")
-                traceback.print_exc()
-                self.R.ctl.abort(2)
-        return self.failures
-
-
 # ------------------------------------------------------------------------------ timing
-def median_time(call, sync, ctl: Control, iters: int, warm: int = 2, batches: int = 5) -> float:
+def median_time(call, sync, ctl, iters: int, warm: int = 2, batches: int = 5) -> float:
     """Seconds per call: the median over batches of `iters` calls, the slowest rank's."""
     for _ in range(warm):
         call()
@@ -397,7 +156,7 @@ def median_time(call, sync, ctl: Control, iters: int, warm: int = 2, batches: in
 class TorchPeer:
     """torch.distributed on the same ranks: NCCL's own collectives (gloo on CPU ranks)."""
 
-    def __init__(self, ctl: Control, gpu: bool):
+    def __init__(self, ctl, gpu: bool):
         import datetime
 
         import torch
@@ -432,7 +191,7 @@ class TorchPeer:
         self.tdist.destroy_process_group()
 
 
-def peer_time(peer, make, ctl: Control, iters: int):
+def peer_time(peer, make, ctl, iters: int):
     """torch's time for the call `make` builds, or None where torch cannot run it (gloo lacks some
     dtypes: every rank refuses alike, before any communication)."""
     try:
@@ -443,7 +202,7 @@ def peer_time(peer, make, ctl: Control, iters: int):
         return None
 
 
-def bench(R: Ranks, args, peer) -> list:
+def bench(R: MR.Ranks, args, peer) -> list:
     be, ctl, N = R.be, R.ctl, R.N
     width = 256 if args.quick else H
     a2a_rows = (4, 16, 64) if args.quick else (128, 256, 512, 1024, 2048, 4096, 8192)
@@ -531,26 +290,38 @@ def main() -> int:
             argv.append(a)
         return spawn(args.spawn, argv)
 
-    ctl = Control()
+    ctl = control()
     try:
-        be = open_backend(args.backend, ctl.local_rank, args.threads)
-        R = Ranks(ctl, be)
+        be = MR.open_backend(args.backend, ctl.local_rank, args.threads)
     except Exception:
         traceback.print_exc()
         ctl.abort(2)
         return 2
+    R = MR.Ranks(ctl, be)
     gpu = be.device != "cpu"
     if ctl.rank == 0:
         print(f"bench_comm: {ctl.size} rank(s), backend {be.name} at {be.info.path or '(built in)'}, device "
               f"{be.device}; rank r on device r", flush=True)
     failed = 0
     if args.check or args.check_only:
-        fails = Checks(R).run()
-        failed = sum(ctl.allgather(len(fails)))
+        # the conformance suite's multi-rank checks; the communicator they make stays for the timings
+        def report(res: dict) -> None:
+            if ctl.rank == 0:
+                print(MR.describe(res), flush=True)
+
+        results = MR.run_checks(R, [c for c in MR.CHECKS if c.name != "comm_destroy"], on_result=report)
+        failed = len(MR.failed(results))
         if ctl.rank == 0:
-            print(f"checks: {'all passed' if not failed else f'{failed} failure(s) in the job'}", flush=True)
-        if args.check_only:
+            print(f"checks: {'all passed' if not failed else f'{failed} check(s) failed'}", flush=True)
+        if args.check_only or results[0]["status"] != "pass":   # no communicator: nothing to time
             return 1 if failed else 0
+    if R.comm is None:
+        try:
+            R.connect()
+        except Exception:
+            traceback.print_exc()
+            ctl.abort(2)
+            return 2
     peer = None
     if not args.no_torch:
         try:

@@ -104,6 +104,10 @@ except BackendCallError as e:
 EOF
 
 if (( NGPU >= 2 )); then
+  echo "== conformance across $NGPU GPUs (L4: the collectives and one expert-parallel layer on $NGPU ranks)"
+  timeout 400 "$PY" -m deepinfer.conformance "$LIB" --ranks "$NGPU" --level L4 --no-out > "$OUT/conformance_l4.log" 2>&1 \
+    || status=1
+  tail -15 "$OUT/conformance_l4.log"
   ARGS=(benchmarks/bench_comm.py --backend "$LIB" --check --json "$OUT/bench_comm.json" --md "$OUT/bench_comm.md")
   [[ "${DIST_QUICK:-0}" == 1 ]] && ARGS+=(--quick)
   if [[ -n "$MPIRUN" ]]; then

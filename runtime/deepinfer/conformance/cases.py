@@ -728,15 +728,15 @@ def layernorm(seed, T, H, dtype, bias=True, wdtype=None, offset=0.0, view=False,
 # The suite runs in one process, so the collectives run on a one-rank communicator of the backend under
 # test (the reference its own): a sum over one rank, a gather of one, an exchange with oneself. That
 # checks arguments, dtypes, shapes, counts and strides; sums over several ranks and agreement between
-# ranks are the multi-rank tests' business (tests/test_cpu_dist_ops.py, under mpirun). moe_dispatch and
-# moe_combine are local ops and are checked in full: the number of ranks is only a dimension of their
-# tensors.
+# ranks are level L4's business (multi_rank.py under mpirun, `deepinfer conformance LIB --ranks N`).
+# moe_dispatch and moe_combine are local ops and are checked in full: the number of ranks is only a
+# dimension of their tensors.
 
 # DI_DTS_COMM: what all_gather and all_to_all move (fp8 activations, ids and counts too)
 COMM_DTYPES = ("f32", "bf16", "f16", "int32", "int8", "uint8", "e4m3")
 
 
-def _values(rng, shape, dtype: str) -> np.ndarray:
+def comm_values(rng, shape, dtype: str) -> np.ndarray:
     """Random elements over much of a dtype's range (the collectives move bytes; no NaN)."""
     shape = tuple(shape)
     if dtype == "int32":
@@ -759,7 +759,7 @@ def all_reduce(seed, shape, dtype, alias=False) -> Case:
 
 def all_gather(seed, shape, dtype) -> Case:
     rng = np.random.default_rng(seed)
-    t = {"x": TSpec(dtype, tuple(shape), _values(rng, shape, dtype)), "out": out((1,) + tuple(shape), dtype)}
+    t = {"x": TSpec(dtype, tuple(shape), comm_values(rng, shape, dtype)), "out": out((1,) + tuple(shape), dtype)}
     return Case("all_gather", f"all_gather {dtype} shape={list(shape)}", dtype, t, tol_key="exact",
                 compare="exact", comm=True, seed=seed)
 
@@ -769,7 +769,7 @@ def all_to_all(seed, C, inner, dtype, counts=None) -> Case:
     rows travel) or "random" (n drawn in [0, C])."""
     rng = np.random.default_rng(seed)
     shape = (1, C) + tuple(inner)
-    t = {"send": TSpec(dtype, shape, _values(rng, shape, dtype)), "recv": out(shape, dtype)}
+    t = {"send": TSpec(dtype, shape, comm_values(rng, shape, dtype)), "recv": out(shape, dtype)}
     check, counted, label = ["recv"], {}, "whole slots"
     if counts is not None:
         n = int(rng.integers(0, C + 1)) if counts == "random" else int(counts)

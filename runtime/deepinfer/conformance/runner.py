@@ -4,12 +4,14 @@
   L1  every claimed op and format against the reference on generated shapes (cases.py)
   L2  bit-exact dequantization of every quantized format
   L3  streams and graph capture, for libraries that have them (device_checks.py)
+  L4  the collectives across N ranks, asked for with ranks=N (multi_rank.py, an mpirun job of its own)
 
 A level that crashes the process would take the certificate with it, so by default the levels run
 in a child Python process; a crash is then an error of the check it was in, and a new child resumes
 after that check. A check that runs past its budget (CHECK_BUDGETS per level, or check_timeout) is
 killed the same way and recorded as an error "timed out after N s". In-process runs (isolate=False)
-have neither protection: a crash ends the run and a hanging op hangs it.
+have neither protection: a crash ends the run and a hanging op hangs it. L4 is always a job of N
+processes under mpirun, stopped after check_timeout (default CHECK_BUDGETS["L4"]) seconds in all.
 """
 from __future__ import annotations
 
@@ -38,12 +40,13 @@ from . import tolerances as TOL
 if TYPE_CHECKING:
     from .harness import Outcome, Recorder
 
-LEVELS = ("L0", "L1", "L2", "L3")
+LEVELS = ("L0", "L1", "L2", "L3")         # the default levels: one process
+MULTI_RANK = "L4"                          # only with ranks=N (N >= 2)
 REFERENCE = "reference"
 
 # seconds one check may take in an isolated run before it is killed (the thorough profile on a slow
-# host stays well inside them; L3 creates devices' streams and graphs)
-CHECK_BUDGETS = {"L0": 30.0, "L1": 120.0, "L2": 120.0, "L3": 300.0}
+# host stays well inside them; L3 creates devices' streams and graphs); L4's is the whole mpirun job's
+CHECK_BUDGETS = {"L0": 30.0, "L1": 120.0, "L2": 120.0, "L3": 300.0, "L4": 300.0}
 
 NO_CHECK_RAN = "no check ran: every outcome was skipped or unsupported, so nothing was certified"
 
@@ -174,6 +177,8 @@ def run_level(level: str, lib_path: str, profile: str = "default", seed: int = 0
         from .device_checks import run_l3
 
         return [o.as_dict() for o in run_l3(lib_path, rec)]
+    if level == MULTI_RANK:
+        raise ValueError(f"{MULTI_RANK} runs as an mpirun job of several processes: run_conformance(..., ranks=N)")
     from .harness import release_comm
 
     target = open_target(lib_path)
@@ -380,10 +385,14 @@ def _summarise_level(results: list[dict]) -> dict:
     return {"passed": ok, "counts": counts, "ops_passed": passed_ops, "ops_failed": failed_ops, "per_op": per_op}
 
 
-def _check_request(levels: list[str], only_ops: Optional[list[str]]) -> None:
-    bad = [lv for lv in levels if lv not in LEVELS]
+def _check_request(levels: list[str], only_ops: Optional[list[str]], ranks: Optional[int]) -> None:
+    bad = [lv for lv in levels if lv not in LEVELS + (MULTI_RANK,)]
     if bad:
-        raise InputError(f"unknown level(s) {', '.join(bad)}; levels are {', '.join(LEVELS)}")
+        raise InputError(f"unknown level(s) {', '.join(bad)}; levels are {', '.join(LEVELS + (MULTI_RANK,))}")
+    if ranks is not None and ranks < 2:
+        raise InputError(f"ranks={ranks}: the multi-rank level needs at least 2 ranks")
+    if MULTI_RANK in levels and ranks is None:
+        raise InputError(f"{MULTI_RANK} (the collectives across ranks) needs the number of ranks: ranks=N, N >= 2")
     unknown = [op for op in only_ops or [] if op not in abi.OP_NAMES]
     if unknown:
         raise InputError(f"unknown op(s) {', '.join(unknown)}; the ABI's ops are {', '.join(abi.OP_NAMES)}")
@@ -405,35 +414,57 @@ def _write_atomically(path: Path, text: str) -> None:
             tmp.unlink()
 
 
+def _run_multi_rank(lib_path: str, facts: dict, ranks: int, seed: int, progress: Progress,
+                    check_timeout: Optional[float]) -> list[dict]:
+    """L4: the checks of multi_rank.py as an mpirun job of `ranks` processes."""
+    from .harness import Outcome
+    from .multi_rank import run_l4
+
+    progress(f"== {MULTI_RANK} ({ranks} ranks under mpirun)")
+    comm_entries = ("comm_unique_id", "comm_create", "comm_destroy")
+    if lib_path != REFERENCE and not all(e in facts.get("entries", []) for e in comm_entries):
+        return [Outcome("*", MULTI_RANK, "*", "unsupported",
+                        f"the library (ABI {facts.get('abi_version')}) has no communicators ({', '.join(comm_entries)} "
+                        f"are ABI 1.4 entries it leaves NULL): there are no collectives to certify across ranks"
+                        ).as_dict()]
+    return run_l4(lib_path, ranks, timeout=check_timeout or CHECK_BUDGETS[MULTI_RANK], progress=progress, seed=seed)
+
+
 def run_conformance(lib_path: str, levels: Iterable[str] = LEVELS, out: Optional[str] = None,
                     profile: str = "default", seed: int = 0, only_ops: Optional[Iterable[str]] = None,
                     isolate: bool = True, progress: Progress = _quiet, timeout: float = 3600,
-                    check_timeout: Optional[float] = None) -> dict:
+                    check_timeout: Optional[float] = None, ranks: Optional[int] = None) -> dict:
     """Certify a backend library (or the special name "reference") and return the certificate;
     with `out`, also write it as JSON (replacing that file). Nothing raises for a bad library: its
     failures are results; unknown levels or ops raise InputError before anything runs.
 
     isolate=True runs the levels in child processes, where a check is killed after check_timeout
     seconds (default: CHECK_BUDGETS of its level) and the whole run after `timeout`; isolate=False
-    runs them here, with no timeout at all."""
+    runs them here, with no timeout at all. ranks=N (N >= 2) adds level L4, the collectives across N
+    ranks: an mpirun job either way, stopped after check_timeout (default CHECK_BUDGETS["L4"]) seconds."""
     lib_path = str(lib_path)
     levels = [lv.upper() for lv in levels]
+    if ranks is not None and MULTI_RANK not in levels:
+        levels.append(MULTI_RANK)
     only_ops = list(only_ops) if only_ops else None
-    _check_request(levels, only_ops)
+    _check_request(levels, only_ops, ranks)
     t0 = time.time()
     facts = _library_facts(lib_path, isolate)
     level_results: dict[str, list[dict]] = {}
+    local = [lv for lv in levels if lv != MULTI_RANK]
     if lib_path != REFERENCE and not facts.get("loadable", True):
         for lv in levels:
             level_results[lv] = [_error("*", lv, "*", f"library cannot be loaded: {facts['load_error']}")]
     else:
-        if isolate:
-            level_results = _run_isolated(levels, lib_path, profile, seed, only_ops, progress, timeout,
+        if isolate and local:
+            level_results = _run_isolated(local, lib_path, profile, seed, only_ops, progress, timeout,
                                           check_timeout)
-        else:
-            for lv in levels:
+        elif local:
+            for lv in local:
                 progress(f"== {lv}")
                 level_results[lv] = run_level(lv, lib_path, profile, seed, only_ops, progress)
+        if MULTI_RANK in levels:
+            level_results[MULTI_RANK] = _run_multi_rank(lib_path, facts, ranks, seed, progress, check_timeout)
     summaries = {lv: _summarise_level(r) for lv, r in level_results.items()}
     ran = _any_check_ran(level_results)
     claimed = facts.get("ops_claimed", [])
@@ -447,6 +478,7 @@ def run_conformance(lib_path: str, levels: Iterable[str] = LEVELS, out: Optional
         "ops_claimed": claimed,
         "ops_unimplemented": [op for op in abi.OP_NAMES if op not in claimed],
         "levels_run": levels,
+        "ranks": ranks,
         "profile": profile,
         "seed": seed,
         "only_ops": only_ops,
@@ -482,7 +514,7 @@ def summary(cert: dict, verbose: bool = False) -> str:
         cnt = d["counts"]
         verdict = "PASS" if d["passed"] else "FAIL"
         c = ", ".join(f"{v} {k}" for k, v in sorted(cnt.items()))
-        lines.append(f"{lv:3s} {verdict:4s}  {c}")
+        lines.append(f"{lv:3s} {verdict:4s}  {c}" + (f"  ({cert.get('ranks')} ranks)" if lv == MULTI_RANK else ""))
         for op, od in d["per_op"].items():
             bad = [f for f, s in od["formats"].items() if s == "fail"]
             uns = [f for f, s in od["formats"].items() if s == "unsupported"]

@@ -42,9 +42,13 @@ def mpirun_argv(nranks: int, argv: Sequence[str], *, mpirun: Optional[str] = Non
     (CPU ranks on a machine with fewer cores than ranks still run, just slower)."""
     if nranks < 1:
         raise ValueError(f"nranks must be >= 1, got {nranks}")
-    return [mpirun or find_mpirun(), "-n", str(int(nranks)), "--oversubscribe", "--bind-to", "none",
-            # the ranks run `argv` with this interpreter's environment (PATH, PYTHONPATH, DEEPINFER_*)
-            "-x", "PATH", "-x", "PYTHONPATH"] + [str(a) for a in argv]
+    # the ranks run `argv` with this interpreter's environment: PATH, PYTHONPATH and every DEEPINFER_*,
+    # NCCL_* and OMP_* setting are exported explicitly (what ranks on another machine would need)
+    names = [k for k in ("PATH", "PYTHONPATH") if k in os.environ] + \
+        sorted(k for k in os.environ if k.startswith(("DEEPINFER_", "NCCL_", "OMP_")))
+    exports = [x for k in names for x in ("-x", k)]
+    return [mpirun or find_mpirun(), "-n", str(int(nranks)), "--oversubscribe", "--bind-to", "none"] + exports + \
+        [str(a) for a in argv]
 
 
 def mpirun_env(env: Optional[dict] = None) -> dict:
