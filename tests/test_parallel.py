@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -353,13 +352,3 @@ def test_each_rank_loads_only_its_share(tiny_v3):
     # the replicated part (embedding, lm_head, norms, router, q_a / kv_a) is what keeps it above half
     assert all(s < 0.75 * full for s in shares), (shares, full)
 
-
-@needs_mpi
-def test_collective_shape_mismatch_fails_every_rank():
-    """3 ranks, the last passing another shape: every rank gets the CPU library's error, none hangs."""
-    from deepinfer.parallel.launch import mpirun_argv
-
-    cmd = mpirun_argv(3, [sys.executable, str(ROOT / "tests" / "dist_scripts" / "check_shape_mismatch.py")])
-    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "shape mismatch checks: ok" in r.stdout

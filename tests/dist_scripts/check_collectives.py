@@ -63,15 +63,29 @@ def check_errors_fail_everywhere(cpu, cc) -> None:
         want = "must lie in [0, C=3]" if RANK == 0 else "rank 0 passed send_counts outside [0, C]"
         if want not in str(e):
             fail(f"all_to_all bad counts: unexpected message {e}")
-    # different row sizes on different ranks
+    # different row sizes on different ranks, in every collective (counted all_to_all and the rest)
     H = 2 + (RANK == N - 1)
-    try:
-        cpu.call("all_to_all", comm=cc, send=cpu.empty((N, C, H), "f32", fill=0), recv=cpu.empty((N, C, H), "f32"),
-                 send_counts=t(np.ones(N, np.int32)), recv_counts=cpu.empty((N,), "int32"))
-        fail("all_to_all with different shapes on the ranks did not fail here")
-    except BackendCallError as e:
-        if "the ranks passed different shapes" not in str(e):
-            fail(f"all_to_all shapes: unexpected message {e}")
+    calls = {
+        "all_to_all (counts)": ("all_to_all", dict(
+            send=cpu.empty((N, C, H), "f32", fill=0), recv=cpu.empty((N, C, H), "f32"),
+            send_counts=t(np.ones(N, np.int32)), recv_counts=cpu.empty((N,), "int32"))),
+        "all_to_all": ("all_to_all", dict(send=cpu.empty((N, C, H), "f32", fill=0), recv=cpu.empty((N, C, H), "f32"))),
+        "all_reduce": ("all_reduce", dict(x=cpu.empty((C, H), "f32", fill=1), out=cpu.empty((C, H), "f32"))),
+        "all_gather": ("all_gather", dict(x=cpu.empty((C, H), "f32", fill=1), out=cpu.empty((N, C, H), "f32"))),
+    }
+    for what, (op, kw) in calls.items():
+        try:
+            cpu.call(op, comm=cc, **kw)
+            fail(f"{what} with different shapes on the ranks did not fail here")
+        except BackendCallError as e:
+            if "the ranks passed different shapes" not in str(e):
+                fail(f"{what} shapes: unexpected message {e}")
+    # the communicator still serves calls that agree (an empty one too)
+    out = cpu.empty((2, 3), "f32")
+    cpu.call("all_reduce", comm=cc, x=t(np.full((2, 3), RANK, np.float32)), out=out)
+    if not (cpu.to_numpy(out) == sum(range(N))).all():
+        fail("all_reduce after the shape mismatches gave a wrong sum")
+    cpu.call("all_gather", comm=cc, x=t(np.ones((0,), np.float32)), out=cpu.empty((N, 0), "f32"))
     # every rank handed a different id
     try:
         cpu.comm_create(cpu.comm_unique_id(), N, RANK)

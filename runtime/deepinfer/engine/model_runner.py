@@ -24,7 +24,6 @@ perplexity and benchmarks; it keeps a Sequence per id, so positions still live i
 from __future__ import annotations
 
 import logging
-import re
 from collections import OrderedDict
 from typing import Optional, Sequence as Seq
 
@@ -695,7 +694,9 @@ def load_runner(model_dir, backend, engine_config=None, group=None) -> ModelRunn
     entries = ckpt.entries()
     shapes = QF.logical_shapes(entries, ckpt.array)
     if group is not None and group.world > 1:
-        shapes = _local_shapes(shapes, group)   # what fits is what one rank holds
+        # what fits is what one rank holds: its shards, and only its routed experts
+        plan, E = group.shard, ckpt.config.n_routed_experts
+        shapes = {n: plan.local_shape(n, sh) for n, sh in shapes.items() if plan.owns(n, E)}
     stored = P.stored_precision(entries, scheme)
     precision, reason = P.resolve(backend, ec, shapes, scheme.to_config() if scheme is not None else None,
                                   stored=stored)
@@ -709,14 +710,6 @@ def load_runner(model_dir, backend, engine_config=None, group=None) -> ModelRunn
     runner.precision_reason = reason
     runner.precision_lossy = lossy   # the weights compute something other than the stored ones
     return runner
-
-
-def _local_shapes(shapes: dict, group) -> dict:
-    """The weights one rank of a split model holds (its shards), for sizing the precision choice."""
-    plan = group.shard
-    experts = [int(m[1]) for m in (re.search(r"\.experts\.(\d+)\.", n) for n in shapes) if m]
-    E = max(experts) + 1 if experts else 0
-    return {name: plan.local_shape(name, shape) for name, shape in shapes.items() if plan.owns(name, E)}
 
 
 class _SampleBuffers:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from typing import Optional
 
@@ -67,8 +68,6 @@ class ParallelGroup:
     @property
     def local_rank(self) -> int:
         """This rank's index among the ranks on its machine (its GPU)."""
-        import os
-
         return int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", world_from_env()[0]))
 
     def connect(self, backend) -> None:
