@@ -189,7 +189,7 @@ def test_config_rules():
 
 
 def test_shard_plan_splits():
-    p = ShardPlan(rank=1, world=2, tp=2, ep=2)
+    p = ShardPlan(rank=1, tp=2, ep=2)
     L = "model.layers.3."
     assert p.split_dim(L + "self_attn.q_b_proj.weight") == 0
     assert p.split_dim(L + "self_attn.kv_b_proj.weight") == 0
@@ -199,7 +199,7 @@ def test_shard_plan_splits():
     assert p.split_dim(L + "mlp.shared_experts.up_proj.weight") == 0
     assert p.split_dim(L + "mlp.down_proj.weight") == 1
     assert p.split_dim(L + "mlp.experts.5.gate_proj.weight") is None      # whole experts under ep
-    assert ShardPlan(1, 2, 2, 1).split_dim(L + "mlp.experts.5.down_proj.weight") == 1
+    assert ShardPlan(1, 2, 1).split_dim(L + "mlp.experts.5.down_proj.weight") == 1
     assert list(p.expert_range(8)) == [4, 5, 6, 7]
     assert not p.owns(L + "mlp.experts.3.up_proj.weight", 8) and p.owns(L + "mlp.experts.4.up_proj.weight", 8)
     assert p.owns(L + "mlp.gate.weight", 8)
@@ -232,15 +232,15 @@ def test_local_config(tiny_v3):
     from deepinfer.model.checkpoint import Checkpoint
 
     cfg = Checkpoint(tiny_v3).config
-    local = ShardPlan(0, 2, 2, 2).local_config(cfg)
+    local = ShardPlan(0, 2, 2).local_config(cfg)
     assert local.num_attention_heads == cfg.num_attention_heads // 2
     assert local.intermediate_size == cfg.intermediate_size // 2
     assert local.n_routed_experts == cfg.n_routed_experts          # the router scores every expert
     assert local.kv_lora_rank == cfg.kv_lora_rank and local.softmax_scale == cfg.softmax_scale
     with pytest.raises(ConfigError, match="does not divide"):
-        ShardPlan(0, 3, 3, 1).check(cfg)
+        ShardPlan(0, 3, 1).check(cfg)
     with pytest.raises(ConfigError, match="routed experts"):
-        ShardPlan(0, 3, 1, 3).check(cfg)
+        ShardPlan(0, 1, 3).check(cfg)
 
 
 def test_engine_outside_a_job_needs_mpirun(tiny_v3):
@@ -334,7 +334,7 @@ def test_each_rank_loads_only_its_share(tiny_v3):
     E, NH = cfg.n_routed_experts, cfg.num_attention_heads
     shares = []
     for rank in (0, 1):
-        w = WeightLoader(Checkpoint(tiny_v3), be, "f32", None, 64, shard=ShardPlan(rank, 2, 2, 2)).load(False)
+        w = WeightLoader(Checkpoint(tiny_v3), be, "f32", None, 64, shard=ShardPlan(rank, 2, 2)).load(False)
         shares.append(_weight_bytes(w))
         moe = next(l.moe for l in w.layers if l.moe is not None)
         i = next(l.index for l in w.layers if l.moe is not None)

@@ -13,7 +13,6 @@ shape, then the arrays), never pickle.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 from typing import Optional
@@ -24,7 +23,6 @@ from ..errors import ConfigError
 from .launch import world_from_env
 from .shard import ShardPlan
 
-log = logging.getLogger("deepinfer")
 
 _STOP = "stop"
 _STEP = "step"
@@ -56,7 +54,7 @@ class ParallelGroup:
                               f"{self.world}: start it with `mpirun -n {world}` (or let `deepinfer run|serve "
                               f"--tensor-parallel {world}` start it)")
         self.tp, self.ep = tp, ep
-        self.shard = ShardPlan(self.rank, self.world, tp, ep)
+        self.shard = ShardPlan(self.rank, tp, ep)
         self.comm = None               # the backend's communicator (connect)
         self.stopped = False
 

@@ -42,7 +42,6 @@ class ShardPlan:
     the job's size)."""
 
     rank: int
-    world: int
     tp: int = 1
     ep: int = 1
 

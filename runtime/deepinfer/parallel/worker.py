@@ -1,7 +1,6 @@
 """Ranks 1..N-1 of a split model: load this rank's share, then run the steps rank 0 sends."""
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import traceback
@@ -11,7 +10,6 @@ from ..config import EngineConfig
 from ..errors import DeepinferError
 from .group import ParallelGroup, serve_steps
 
-log = logging.getLogger("deepinfer")
 
 
 def run_worker(model_dir, config: EngineConfig) -> int:
