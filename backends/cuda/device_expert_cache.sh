@@ -33,7 +33,7 @@ case "$PART" in
     tail -6 "$OUT/conformance_moe.log"
     echo "== expert cache tests on cuda"
     DEEPINFER_CUDA_LIB=$LIB python3 -m pytest -q -x -p no:cacheprovider tests/test_expert_cache.py \
-      -k test_bit_identical_device 2>&1 | tee "$OUT/expert_cache_tests_cuda.log" | tail -6 || status=1
+      tests/test_expert_cache_v4.py -k test_bit_identical_device 2>&1 | tee "$OUT/expert_cache_tests_cuda.log" | tail -6 || status=1
     echo "== benchmark: embedded model"
     python3 benchmarks/bench_expert_cache.py --backend "$LIB" --commit "$COMMIT" --out-dir "$OUT" --tokens 256 \
       --cold-repeats 3 2>&1 | tail -45 || status=1

@@ -20,7 +20,9 @@ Attention (one shared key = value head of dim D, rope on its last Dr dims):
     then the grouped low-rank projection: o_groups linears o_a, one o_b.
 MoE: router logits in f32, sqrtsoftplus scores, top-k of score + bias (hash layers: the experts
 of the token id from the table), weights normalized and scaled; clipped SwiGLU in the shared and
-routed experts.
+routed experts. With an expert cache (model.expert_cache) the routed experts run over cache slots
+and the step pauses before moe_experts, as in model.deepseek; the next layer's experts are guessed
+for prefetch from this layer's streams (exactly, for a hash-routed next layer).
 
 Per-step inputs besides model.deepseek's decode inputs (engine.model_runner fills them):
 neg_positions [T] (-position), and per compression ratio r in use comp_slots_r [T] (the cache
@@ -28,6 +30,8 @@ entry slot the token's closed window writes, -1 if it closes none) and comp_pos_
 window's first position).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 from ..tensor import Tensor
 from .config import ModelConfig, RopeConfig
@@ -181,24 +185,53 @@ class DeepseekV4Graph:
         return out
 
     # ------------------------------------------------------------------ MoE
-    def moe(self, g, w, x, meta: StepInputs) -> Tensor:
+    def route(self, g, w, x, meta: StepInputs, name: str = "topk"):
+        """Router logits in f32, then moe_router (hash layers: the token ids' experts from the
+        table): (topk_ids, topk_weights) [T, K]."""
         c, T = self.cfg, meta.T
-        E, K, lim = c.n_routed_experts, c.num_experts_per_tok, c.v4.swiglu_limit
+        E, K = c.n_routed_experts, c.num_experts_per_tok
         logits = g.empty((T, E), "f32", "router_logits")
         g.linear(x=x, w=w.gate, out=logits)
-        ids = g.empty((T, K), "int32", "topk_ids")
-        wts = g.empty((T, K), "f32", "topk_weights")
+        ids = g.empty((T, K), "int32", f"{name}_ids")
+        wts = g.empty((T, K), "f32", f"{name}_weights")
         hashed = w.hash_table is not None
         # transformers' V4 routers always normalize the selected weights
         g.moe_router(logits=logits, bias=w.gate_bias, topk_ids=ids, topk_weights=wts, scoring=SCORING[c.scoring_func],
                      n_group=1, topk_group=1, group_score=0, norm_topk_prob=1,
                      routed_scaling_factor=c.routed_scaling_factor,
                      token_ids=meta.ids if hashed else None, hash_table=w.hash_table)
+        return ids, wts
+
+    def predict(self, g, Y, nxt: V4LayerWeights, meta: StepInputs) -> Tensor:
+        """The next layer's experts guessed from this layer's streams Y (after its attention): the
+        next layer's MoE input as if its attention added nothing (its ffn hyper-connection and norm
+        applied to Y), routed by its router. Exact for a hash-routed next layer (token ids only)."""
+        _, _, m = self.hc_pre(g, Y, nxt.ffn_hc)
+        g.rmsnorm(x=m, weight=nxt.ln2, out=m, eps=self.cfg.rms_norm_eps)
+        ids, _ = self.route(g, nxt.moe, m, meta, "predicted")
+        return ids
+
+    def moe(self, g, w, x, meta: StepInputs, pred=None) -> Tensor:
+        """Shared experts, then the routed experts accumulated on top (clipped SwiGLU in both).
+        Streamed experts (model.expert_cache) pause before moe_experts as in model.deepseek: the
+        host reads the routing (and `pred`, the next layer's guessed experts, to prefetch), gets
+        the misses loaded and writes the slot of each (token, k) pair."""
+        c, T = self.cfg, meta.T
+        E, K, lim = c.n_routed_experts, c.num_experts_per_tok, c.v4.swiglu_limit
+        ids, wts = self.route(g, w, x, meta)
         out = g.empty((T, c.hidden_size), self.dtype, "moe_out")
         if w.shared is not None:
             mlp(g, w.shared, x, out, self.dtype, self.act_quant, lim)
-        g.moe_experts(x=x, topk_ids=ids, topk_weights=wts, num_experts=E, accumulate=int(w.shared is not None),
-                      w_gate=w.experts_gate, w_up=w.experts_up, w_down=w.experts_down, out=out, swiglu_limit=lim)
+        s, acc = w.streamed, int(w.shared is not None)
+        if s is None or s.direct is not None:
+            gate, up, down = (w.experts_gate, w.experts_up, w.experts_down) if s is None else s.direct
+            g.moe_experts(x=x, topk_ids=ids, topk_weights=wts, num_experts=E, accumulate=acc,
+                          w_gate=gate, w_up=up, w_down=down, out=out, swiglu_limit=lim)
+            return out
+        slot_ids = g.input(f"expert_slots_{s.pos}", (T, K))
+        g.pause(("experts", s.pos), ids=ids, pred=pred, slot_ids=slot_ids)
+        g.moe_experts(x=x, topk_ids=slot_ids, topk_weights=wts, num_experts=len(s.w_gate), accumulate=acc,
+                      w_gate=s.w_gate, w_up=s.w_up, w_down=s.w_down, out=out, swiglu_limit=lim)
         return out
 
     # ------------------------------------------------------------------ the step
@@ -209,7 +242,8 @@ class DeepseekV4Graph:
             self.extra[f"comp_slots_{r}"] = g.input(f"comp_slots_{r}", (T,))
             self.extra[f"comp_pos_{r}"] = g.input(f"comp_pos_{r}", (T,))
 
-    def layer(self, g, w: V4LayerWeights, X, meta: StepInputs):
+    def layer(self, g, w: V4LayerWeights, X, meta: StepInputs, nxt: Optional[V4LayerWeights] = None):
+        """One block; `nxt`: the following layer, whose experts this one may guess (streamed experts)."""
         c, T = self.cfg, meta.T
         N, H = c.v4.hc_mult, c.hidden_size
         post, comb, a = self.hc_pre(g, X, w.attn_hc)
@@ -217,9 +251,12 @@ class DeepseekV4Graph:
         y = self.attention(g, w.index, w.attn, a, meta)
         Y = g.empty((T, N, H), self.dtype, "streams")
         g.hc_post(x=X, y=y, post=post, comb=comb, out=Y)
+        s = w.moe.streamed
+        pred = self.predict(g, Y, nxt, meta) if (s is not None and s.direct is None and s.predict
+                                                 and nxt is not None) else None
         post, comb, m = self.hc_pre(g, Y, w.ffn_hc)
         g.rmsnorm(x=m, weight=w.ln2, out=m, eps=c.rms_norm_eps)
-        y = self.moe(g, w.moe, m, meta)
+        y = self.moe(g, w.moe, m, meta, pred)
         X2 = g.empty((T, N, H), self.dtype, "streams")
         g.hc_post(x=Y, y=y, post=post, comb=comb, out=X2)
         return X2
@@ -233,8 +270,8 @@ class DeepseekV4Graph:
         X = g.empty((T, N, H), self.dtype, "streams")
         for n in range(N):
             g.embedding(ids=meta.ids, table=w.embed, out=self.stream(X, n))
-        for layer in w.layers:
-            X = self.layer(g, layer, X, meta)
+        for i, layer in enumerate(w.layers):
+            X = self.layer(g, layer, X, meta, w.layers[i + 1] if i + 1 < len(w.layers) else None)
         _, _, h = self.hc_pre(g, X, w.hc_head, with_mix=False)
         n = hidden_out if hidden_out is not None else g.empty((T, H), self.dtype, "final_norm")
         g.rmsnorm(x=h, weight=w.norm, out=n, eps=c.rms_norm_eps)

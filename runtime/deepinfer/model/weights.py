@@ -374,6 +374,14 @@ class WeightLoader:
                 return None
         return t
 
+    def check_streamed_experts(self, m: str) -> None:
+        """Every routed expert the config names is in the checkpoint (an expert cache reads them later;
+        their shapes are checked when first loaded)."""
+        for e in range(self.cfg.n_routed_experts):
+            for name, _ in self.expert_names(m, e):
+                if name not in self.ckpt:
+                    raise CheckpointError(f"{self.ckpt.dir}: tensor {name!r} is missing from the checkpoint")
+
     def _moe(self, m: str) -> MoEWeights:
         c, H = self.cfg, self.cfg.hidden_size
         E, I = c.n_routed_experts, c.moe_intermediate_size
@@ -383,10 +391,7 @@ class WeightLoader:
         if self.shard is not None and self.shard.ep > 1:
             Ir = self.ckpt.global_config.moe_intermediate_size
         if self.stream_experts:
-            for e in range(E):    # every expert the config routes to is in the checkpoint (shapes: at first load)
-                for name, _ in self.expert_names(m, e):
-                    if name not in self.ckpt:
-                        raise CheckpointError(f"{self.ckpt.dir}: tensor {name!r} is missing from the checkpoint")
+            self.check_streamed_experts(m)
         return MoEWeights(
             prefix=m,
             # the router's logits are f32 like transformers'. A bf16 router weight stays bf16 when the

@@ -13,7 +13,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError
 from ..tensor import Quant, Tensor
 from .weights import MoEWeights, WeightLoader
 
@@ -116,11 +116,12 @@ def row_slice(t: Tensor, lo: int, n: int, what: str) -> Tensor:
 
 class V4WeightLoader(WeightLoader):
     def load(self, load_mtp: bool = False) -> V4ModelWeights:
-        if self.stream_experts:
-            raise ConfigError("expert_cache: DeepSeek V4 models do not stream their experts yet; drop the option")
         c, H = self.cfg, self.cfg.hidden_size
         v = c.v4
         self.ckpt.used.clear()
+        if self.stream_experts:
+            # the routed experts are read later, by the expert cache; they count as used
+            self.ckpt.used.update(n for n in self.ckpt.names() if ".mlp.experts." in n)
         # V4's MTP layer is not run yet: its tensors count as read
         self.ckpt.used.update(n for n in self.ckpt.names() if n.startswith("mtp."))
         embed, norm, lm_head = self._embed_norm_head()
@@ -195,13 +196,16 @@ class V4WeightLoader(WeightLoader):
                                       f"[0, {E}); the checkpoint is damaged or belongs to another config")
             table = self.backend.upload(Tensor.from_numpy(np.ascontiguousarray(ids, np.int32)))
         bias_name = m + "gate.e_score_correction_bias"
+        stream = self.stream_experts      # the routed experts load on demand (model.expert_cache)
+        if stream:
+            self.check_streamed_experts(m)
         return MoEWeights(
             prefix=m,
             gate=self._router_weight(m + "gate.weight", (E, H)),
             gate_bias=None if hashed else self._t(bias_name, (E,), "f32"),
-            experts_gate=[self._w(f"{m}experts.{e}.gate_proj.weight", (I, H)) for e in range(E)],
-            experts_up=[self._w(f"{m}experts.{e}.up_proj.weight", (I, H)) for e in range(E)],
-            experts_down=[self._w(f"{m}experts.{e}.down_proj.weight", (H, I)) for e in range(E)],
+            experts_gate=None if stream else [self._w(f"{m}experts.{e}.gate_proj.weight", (I, H)) for e in range(E)],
+            experts_up=None if stream else [self._w(f"{m}experts.{e}.up_proj.weight", (I, H)) for e in range(E)],
+            experts_down=None if stream else [self._w(f"{m}experts.{e}.down_proj.weight", (H, I)) for e in range(E)],
             shared=self._mlp(m + "shared_experts.", I * c.n_shared_experts) if c.n_shared_experts else None,
             hash_table=table)
 
