@@ -297,6 +297,19 @@ def test_bit_identical_fused_layout(bname, family, ec, fused_dirs, cpu_backend):
         assert r.weights.mtp is not None and r.weights.mtp.layer.moe.streamed is not None
 
 
+V32_CASES = [("cpu", {"capacity": 0.25, "prefetch": True}), ("cpu", _device(0.5, "disk")),
+             ("reference", {"capacity": 0.5, "source": "host"})]
+
+
+@pytest.mark.parametrize("bname, ec", V32_CASES, ids=[f"{b}-{_id(e)}" for b, e in V32_CASES])
+def test_bit_identical_v32_with_its_mtp_layer(bname, ec, tiny_checkpoint, cpu_backend):
+    """DeepSeek V3.2 (the DSA indexer in every layer): its main and MTP layers' experts stream, and
+    the logits and mtp_logits equal the resident model's."""
+    path, _, _ = tiny_checkpoint("v32")
+    r = _assert_bit_identical(bname, cpu_backend, path, None, ec, 256, raw=True)
+    assert r.cfg.dsa is not None and r.weights.mtp is not None and r.weights.mtp.layer.moe.streamed is not None
+
+
 # ============================================================================ 2. counters
 def test_capacity_one_loads_each_expert_once(cpu_backend):
     """capacity 1.0 without prefetch (and without the background fill) is lazy loading: an expert is

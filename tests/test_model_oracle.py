@@ -134,11 +134,14 @@ def test_fp8_weights_stay_quantized(tiny_checkpoint):
     assert model.weights.layers[0].attn.kv_b_dense.quant is None and model.weights.layers[0].attn.kv_b_dense.dtype.name == "f32"
 
 
-def test_mtp_head_matches_torch_oracle(model_backend, tiny_checkpoint):
+@pytest.mark.parametrize("family", ["v3", "v32"])
+def test_mtp_head_matches_torch_oracle(family, model_backend, tiny_checkpoint):
+    """The MTP head against transformers' blocks (v32: a V3.2 block whose indexer reads the MTP
+    layer's own cache; 7 positions, so from the fifth on it picks 4 of them)."""
     import tiny_checkpoints
     from safetensors.torch import load_file
 
-    path, hf, block = tiny_checkpoint("v3")
+    path, hf, block = tiny_checkpoint(family)
     be = model_backend
     L = hf.config.num_hidden_layers
     state = {k.split(f"model.layers.{L}.", 1)[1]: v

@@ -11,7 +11,8 @@ Families:
           dequantized weights
   v3bf16  the v3 checkpoint stored in bf16; the oracle runs in bf16
   v32     deepseek_v32: v3 plus DeepSeek Sparse Attention (a lightning indexer of 8 heads per layer;
-          index_topk 4, so from the fifth token on each query attends to 4 chosen positions), no MTP
+          index_topk 4, so from the fifth token on each query attends to 4 chosen positions), plus
+          an MTP layer that is a V3.2 block (its own indexer) in its own shard
   v3fp8e128  v3fp8 with moe_intermediate_size 128, so a fused gate_up scale tensor splits between
           gate and up on 128-row blocks (the only fused fp8 layout that has per-expert views)
   v3fp8probe  v3fp8e128 with intermediate_size 384 and kv_lora_rank 128 (multiples of 128):
@@ -53,7 +54,7 @@ def family_config(family: str):
     if family == "v32":
         return DeepseekV32Config(**BASE, q_lora_rank=48, n_shared_experts=1, n_group=4, topk_group=2,
                                  norm_topk_prob=True, routed_scaling_factor=2.5, index_topk=4, index_head_dim=24,
-                                 index_n_heads=8,
+                                 index_n_heads=8, num_nextn_predict_layers=1,
                                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
                                                   "original_max_position_embeddings": 64, "beta_fast": 32,
                                                   "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
@@ -126,11 +127,21 @@ def _hf_model(family: str, seed: int):
 def _mtp_state(model, gen: torch.Generator, layout: str = "hub") -> dict:
     """Random weights of one MTP layer in DeepSeek's checkpoint layout (layer index L), its routed
     experts per expert (layout "hub") or fused like the main layers (layout "fused")."""
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
-
     cfg = model.config
     L, H = cfg.num_hidden_layers, cfg.hidden_size
-    block = DeepseekV3DecoderLayer(cfg, L)
+    if cfg.model_type == "deepseek_v32":
+        import copy
+
+        from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32DecoderLayer
+
+        # a V3.2 block with its indexer; MoE like every DeepSeek MTP layer (mlp_layer_types stops at L)
+        bcfg = copy.deepcopy(cfg)
+        bcfg.mlp_layer_types = list(cfg.mlp_layer_types) + ["sparse"]
+        block = DeepseekV32DecoderLayer(bcfg, L)
+    else:
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+        block = DeepseekV3DecoderLayer(cfg, L)
     _redraw(_weights(block), gen)
     sd = {}
     # save the block in the per-expert layout transformers writes for the main layers
@@ -297,7 +308,7 @@ def make(family: str, out: Path, seed: int = 0, layout: str = "hub"):
     # save_original_format=False keeps transformers' in-memory (fused) expert tensors
     m.save_pretrained(out, max_shard_size=shard, save_original_format=layout == "hub")
     _check_layout(out, layout)
-    if family in ("v3", "v3bf16"):
+    if family in ("v3", "v3bf16", "v32"):
         mtp, mtp_block = _mtp_state(m, gen, layout)
         if family == "v3bf16":
             mtp = {k: v.to(torch.bfloat16) for k, v in mtp.items()}

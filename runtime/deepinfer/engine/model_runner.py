@@ -100,8 +100,8 @@ class ModelRunner:
         if self.use_graphs:
             self.stream = backend.create_stream()
             backend.set_stream(self.stream)
-        # V3.2's MTP layer (with its own indexer) is not run yet, nor is V4's
-        self.has_mtp = bool(load_mtp and c.has_mtp and c.dsa is None and self.group is None
+        # V3.2's MTP layer is a V3.2 block (its indexer reads the MTP layer's own cache); V4's is not run yet
+        self.has_mtp = bool(load_mtp and c.has_mtp and self.group is None
                             and f"model.layers.{c.num_hidden_layers}.eh_proj.weight" in ckpt)
         self.v4 = c.v4 is not None
         if self.v4 and self.block_size & (self.block_size - 1):
@@ -190,7 +190,7 @@ class ModelRunner:
         if self.v4:
             return V4.cache_pools(self.cfg, self.block_size)
         if self.cfg.dsa is not None:
-            return dsa_cache_pools(self.cfg, self.block_size)
+            return dsa_cache_pools(self.cfg, self.block_size, self.num_cache_layers)
         return None
 
     def _new_cache(self, num_blocks: int):
@@ -388,6 +388,9 @@ class ModelRunner:
     # ================================================================== speculative decoding
     def enable_speculation(self, num_draft: int) -> None:
         """Size the stores a speculative step reads and writes (engine.speculative)."""
+        if self.weights.mtp is None and self.v4:
+            raise ConfigError("speculative decoding with MTP: DeepSeek V4's MTP layer is not run yet (only V3 and "
+                              "V3.2 draft with theirs); drop the speculative option")
         if self.weights.mtp is None:
             raise ConfigError("speculative decoding with MTP needs the checkpoint's MTP layer: this model has none "
                               "(num_nextn_predict_layers is 0, or its weights are absent, or speculative.mtp is "

@@ -127,8 +127,9 @@ class ModelConfig:
     def is_moe_layer(self, i: int) -> bool:
         if self.v4 is not None:
             return True
-        if self.moe_layers is not None:
-            return i < len(self.moe_layers) and self.moe_layers[i]
+        if self.moe_layers is not None and i < len(self.moe_layers):
+            return self.moe_layers[i]
+        # past mlp_layer_types (the MTP layers, which are MoE in every DeepSeek release): the V3 rule
         return (self.n_routed_experts is not None and self.n_routed_experts > 0
                 and i >= self.first_k_dense_replace and i % max(self.moe_layer_freq, 1) == 0)
 

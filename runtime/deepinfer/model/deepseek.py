@@ -53,10 +53,11 @@ SCORING = {"softmax": abi.const("DI_SCORING_SOFTMAX"), "sigmoid": abi.const("DI_
 GROUP_MAX, GROUP_SUM_TOP2 = abi.const("DI_GROUP_SCORE_MAX"), abi.const("DI_GROUP_SCORE_SUM_TOP2")
 
 
-def dsa_cache_pools(cfg: ModelConfig, block_size: int) -> list:
-    """V3.2's paged cache per layer: the MLA latent and the indexer's key of every token."""
+def dsa_cache_pools(cfg: ModelConfig, block_size: int, num_layers: Optional[int] = None) -> list:
+    """V3.2's paged cache per layer (num_layers: the main layers, plus the MTP layer's when it runs):
+    the MLA latent and the indexer's key of every token."""
     return [{"latent": (block_size, cfg.cache_width), "ikeys": (block_size, cfg.dsa.index_head_dim)}
-            for _ in range(cfg.num_hidden_layers)]
+            for _ in range(cfg.num_hidden_layers if num_layers is None else num_layers)]
 
 
 def linear(g, x, w, out, act_quant: bool, bias=None) -> None:
