@@ -4,7 +4,7 @@ SwiGLU, hc_mult streams) stream through bounded per-layer slots, and every logit
 model's bit for bit: every capacity, both sources and policies, prefetch on and off, the device path
 driven on a host backend, lazy loading's switch to pause-free plans, DeepSeek's own layout (renamed
 at open: the disk reads still find each expert's bytes) and transformers' fused one, and the fp4
-experts of DeepSeek's release, read raw as stored or converted at load.
+experts of DeepSeek's release, read raw as stored or converted at load, and the MTP layer's experts.
 
 Prefetch guesses layer i+1's experts from layer i's streams (the next layer's ffn hyper-connection,
 norm and router, as if its attention added nothing); a hash-routed next layer is guessed exactly
@@ -35,6 +35,8 @@ def v4_dir(tmp_path_factory):
             path = tmp_path_factory.mktemp(f"ec_v4_{kind}")
             if kind == "quantized":
                 tiny_v4.make_quantized(path, seed=5)
+            elif kind == "mtp":        # DeepSeek's layout with its `mtp.0` layer
+                tiny_v4.make(path, seed=5, layout="deepseek", mtp=True)
             else:
                 tiny_v4.make(path, seed=5, layout=kind)
             _DIRS[kind] = path
@@ -51,6 +53,9 @@ CASES = [  # (backend, layout, precision, cache, experts read raw from the files
     ("reference", "hf", None, {"capacity": 0.25, "source": "disk", "prefetch": True}, True),
     ("cpu", "deepseek", None, {"capacity": 0.25, "source": "disk", "prefetch": True}, True),
     ("cpu", "fused", None, _device(0.25, "host"), True),
+    # the MTP layer's experts stream too (_workload runs its head after every decode step)
+    ("cpu", "mtp", None, {"capacity": 0.5, "source": "disk", "prefetch": True}, True),
+    ("reference", "mtp", None, _device(0.25, "host"), True),
     # DeepSeek's release: fp4 e2m1 experts with ue8m0 scales, streamed as stored or converted to bf16
     ("cpu", "quantized", None, {"capacity": 0.5, "source": "disk", "prefetch": True}, True),
     ("cpu", "quantized", "bf16", {"capacity": 0.25, "source": "host"}, False),
@@ -63,7 +68,9 @@ CASES = [  # (backend, layout, precision, cache, experts read raw from the files
 def test_bit_identical(bname, layout, precision, ec, raw, v4_dir, cpu_backend):
     vocab = 256
     r = _assert_bit_identical(bname, cpu_backend, v4_dir(layout), precision, ec, vocab, raw=raw, **KW)
-    assert r.v4 and len(r.experts.layers) == r.cfg.num_hidden_layers     # every V4 layer is MoE
+    mtp = r.weights.mtp is not None
+    assert mtp == (layout == "mtp")
+    assert r.v4 and len(r.experts.layers) == r.cfg.num_hidden_layers + mtp    # every V4 layer is MoE
 
 
 def test_hash_layers_are_prefetched_exactly(v4_dir, cpu_backend):

@@ -119,6 +119,58 @@ def test_deepseek_layout_names_are_renamed(tmp_path):
     assert r["layers.0.hc_attn_scale"] == "model.layers.0.attn_hc.scale"
 
 
+def test_mtp_layer_names_are_renamed():
+    """DeepSeek's `mtp.0.*` become layer num_hidden_layers: the block with the per-layer renames,
+    the MTP layer's own pieces under V3's names where V3 has them."""
+    from deepinfer.model import v4_names
+
+    r = v4_names.renames(["mtp.0.e_proj.weight", "mtp.0.e_proj.scale", "mtp.0.norm.weight", "mtp.0.head.weight",
+                          "mtp.0.hc_head_fn", "mtp.0.attn.wq_a.weight", "mtp.0.attn_norm.weight",
+                          "mtp.0.ffn.experts.5.w2.weight", "mtp.0.ffn.gate.bias", "mtp.0.hc_ffn_scale"], num_layers=43)
+    assert r == {"mtp.0.e_proj.weight": "model.layers.43.e_proj.weight",
+                 "mtp.0.e_proj.scale": "model.layers.43.e_proj.weight_scale_inv",
+                 "mtp.0.norm.weight": "model.layers.43.shared_head.norm.weight",
+                 "mtp.0.head.weight": "model.layers.43.shared_head.head.weight",
+                 "mtp.0.hc_head_fn": "model.layers.43.hc_head.hc_fn",
+                 "mtp.0.attn.wq_a.weight": "model.layers.43.self_attn.q_a_proj.weight",
+                 "mtp.0.attn_norm.weight": "model.layers.43.input_layernorm.weight",
+                 "mtp.0.ffn.experts.5.w2.weight": "model.layers.43.mlp.experts.5.down_proj.weight",
+                 "mtp.0.ffn.gate.bias": "model.layers.43.mlp.gate.e_score_correction_bias",
+                 "mtp.0.hc_ffn_scale": "model.layers.43.ffn_hc.scale"}
+
+
+@pytest.fixture(scope="module")
+def v4_mtp_checkpoint(tmp_path_factory):
+    """A DeepSeek-layout V4 checkpoint with its `mtp.0` layer, and the MTP oracle (tiny_v4.MTP)."""
+    path = tmp_path_factory.mktemp("v4_mtp")
+    hf, mtp = tiny_v4.make(path, seed=3, layout="deepseek", mtp=True)
+    add_tokenizer(path)
+    return path, hf, mtp
+
+
+def test_mtp_head_matches_the_oracle(model_backend, v4_mtp_checkpoint):
+    """V4's MTP layer: the main model's last streams and the next tokens, e_proj / h_proj, a V4
+    block (sliding window of 8: 16 positions reach past it), its hyper-connection head and the
+    shared head; against the same computation from transformers' V4 modules. A prefill of 10, then
+    decode steps through the MTP layer's own cache."""
+    path, hf, mtp = v4_mtp_checkpoint
+    be = model_backend
+    ids, nxt = PROMPT[:16], PROMPT[1:17]
+    want = mtp.reference_logits(ids, nxt).numpy()
+    m = make_runner(path, be)
+    assert m.has_mtp and m.hidden_width == hf.config.hc_mult * hf.config.hidden_size
+    m.forward([(0, ids[:10], 0)], keep_hidden=True)
+    got = be.to_numpy(m.mtp_logits([(0, nxt[:10], 0)], all_logits=True))
+    assert rel_err(got, want[:10]) < 1e-4
+    for i in range(10, 16):
+        m.forward([(0, [ids[i]], i)], keep_hidden=True)
+        got = be.to_numpy(m.mtp_logits([(0, [nxt[i]], i)]))
+        assert rel_err(got[0], want[i]) < 1e-4, f"mtp position {i}"
+    # the main model is unchanged by the extra layer
+    ref = tiny_v4.full_logits(hf, ids).numpy()
+    assert rel_err(be.to_numpy(m.forward([(1, ids, 0)], all_logits=True)), ref) < 1e-4
+
+
 def test_cli_runs_a_deepseek_layout_directory(tmp_path):
     path = tmp_path / "v4"
     tiny_v4.make(path, seed=1, layout="deepseek")

@@ -78,7 +78,12 @@ def hf_model(seed: int = 0, **cfg_over):
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     m = DeepseekV4ForCausalLM(cfg).eval()
-    gen = torch.Generator().manual_seed(seed)
+    _redraw(m, torch.Generator().manual_seed(seed), cfg)
+    return m
+
+
+def _redraw(m, gen: torch.Generator, cfg) -> None:
+    """Unit-scale random weights (1/sqrt(fan_in)), norms near 1, hash tables of distinct experts."""
     E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
     with torch.no_grad():
         for name, p in list(m.named_parameters()) + list(m.named_buffers()):
@@ -99,7 +104,6 @@ def hf_model(seed: int = 0, **cfg_over):
                 p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
             else:
                 p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-    return m
 
 
 # transformers' module names -> DeepSeek's own (the inverse of model.v4_names, written out here
@@ -148,12 +152,98 @@ def _per_expert_state(m) -> dict:
     return out
 
 
-def make(out: Path, seed: int = 0, layout: str = "hf", **cfg_over):
-    """Write a tiny V4 checkpoint to `out`; returns the transformers model (the oracle)."""
+def _deepseek_state(sd: dict) -> dict:
+    """A transformers state dict (experts per expert) under DeepSeek's own names."""
+    st = {}
+    for k, v in sd.items():
+        d = deepseek_name(k)
+        d = re.sub(r"\.ffn\.experts\.(\d+)\.wgate\.", r".ffn.experts.\1.w1.", d)
+        d = re.sub(r"\.ffn\.experts\.(\d+)\.up_proj\.", r".ffn.experts.\1.w3.", d)
+        d = re.sub(r"\.ffn\.experts\.(\d+)\.down_proj\.", r".ffn.experts.\1.w2.", d)
+        st[d] = v
+    return st
+
+
+class MTP:
+    """A random V4 MTP layer (what DeepSeek ships as `mtp.0.*`; transformers drops it): a V4 block
+    at layer index num_hidden_layers (sliding window attention, top-k MoE), e_proj / h_proj /
+    enorm / hnorm, its own hyper-connection head and the shared head's norm. `reference_logits` is
+    the oracle of our MTP head, written from transformers' V4 modules."""
+
+    def __init__(self, m, seed: int):
+        import copy
+
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4DecoderLayer, DeepseekV4HyperHead
+
+        cfg = m.config
+        self.m, L, H, N = m, cfg.num_hidden_layers, cfg.hidden_size, cfg.hc_mult
+        bcfg = copy.deepcopy(cfg)
+        bcfg.layer_types = list(cfg.layer_types) + ["sliding_attention"]
+        bcfg.mlp_layer_types = list(cfg.mlp_layer_types) + ["moe"]
+        gen = torch.Generator().manual_seed(seed + 101)
+        self.block = DeepseekV4DecoderLayer(bcfg, L).eval()
+        _redraw(self.block, gen, cfg)
+        self.hc_head = DeepseekV4HyperHead(cfg).eval()
+        _redraw(self.hc_head, gen, cfg)
+        self.own = {n: 1.0 + 0.1 * torch.randn(H, generator=gen) for n in ("enorm", "hnorm", "norm")}
+        self.own.update({n: torch.randn(H, H, generator=gen) * H ** -0.5 for n in ("e_proj", "h_proj")})
+
+    def deepseek_state(self) -> dict:
+        """The MTP layer under DeepSeek's names (`mtp.0.attn.wq_a.weight`, `mtp.0.e_proj.weight`, ...)."""
+        L = self.m.config.num_hidden_layers
+        block = {f"model.layers.{L}.{k}": v for k, v in _per_expert_state(self.block).items()}
+        st = {re.sub(rf"^layers\.{L}\.", "mtp.0.", k): v for k, v in _deepseek_state(block).items()}
+        for k in ("enorm", "hnorm", "norm", "e_proj", "h_proj"):
+            st[f"mtp.0.{k}.weight"] = self.own[k]
+        for k in ("fn", "base", "scale"):
+            st[f"mtp.0.hc_head_{k}"] = getattr(self.hc_head, f"hc_{k}").detach()
+        return {k: v.detach().contiguous() for k, v in st.items()}
+
+    def reference_logits(self, ids, next_ids) -> "torch.Tensor":
+        """Logits of the MTP head at every position t of `ids`, given the main model's last streams
+        there and the next tokens next_ids[t] (no cache: one forward over all positions)."""
+        from transformers.masking_utils import create_sliding_window_causal_mask
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm
+
+        m, cfg = self.m, self.m.config
+        H = cfg.hidden_size
+
+        def norm(w, x):
+            n = DeepseekV4RMSNorm(H, eps=cfg.rms_norm_eps)
+            n.weight.data.copy_(w)
+            return n(x)
+
+        streams = {}
+        hook = m.model.hc_head.register_forward_hook(lambda mod, inp, out: streams.setdefault("x", inp[0]))
+        with torch.no_grad():
+            m(torch.tensor([list(ids)]), use_cache=False)
+            hook.remove()
+            prev = streams["x"]                                   # [1, T, N, H]: before the head
+            nxt = torch.tensor([list(next_ids)])
+            e = norm(self.own["enorm"], m.model.embed_tokens(nxt)) @ self.own["e_proj"].T
+            x = norm(self.own["hnorm"], prev) @ self.own["h_proj"].T + e.unsqueeze(2)
+            pos = torch.arange(len(ids))[None]
+            emb = m.model.embed_tokens(nxt)
+            mask = create_sliding_window_causal_mask(config=cfg, inputs_embeds=emb, attention_mask=None, cache=None,
+                                                     position_ids=pos)
+            pe = {t: m.model.rotary_emb(emb, position_ids=pos, layer_type=t) for t in ("main", "compress")}
+            y = self.block(x, position_embeddings=pe, position_ids=pos, attention_mask=mask, input_ids=nxt)
+            h = norm(self.own["norm"], self.hc_head(y))
+            return (h @ m.lm_head.weight.T)[0].float()
+
+
+def make(out: Path, seed: int = 0, layout: str = "hf", mtp: bool = False, **cfg_over):
+    """Write a tiny V4 checkpoint to `out`; returns the transformers model (the oracle), and with
+    mtp=True (DeepSeek's layout only: transformers' drops the MTP layer) (model, MTP)."""
     from safetensors.torch import save_file
 
     out = Path(out)
+    if mtp:
+        if layout != "deepseek":
+            raise ValueError("an MTP layer is written in DeepSeek's layout only")
+        cfg_over.setdefault("num_nextn_predict_layers", 1)
     m = hf_model(seed, **cfg_over)
+    extra = MTP(m, seed) if mtp else None
     if layout == "hf":
         m.save_pretrained(out)
     elif layout == "fused":
@@ -161,17 +251,13 @@ def make(out: Path, seed: int = 0, layout: str = "hf", **cfg_over):
     elif layout == "deepseek":
         out.mkdir(parents=True, exist_ok=True)
         m.config.to_json_file(out / "config.json")
-        st = {}
-        for k, v in _per_expert_state(m).items():
-            d = deepseek_name(k)
-            d = re.sub(r"\.ffn\.experts\.(\d+)\.wgate\.", r".ffn.experts.\1.w1.", d)
-            d = re.sub(r"\.ffn\.experts\.(\d+)\.up_proj\.", r".ffn.experts.\1.w3.", d)
-            d = re.sub(r"\.ffn\.experts\.(\d+)\.down_proj\.", r".ffn.experts.\1.w2.", d)
-            st[d] = v
+        st = _deepseek_state(_per_expert_state(m))
+        if extra is not None:
+            st.update(extra.deepseek_state())
         save_file(st, str(out / "model.safetensors"))
     else:
         raise ValueError(layout)
-    return m
+    return (m, extra) if mtp else m
 
 
 def full_logits(m, ids) -> "torch.Tensor":

@@ -37,7 +37,7 @@ from ..model.expert_cache import ExpertCache, ExpertCacheConfig
 from ..model import deepseek_v4 as V4
 from ..model.kv_cache import PagedKVCache, PagedPools, block_bytes, pools_block_bytes
 from ..model.plan import Arena, Plan, Tracer
-from ..model.weights import WeightLoader
+from ..model.weights import WeightLoader, is_mtp_layer
 from ..model.weights_v4 import V4WeightLoader
 from ..tensor import Tensor
 from .block_manager import BlockManager
@@ -100,10 +100,12 @@ class ModelRunner:
         if self.use_graphs:
             self.stream = backend.create_stream()
             backend.set_stream(self.stream)
-        # V3.2's MTP layer is a V3.2 block (its indexer reads the MTP layer's own cache); V4's is not run yet
-        self.has_mtp = bool(load_mtp and c.has_mtp and self.group is None
-                            and f"model.layers.{c.num_hidden_layers}.eh_proj.weight" in ckpt)
+        # the MTP layer is a block of the model's own kind (V3.2: with its indexer; V4: sliding window)
+        self.has_mtp = bool(load_mtp and c.has_mtp and self.group is None and is_mtp_layer(ckpt, c.num_hidden_layers))
         self.v4 = c.v4 is not None
+        # what the MTP layer reads of the main model's last step: the final-normed hidden state [T, H],
+        # or V4's residual streams before its hyper-connection head [T, hc_mult * H]
+        self.hidden_width = c.hidden_size * (c.v4.hc_mult if self.v4 else 1)
         if self.v4 and self.block_size & (self.block_size - 1):
             raise ConfigError(f"DeepSeek V4 needs a power-of-two KV block size (compressed entries of 4 and 128 "
                               f"tokens map onto blocks); {self.block_size} is not: set kv_block_size to 16, 32 or 64")
@@ -188,7 +190,7 @@ class ModelRunner:
         """Per layer {pool: (entries per block, width)} for models whose cache is several pools (V4,
         V3.2), None for the one latent tensor per layer of V2 / V3."""
         if self.v4:
-            return V4.cache_pools(self.cfg, self.block_size)
+            return V4.cache_pools(self.cfg, self.block_size, self.num_cache_layers)
         if self.cfg.dsa is not None:
             return dsa_cache_pools(self.cfg, self.block_size, self.num_cache_layers)
         return None
@@ -321,12 +323,12 @@ class ModelRunner:
         if self._hidden is None or self._hidden.shape[0] < T:
             n = max(T, 2 * self.max_batch, 64 if self._hidden is None else 2 * self._hidden.shape[0])
             # zero-filled: a step-time profile (engine.speculative) runs plans on rows nothing wrote
-            self._hidden = self.backend.empty((n, self.cfg.hidden_size), self.dtype, fill=0.0)
-            self._mtp_hidden = self.backend.empty((n, self.cfg.hidden_size), self.dtype, fill=0.0)
+            self._hidden = self.backend.empty((n, self.hidden_width), self.dtype, fill=0.0)
+            self._mtp_hidden = self.backend.empty((n, self.hidden_width), self.dtype, fill=0.0)
             # plans bound to the old stores must be traced again
             self.plans = OrderedDict((k, p) for k, p in self.plans.items() if k[0] == "main" and not k[-1])
         if self._draft_hidden is None:
-            self._draft_hidden = self.backend.empty((bucket(self.max_batch), self.cfg.hidden_size), self.dtype,
+            self._draft_hidden = self.backend.empty((bucket(self.max_batch), self.hidden_width), self.dtype,
                                                     fill=0.0)
         return self._hidden
 
@@ -388,9 +390,6 @@ class ModelRunner:
     # ================================================================== speculative decoding
     def enable_speculation(self, num_draft: int) -> None:
         """Size the stores a speculative step reads and writes (engine.speculative)."""
-        if self.weights.mtp is None and self.v4:
-            raise ConfigError("speculative decoding with MTP: DeepSeek V4's MTP layer is not run yet (only V3 and "
-                              "V3.2 draft with theirs); drop the speculative option")
         if self.weights.mtp is None:
             raise ConfigError("speculative decoding with MTP needs the checkpoint's MTP layer: this model has none "
                               "(num_nextn_predict_layers is 0, or its weights are absent, or speculative.mtp is "

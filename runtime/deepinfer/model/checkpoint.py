@@ -25,6 +25,8 @@ A fused tensor is presented under the hub names of its experts, each a view into
 """
 from __future__ import annotations
 
+import functools
+
 import math
 import os
 import re
@@ -466,7 +468,10 @@ class Checkpoint(TensorStore):
         self.config = ModelConfig.from_file(confined(d, "config.json", str(d / "config.json")))
         from . import v4_names
 
-        super().__init__(d, self.config.quant_scheme, rename=v4_names.renames if self.config.v4 is not None else None)
+        rename = None
+        if self.config.v4 is not None:      # DeepSeek's own names; its MTP layers numbered after the main ones
+            rename = functools.partial(v4_names.renames, num_layers=self.config.num_hidden_layers)
+        super().__init__(d, self.config.quant_scheme, rename=rename)
 
     def tensor(self, name: str, shape, dtype: Optional[str] = None) -> Tensor:
         """A plain float tensor (norms, embeddings, biases), cast to `dtype` when it differs."""

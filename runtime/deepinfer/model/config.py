@@ -317,16 +317,25 @@ class V4Config:
     rope_main: RopeConfig            # sliding layers
     rope_compress: RopeConfig        # CSA / HCA layers, their compressors and indexers
 
+    def layer_type(self, i: int) -> str:
+        """Layer i's attention; past the main layers (the MTP layer) a sliding window only, as
+        DeepSeek's and SGLang's V4 MTP layers attend (compress ratio 0)."""
+        return self.layer_types[i] if i < len(self.layer_types) else "sliding_attention"
+
+    def mlp_type(self, i: int) -> str:
+        """Layer i's routing; the MTP layer routes by score (it has the router's bias, no tid2eid)."""
+        return self.mlp_layer_types[i] if i < len(self.mlp_layer_types) else "moe"
+
     def ratio(self, i: int) -> int:
         """Tokens per compressed entry of layer i, 0 for a sliding-only layer."""
-        t = self.layer_types[i]
+        t = self.layer_type(i)
         return 0 if t == "sliding_attention" else int(self.compress_rates[t])
 
     def is_csa(self, i: int) -> bool:
-        return self.layer_types[i] == "compressed_sparse_attention"
+        return self.layer_type(i) == "compressed_sparse_attention"
 
     def rope(self, i: int) -> RopeConfig:
-        return self.rope_main if self.layer_types[i] == "sliding_attention" else self.rope_compress
+        return self.rope_main if self.layer_type(i) == "sliding_attention" else self.rope_compress
 
 
 def _v4_from_dict(f: "_Fields", d: dict, source: str) -> "ModelConfig":
@@ -395,8 +404,8 @@ def _v4_from_dict(f: "_Fields", d: dict, source: str) -> "ModelConfig":
         routed_scaling_factor=f.real("routed_scaling_factor", 1.5), rms_norm_eps=f.real("rms_norm_eps", 1e-6),
         rope=comp_rope, rope_interleave=True, max_position_embeddings=f.integer("max_position_embeddings", 1048576),
         tie_word_embeddings=f.boolean("tie_word_embeddings", False),
-        # V4's MTP layer is not run yet (transformers does not instantiate it either)
-        num_nextn_predict_layers=0,
+        # DeepSeek's `mtp.K` layers (transformers drops them; model.v4_names numbers them after the main ones)
+        num_nextn_predict_layers=f.integer("num_nextn_predict_layers", 1, lo=0),
         bos_token_id=f.integer("bos_token_id", None, lo=0, hi=vocab - 1), eos_token_id=_eos(f, vocab),
         torch_dtype=f.string("torch_dtype", None) or f.string("dtype", "bfloat16"),
         weight_block_size=block, quant_scheme=scheme, source=source, v4=v4)

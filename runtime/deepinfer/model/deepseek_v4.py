@@ -8,6 +8,8 @@ window of the layer's per-token KV plus compressed entries, which only exist in 
     per layer:  post, comb, a = hc_pre(X);  Y = hc_post(X, attention(rmsnorm(a)), post, comb)
                 post, comb, m = hc_pre(Y);  X = hc_post(Y, MoE(rmsnorm(m)), post, comb)
     h = rmsnorm(hc_pre(X) with the head's weights);  logits = lm_head(h[last token of each sequence])
+    MTP layer (speculative decoding), on the last X and the next tokens:
+                X' = h_proj(hnorm(X)) + e_proj(enorm(embed(next)));  X' = block(X');  its own head
 
 Attention (one shared key = value head of dim D, rope on its last Dr dims):
     qr = rmsnorm(q_a(x));  q = q_b(qr), each head RMS-normed (no weight), rope;  kv = rmsnorm(kv(x)), rope
@@ -35,7 +37,7 @@ from typing import Optional
 
 from ..tensor import Tensor
 from .config import ModelConfig, RopeConfig
-from .deepseek import ROPE_NONE, ROPE_YARN, StepInputs, head_logits, linear, mlp
+from .deepseek import ROPE_NONE, ROPE_YARN, DeepseekGraph, StepInputs, head_logits, linear, mlp
 from .weights_v4 import CompressorWeights, HCWeights, V4AttentionWeights, V4LayerWeights, V4ModelWeights
 from .. import abi
 
@@ -53,13 +55,14 @@ def step_ratios(cfg: ModelConfig) -> list:
     return sorted({cfg.v4.ratio(i) for i in range(cfg.num_hidden_layers)} - {0})
 
 
-def cache_pools(cfg: ModelConfig, block_size: int) -> list:
-    """Per layer, {pool name: (entries per block, width)} of the paged cache (model.kv_cache).
+def cache_pools(cfg: ModelConfig, block_size: int, num_layers: Optional[int] = None) -> list:
+    """Per layer (num_layers: the main layers, plus the MTP layer's when it runs), {pool name:
+    (entries per block, width)} of the paged cache (model.kv_cache).
     kv: the per-token key = value; stage / istage: per-token compressor inputs (values and gate
     logits of the attention's and the indexer's compressor); comp / ikeys: compressed entries,
     max(1, block_size / ratio) a block, each in the block of its window's last token."""
     v, out = cfg.v4, []
-    for i in range(cfg.num_hidden_layers):
+    for i in range(cfg.num_hidden_layers if num_layers is None else num_layers):
         r = v.ratio(i)
         pools = {"kv": (block_size, v.head_dim)}
         if r:
@@ -236,14 +239,15 @@ class DeepseekV4Graph:
 
     # ------------------------------------------------------------------ the step
     def declare_inputs(self, g, meta: StepInputs) -> None:
-        T = meta.T
-        self.extra = {"neg_positions": g.input("neg_positions", (T,))}
-        for r in step_ratios(self.cfg):
-            self.extra[f"comp_slots_{r}"] = g.input(f"comp_slots_{r}", (T,))
-            self.extra[f"comp_pos_{r}"] = g.input(f"comp_pos_{r}", (T,))
+        """The step's V4 inputs (once per plan: a speculative plan runs the main model and the MTP
+        layer over the same rows)."""
+        names = ["neg_positions"] + [f"comp_{k}_{r}" for r in step_ratios(self.cfg) for k in ("slots", "pos")]
+        self.extra = {n: g.inputs[n] if n in g.inputs else g.input(n, (meta.T,)) for n in names}
 
-    def layer(self, g, w: V4LayerWeights, X, meta: StepInputs, nxt: Optional[V4LayerWeights] = None):
-        """One block; `nxt`: the following layer, whose experts this one may guess (streamed experts)."""
+    def layer(self, g, w: V4LayerWeights, X, meta: StepInputs, nxt: Optional[V4LayerWeights] = None,
+              out: Optional[Tensor] = None):
+        """One block; `nxt`: the following layer, whose experts this one may guess (streamed experts);
+        `out` [T, N, H]: where the output streams go (default: a new tensor)."""
         c, T = self.cfg, meta.T
         N, H = c.v4.hc_mult, c.hidden_size
         post, comb, a = self.hc_pre(g, X, w.attn_hc)
@@ -257,11 +261,21 @@ class DeepseekV4Graph:
         post, comb, m = self.hc_pre(g, Y, w.ffn_hc)
         g.rmsnorm(x=m, weight=w.ln2, out=m, eps=c.rms_norm_eps)
         y = self.moe(g, w.moe, m, meta, pred)
-        X2 = g.empty((T, N, H), self.dtype, "streams")
+        X2 = out if out is not None else g.empty((T, N, H), self.dtype, "streams")
         g.hc_post(x=Y, y=y, post=post, comb=comb, out=X2)
         return X2
 
-    def forward(self, g, meta: StepInputs, hidden_out=None) -> Tensor:
+    def head(self, g, X, hc: HCWeights, norm_w, head_w, meta: StepInputs, name: str = "logits") -> Tensor:
+        """The streams collapsed by the hyper-connection head, normed, then f32 logits (output `name`)."""
+        c = self.cfg
+        _, _, h = self.hc_pre(g, X, hc, with_mix=False)
+        n = g.empty((meta.T, c.hidden_size), self.dtype, "final_norm")
+        g.rmsnorm(x=h, weight=norm_w, out=n, eps=c.rms_norm_eps)
+        return head_logits(g, n, head_w, meta, c.vocab_size, name)
+
+    def forward(self, g, meta: StepInputs, hidden_out: Optional[Tensor] = None) -> Tensor:
+        """The main model; `hidden_out` [T, N * H] receives the last layer's streams (before the
+        hyper-connection head: what the MTP layer reads). Returns the logits (plan output "logits")."""
         if meta.mode != "decode":
             raise ValueError("DeepSeek V4 steps read the paged cache: trace them in decode mode")
         c, w, T = self.cfg, self.w, meta.T
@@ -270,9 +284,39 @@ class DeepseekV4Graph:
         X = g.empty((T, N, H), self.dtype, "streams")
         for n in range(N):
             g.embedding(ids=meta.ids, table=w.embed, out=self.stream(X, n))
+        last = len(w.layers) - 1
         for i, layer in enumerate(w.layers):
-            X = self.layer(g, layer, X, meta, w.layers[i + 1] if i + 1 < len(w.layers) else None)
-        _, _, h = self.hc_pre(g, X, w.hc_head, with_mix=False)
-        n = hidden_out if hidden_out is not None else g.empty((T, H), self.dtype, "final_norm")
-        g.rmsnorm(x=h, weight=w.norm, out=n, eps=c.rms_norm_eps)
-        return head_logits(g, n, w.lm_head, meta, c.vocab_size)
+            X = self.layer(g, layer, X, meta, w.layers[i + 1] if i < last else None,
+                           out=hidden_out.view(T, N, H) if i == last and hidden_out is not None else None)
+        return self.head(g, X, w.hc_head, w.norm, w.lm_head, meta)
+
+    def mtp(self, g, meta: StepInputs, hidden: Tensor, hidden_out: Optional[Tensor] = None,
+            name: str = "logits") -> Tensor:
+        """The MTP layer on streams `hidden` [T, N * H] (the main model's last streams, or for a
+        recursive draft the MTP layer's own) and the next tokens (meta.ids):
+
+            X[t, n] = h_proj(hnorm(hidden[t, n])) + e_proj(enorm(embed(ids[t])))   for every stream n
+            X = block(X)  (sliding window attention, top-k MoE)  -> hidden_out
+            logits = head(norm(hc_head(X)))
+
+        as DeepSeek's V4 MTP module computes it. `hidden_out` may alias `hidden`: that is read first
+        and written last (the block's hc_post writes it from a tensor of its own)."""
+        c, m, T = self.cfg, self.w.mtp, meta.T
+        N, H = c.v4.hc_mult, c.hidden_size
+        self.declare_inputs(g, meta)
+        e = g.empty((T, H), self.dtype, "mtp_embed")
+        g.embedding(ids=meta.ids, table=m.embed, out=e)
+        g.rmsnorm(x=e, weight=m.enorm, out=e, eps=c.rms_norm_eps)
+        ep = g.empty((T, H), self.dtype, "mtp_e_proj")
+        self.linear(g, e, m.e_proj, ep)
+        hn = g.empty((T * N, H), self.dtype, "mtp_hnorm")
+        g.rmsnorm(x=hidden.view(T * N, H), weight=m.hnorm, out=hn, eps=c.rms_norm_eps)
+        X = g.empty((T, N, H), self.dtype, "streams")
+        self.linear(g, hn, m.h_proj, X.view(T * N, H))
+        for n in range(N):
+            g.add(a=self.stream(X, n), b=ep, out=self.stream(X, n))
+        X = self.layer(g, m.layer, X, meta, None, out=hidden_out.view(T, N, H) if hidden_out is not None else None)
+        return self.head(g, X, m.hc_head, m.head_norm, m.head, meta, name)
+
+    # one speculative step (engine.speculative): the same plan as V3's over V4's forward and mtp
+    verify_and_draft = DeepseekGraph.verify_and_draft

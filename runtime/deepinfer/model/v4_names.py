@@ -7,11 +7,15 @@ order, they give its module names (`model.layers.N.self_attn.q_a_proj.weight`, .
 model.weights_v4 reads. Fused experts (`mlp.experts.gate_up_proj`, transformers' in-memory form) are
 split per expert by the checkpoint reader as for V3.
 
-The MTP layer (`mtp.*`) keeps its name; V4's MTP is not run yet and the loader ignores it.
+The MTP layer `mtp.K.*` becomes layer num_hidden_layers + K, as for V3 (`model.layers.{L}.`): its
+decoder block takes the per-layer renames, and its own pieces keep V3's names where V3 has them
+(`norm` -> `shared_head.norm`, `head` -> `shared_head.head`, `emb.tok_emb` -> `embed_tokens`) and
+their own otherwise (`e_proj`, `h_proj`, `enorm`, `hnorm`, `hc_head_*` -> `hc_head.hc_*`).
 """
 from __future__ import annotations
 
 import re
+from typing import Optional
 
 # (pattern, replacement), in the order transformers applies them
 _RENAMES = [
@@ -54,17 +58,36 @@ _RENAMES = [
 _COMPILED = [(re.compile(p), r) for p, r in _RENAMES]
 
 
-def canonical(name: str) -> str:
-    """The transformers module name of a V4 tensor stored under `name` (either layout)."""
-    if name.startswith("mtp."):
-        return name
+# the MTP layer's own tensors (not part of its decoder block), renamed before the per-layer renames
+_MTP_OWN = [
+    (re.compile(r"^norm\.weight$"), "shared_head.norm.weight"),
+    (re.compile(r"^head\.weight$"), "shared_head.head.weight"),
+    (re.compile(r"^emb\.tok_emb\.weight$"), "embed_tokens.weight"),
+    (re.compile(r"^hc_head_(fn|base|scale)$"), r"hc_head.hc_\1"),
+]
+_MTP_NAME = re.compile(r"^(?:model\.)?mtp\.(\d+)\.(.*)$")
+
+
+def canonical(name: str, num_layers: Optional[int] = None) -> str:
+    """The transformers module name of a V4 tensor stored under `name` (either layout).
+    num_layers: the model's num_hidden_layers, where the MTP layers' numbering starts (None: MTP
+    tensors keep their names)."""
+    m = _MTP_NAME.match(name)
+    if m:
+        if num_layers is None:
+            return name
+        rest = m.group(2)
+        for pat, rep in _MTP_OWN:
+            if pat.match(rest):
+                return f"model.layers.{num_layers + int(m.group(1))}." + pat.sub(rep, rest)
+        name = f"layers.{num_layers + int(m.group(1))}.{rest}"
     n = name[len("model."):] if name.startswith("model.") else name
     for pat, rep in _COMPILED:
         n = pat.sub(rep, n)
     return n if n == "lm_head.weight" else "model." + n
 
 
-def renames(names) -> dict:
+def renames(names, num_layers: Optional[int] = None) -> dict:
     """{stored name: canonical name} for the names that change (an empty dict: nothing to rename).
     DeepSeek stores a quantized weight's block scales beside it as `<stem>.scale`; they become V3's
     `<stem>.weight_scale_inv`, which the loader reads (the hyper-connections' own `scale`
@@ -73,9 +96,9 @@ def renames(names) -> dict:
     out = {}
     for n in names:
         if n.endswith(".scale") and n[:-len(".scale")] + ".weight" in names:
-            c = canonical(n[:-len(".scale")] + ".weight") + "_scale_inv"
+            c = canonical(n[:-len(".scale")] + ".weight", num_layers) + "_scale_inv"
         else:
-            c = canonical(n)
+            c = canonical(n, num_layers)
         if c != n:
             out[n] = c
     return out

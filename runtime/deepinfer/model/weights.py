@@ -116,6 +116,12 @@ def _layer_of(name: str) -> Optional[int]:
     return int(m[1]) if m else None
 
 
+def is_mtp_layer(ckpt, i: int) -> bool:
+    """Whether layer i of the checkpoint is an MTP layer: V3's fuse the embedding and the hidden
+    state with eh_proj, V4's project them apart (e_proj, h_proj)."""
+    return f"model.layers.{i}.eh_proj.weight" in ckpt or f"model.layers.{i}.e_proj.weight" in ckpt
+
+
 def copy_bytes(backend, dst: Tensor, src: Tensor) -> None:
     """dst's bytes = src's (both contiguous, same size; 4-bit tensors stay packed)."""
     if dst.nbytes != src.nbytes:
@@ -186,8 +192,7 @@ class WeightLoader:
         c, L = self.cfg, self.cfg.num_hidden_layers
 
         def mtp(i: Optional[int]) -> bool:
-            return i is not None and L <= i < L + c.num_nextn_predict_layers and \
-                f"model.layers.{i}.eh_proj.weight" in self.ckpt
+            return i is not None and L <= i < L + c.num_nextn_predict_layers and is_mtp_layer(self.ckpt, i)
 
         left = [n for n in self.ckpt.names() if n not in self.ckpt.used and not n.endswith(_INV_FREQ)]
         unused = sorted((n for n in left if not mtp(_layer_of(n))), key=lambda n: (_layer_of(n) or 0, n))
@@ -429,13 +434,20 @@ class WeightLoader:
         c, H = self.cfg, self.cfg.hidden_size
         L = c.num_hidden_layers
         p = f"model.layers.{L}."
+        head, embed = self.mtp_head_embed(p, embed, lm_head)
         return MTPWeights(
             layer=self._layer(L),
             enorm=self._t(p + "enorm.weight", (H,)),
             hnorm=self._t(p + "hnorm.weight", (H,)),
             eh_proj=self._w(p + "eh_proj.weight", (H, 2 * H)),
             head_norm=self._t(p + "shared_head.norm.weight", (H,)),
-            head=(self._w(p + "shared_head.head.weight", (c.vocab_size, H))
-                  if p + "shared_head.head.weight" in self.ckpt else lm_head),
-            embed=(self._t(p + "embed_tokens.weight", (c.vocab_size, H))
-                   if p + "embed_tokens.weight" in self.ckpt else embed))
+            head=head, embed=embed)
+
+    def mtp_head_embed(self, p: str, embed: Tensor, lm_head: Tensor) -> tuple:
+        """The MTP layer's head and embedding: its own copies when the checkpoint has them, else the
+        main model's (V3 ships copies, V4 shares them)."""
+        c, H = self.cfg, self.cfg.hidden_size
+        return ((self._w(p + "shared_head.head.weight", (c.vocab_size, H))
+                 if p + "shared_head.head.weight" in self.ckpt else lm_head),
+                (self._t(p + "embed_tokens.weight", (c.vocab_size, H))
+                 if p + "embed_tokens.weight" in self.ckpt else embed))

@@ -4,7 +4,8 @@ DeepSeek's own layout is renamed by model.v4_names when the checkpoint is opened
 Everything reuses WeightLoader's conversions (the precision of the quantizable linears, bf16
 embeddings, f32 routers); what V4 adds: hyper-connection parameters (f32, as transformers keeps
 them), attention sinks and compressor position biases (f32), the hash routers' token -> expert
-tables (int32 on the device), and the grouped output projection split into its groups.
+tables (int32 on the device), the grouped output projection split into its groups, and the MTP
+layer (DeepSeek's `mtp.0`, layer num_hidden_layers once renamed).
 """
 from __future__ import annotations
 
@@ -88,6 +89,24 @@ class V4LayerWeights:
 
 
 @dataclass
+class V4MTPWeights:
+    """V4's multi-token-prediction layer (DeepSeek's `mtp.0`, model.layers.{L} once renamed): the
+    next token's embedding and the main model's last streams projected apart (e_proj, h_proj), a
+    V4 block (sliding window attention, top-k MoE), its own hyper-connection head, then the
+    shared head's norm and the (shared) lm_head."""
+
+    layer: V4LayerWeights
+    enorm: Tensor
+    hnorm: Tensor
+    e_proj: Tensor         # [H, H]
+    h_proj: Tensor         # [H, H]
+    hc_head: HCWeights
+    head_norm: Tensor
+    head: Tensor
+    embed: Tensor
+
+
+@dataclass
 class V4ModelWeights:
     embed: Tensor
     norm: Tensor
@@ -95,7 +114,7 @@ class V4ModelWeights:
     layers: list
     hc_head: HCWeights
     ones: Tensor           # [head_dim] of 1: the unweighted RMS norm of each query head
-    mtp: None = None       # V4's MTP layer is not run yet
+    mtp: Optional[V4MTPWeights] = None
 
 
 def row_slice(t: Tensor, lo: int, n: int, what: str) -> Tensor:
@@ -122,18 +141,32 @@ class V4WeightLoader(WeightLoader):
         if self.stream_experts:
             # the routed experts are read later, by the expert cache; they count as used
             self.ckpt.used.update(n for n in self.ckpt.names() if ".mlp.experts." in n)
-        # V4's MTP layer is not run yet: its tensors count as read
-        self.ckpt.used.update(n for n in self.ckpt.names() if n.startswith("mtp."))
         embed, norm, lm_head = self._embed_norm_head()
-        N = v.hc_mult
-        hc_head = HCWeights(self._f32("model.hc_head.hc_fn", (N, N * H)), self._f32("model.hc_head.hc_base", (N,)),
-                            self._f32("model.hc_head.hc_scale", (1,)))
+        hc_head = self._hc_head("model.hc_head.")
         layers = [self._v4_layer(i) for i in range(c.num_hidden_layers)]
+        mtp = self._v4_mtp(embed, lm_head) if load_mtp else None   # the MTP head shares the stored lm_head
         if self.quantize_lm_head and lm_head.quant is None:
             lm_head = self._int8_rows(lm_head)
         ones = self.backend.upload(Tensor.from_numpy(np.ones(v.head_dim, np.float32), self.dtype))
         self._check_all_used()
-        return V4ModelWeights(embed=embed, norm=norm, lm_head=lm_head, layers=layers, hc_head=hc_head, ones=ones)
+        return V4ModelWeights(embed=embed, norm=norm, lm_head=lm_head, layers=layers, hc_head=hc_head, ones=ones,
+                              mtp=mtp)
+
+    def _hc_head(self, p: str) -> HCWeights:
+        """The hyper-connection head that collapses the streams before the final norm."""
+        N, H = self.cfg.v4.hc_mult, self.cfg.hidden_size
+        return HCWeights(self._f32(p + "hc_fn", (N, N * H)), self._f32(p + "hc_base", (N,)),
+                         self._f32(p + "hc_scale", (1,)))
+
+    def _v4_mtp(self, embed: Tensor, lm_head: Tensor) -> V4MTPWeights:
+        H, L = self.cfg.hidden_size, self.cfg.num_hidden_layers
+        p = f"model.layers.{L}."
+        head, embed = self.mtp_head_embed(p, embed, lm_head)
+        return V4MTPWeights(
+            layer=self._v4_layer(L), enorm=self._t(p + "enorm.weight", (H,)), hnorm=self._t(p + "hnorm.weight", (H,)),
+            e_proj=self._w(p + "e_proj.weight", (H, H)), h_proj=self._w(p + "h_proj.weight", (H, H)),
+            hc_head=self._hc_head(p + "hc_head."), head_norm=self._t(p + "shared_head.norm.weight", (H,)),
+            head=head, embed=embed)
 
     def _f32(self, name, shape) -> Tensor:
         return self._t(name, shape, "f32")
@@ -183,7 +216,7 @@ class V4WeightLoader(WeightLoader):
     def _v4_moe(self, i: int, m: str) -> MoEWeights:
         c, H = self.cfg, self.cfg.hidden_size
         E, I = c.n_routed_experts, c.moe_intermediate_size
-        hashed = c.v4.mlp_layer_types[i] == "hash_moe"
+        hashed = c.v4.mlp_type(i) == "hash_moe"
         table = None
         if hashed:
             t = self.ckpt.array(m + "gate.tid2eid", (c.vocab_size, c.num_experts_per_tok))
