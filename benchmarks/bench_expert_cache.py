@@ -84,7 +84,8 @@ def trace_routing(args, tokens: list):
     ex = r.experts
     steps, cur = [], {}
     for pos, needed, pred in ex.trace:
-        if pos == 0 and cur:
+        # pos -1: the step-start prefetch of a hash-routed first layer (V4), before layer 0's pause
+        if pos <= 0 and (cur.keys() - {-1}):
             steps.append(cur)
             cur = {}
         cur[pos] = (needed, pred)
@@ -99,8 +100,12 @@ def simulate(steps: list, n_layers: int, E: int, capacity: float, policy: str, p
     layers = [LayerSlots(E, n, policy) for _ in range(n_layers)]
     need = hits = loads = pf = pf_used_pred = pred_total = need_pred = 0
     for step in steps:
-        for pos in range(n_layers):
+        for pos in range(-1, n_layers):
             if pos not in step:
+                continue
+            if pos < 0:         # the step-start prefetch of layer 0 (hash-routed: exact)
+                if prefetch:
+                    pf += len(layers[0].prefetch(step[pos][1]))
                 continue
             needed, pred = step[pos]
             L = layers[pos]

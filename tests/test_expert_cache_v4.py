@@ -74,8 +74,10 @@ def test_bit_identical(bname, layout, precision, ec, raw, v4_dir, cpu_backend):
 
 
 def test_hash_layers_are_prefetched_exactly(v4_dir, cpu_backend):
-    """Layer 1 routes by token id (hash_moe): layer 0's prediction of it is the truth at every step.
-    The top-k layers' guesses are real predictions: right more often than not, never told the answer."""
+    """Layers 0 and 1 route by token id (hash_moe): layer 0's experts are prefetched from the ids
+    before each step starts, layer 1's are predicted at layer 0's pause; both are the truth at every
+    step. The top-k layers' guesses are real predictions: right more often than not, never told the
+    answer."""
     r = ModelRunner(v4_dir("hf"), _backend("cpu", cpu_backend), expert_cache={"capacity": 0.5, "prefetch": True},
                     max_batch=4, max_seq_len=128, max_num_batched_tokens=64, **KW)
     assert r.cfg.v4.mlp_layer_types[:3] == ["hash_moe", "hash_moe", "moe"]
@@ -84,15 +86,15 @@ def test_hash_layers_are_prefetched_exactly(v4_dir, cpu_backend):
     guessed: dict = {}
     steps = 0
     for pos, needed, predicted in r.experts.trace:
-        if pos == 0:
+        if pos == -1:                   # before the step: layer 0's experts from the token ids
             steps += 1
         if predicted is not None:
             guessed[(steps, pos + 1)] = set(predicted)
-        if (steps, pos) in guessed:
+        if (steps, pos) in guessed and pos >= 0:
             guessed[(steps, pos)] = (guessed[(steps, pos)], set(needed))
     assert steps == 11                  # the prefill and 10 decode steps, each through every layer
-    hashed = [v for (s, pos), v in guessed.items() if pos == 1]
-    assert len(hashed) == steps and all(p == n for p, n in hashed)
+    hashed = [v for (s, pos), v in guessed.items() if pos in (0, 1)]
+    assert len(hashed) == 2 * steps and all(p == n for p, n in hashed)
     topk = [v for (s, pos), v in guessed.items() if pos >= 2]
     assert len(topk) == 2 * steps
     hit = sum(len(p & n) for p, n in topk) / sum(len(n) for _, n in topk)

@@ -280,6 +280,11 @@ class Plan:
             self._has_pauses = any(op == PAUSE for op, _ in self.calls)
         return self._has_pauses
 
+    @property
+    def first_pause(self):
+        """The tag of the plan's first pause (None: it has none)."""
+        return next((kw["tag"] for op, kw in self.calls if op == PAUSE), None)
+
     def input_region(self, name: str) -> tuple:
         """(device view, host view) of one input's bytes, for an input the host writes in a pause
         (the store was sent at the start of the step): copy the host view over after writing it."""
