@@ -10,7 +10,9 @@
 #          hc_pre, hc_post, kv_compress, indexer_topk, sparse_attention, layernorm, mla_decode
 #          (indices), moe_router (hash routing, sqrtsoftplus), moe_experts (swiglu_limit), silu_mul
 #          (limit), rope (negative positions);
-#       3. tests/test_model_v4.py on cuda.
+#       3. tests/test_model_v4.py on cuda (the MTP head included);
+#       4. V3.2's model tests on cuda, and both families' MTP speculative decoding and V4's expert
+#          cache (tests/test_speculative.py, tests/test_expert_cache_v4.py).
 #   Env: V4_OPS (the conformance op list), V4_LIB (use this library instead of building one),
 #        V4_BENCH=1 (also backends/cuda/bench_v4.py: timings at V4 shapes), V4_SAN_LIB (a sanitizer build to
 #        use for V4_MEMCHECK), V4_MEMCHECK=1 (also build with exact loads, DI_CUDA_SANITIZE,
@@ -65,6 +67,16 @@ if [[ -f tests/test_model_v4.py ]]; then
 else
   echo "   tests/test_model_v4.py is not in this tree: skipped"; status=1
 fi
+
+echo "== V3.2 (oracle and published structure), and V3.2 / V4 speculative decoding and expert cache on cuda"
+# test_model_oracle / test_hub_configs -k v32: V3.2's logits, greedy text and MTP head against
+# transformers; test_speculative -k family: greedy identity and rollback with both families' MTP
+# layers; test_expert_cache_v4 -k device: V4's streamed experts bit-identical, graphs and eager
+DEEPINFER_TEST_BACKENDS=cuda DEEPINFER_CUDA_LIB=$LIB timeout 360 python3 -m pytest -q -p no:cacheprovider \
+  tests/test_model_oracle.py tests/test_hub_configs.py tests/test_speculative.py tests/test_expert_cache_v4.py \
+  -k "(v32 and cuda) or (family and cuda) or test_bit_identical_device" 2>&1 \
+  | tee "$OUT/families_cuda.log" | tail -15
+[[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 
 if [[ "${V4_BENCH:-0}" == 1 ]]; then
   echo "== bench_v4.py"
