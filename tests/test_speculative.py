@@ -300,6 +300,21 @@ def test_family_greedy_output_is_identical_with_speculation(backend, family, spe
             assert st["spec_drafts_verified"] > st["spec_drafts_accepted"] > 0, st
 
 
+@pytest.mark.parametrize("backend", [b for b in _backends() if b.id == "cpu"])
+def test_v4_speculation_with_an_expert_cache(backend, spec_model):
+    """V4's speculative steps pause at every MoE layer for the expert cache (its hash-routed first
+    layer prefetched from the verified rows' ids, the MTP layer's experts streamed too); the output
+    is still plain decoding's."""
+    model = spec_model("v4")
+    ids = _spec_prompts(8)
+    ref = _engine(backend, model=model, max_batch=4).generate_ids(ids, max_new_tokens=12)
+    on = _engine(backend, {"method": "mtp", "num_draft": 3, "confidence": 0.0}, model=model, max_batch=4,
+                 expert_cache={"capacity": 0.5, "prefetch": True})
+    assert on.generate_ids(ids, max_new_tokens=12) == ref
+    st = on.stats()
+    assert st["spec_drafts_accepted"] > 0 and st["expert_misses"] > 0 and st["expert_prefetch_used"] > 0
+
+
 def _cached_rows(runner, slots: np.ndarray, n: int) -> list:
     """(pool, rows) of every cache pool of every layer that a sequence's first n positions wrote:
     per-token pools at their slots; V4's compressed pools at the entries of the windows those
