@@ -441,8 +441,8 @@ class ModelRunner:
         if not p.has_pauses:
             return p.run(self.backend)
         ex = self.experts
-        if ex.hashed_first and "ids" in p.inputs:
-            ex.start_step(p.host_input("ids"), p.first_pause[1])
+        if ex.hashed_first and p.first_pause == ("experts", 0):
+            ex.start_step(p.host_input("ids"))
 
         def on_pause(pz):
             pos = pz.tag[1]

@@ -26,7 +26,6 @@ A fused tensor is presented under the hub names of its experts, each a view into
 from __future__ import annotations
 
 import functools
-
 import math
 import os
 import re

@@ -327,12 +327,12 @@ class ExpertCache:
             # the next layer's router runs on this layer's residual; the MTP layer is another plan
             m.streamed.predict = self.prefetch and self.layers[i + 1].index == self.layers[i].index + 1 \
                 and self.layers[i + 1].index < main_layers
-        # layers routed by token id (V4's hash layers): expert ids straight from the ids, on the host.
-        # A step's first MoE layer has no layer before it to predict it, but when it is hashed its
-        # experts are known before the step starts (start_step)
-        self._hash = {L.pos: backend.to_numpy(m.hash_table) for L, m in zip(self.layers, moe_layers)
-                      if getattr(m, "hash_table", None) is not None}
-        self.hashed_first = self.prefetch and 0 in self._hash
+        # a step's first MoE layer has no layer before it to predict it; when it routes by token id
+        # (V4's hash layers) its experts are known before the step starts (start_step), from the
+        # host's copy of its token -> experts table
+        first = moe_layers[0].hash_table
+        self._first_table = backend.to_numpy(first) if self.prefetch and first is not None else None
+        self.hashed_first = self._first_table is not None
         self._ranges: dict = {}          # (layer pos, expert) -> its file runs (_merged)
         self._fds: dict = {}
         self._reader = ThreadPoolExecutor(max_workers=READ_THREADS if self.host_memory else 4,
@@ -359,7 +359,7 @@ class ExpertCache:
         self.setup_seconds = time.perf_counter() - t0
         self.route_seconds = 0.0         # host time of the routed pauses (reading ids, policy, issuing loads)
         self._views: dict = {}           # id(pause tensor) -> (tensor, its host view / pinned copy)
-        # a list: every pause appends (layer pos, needed, predicted next); start_step (pos - 1, [], predicted)
+        # a list: every pause appends (layer pos, needed, predicted next); start_step (-1, [], predicted)
         self.trace: Optional[list] = None
         # dry: steps load nothing and route every pair nowhere (the runner's warm-up step, which only
         # sizes memory: with lazy loading it would otherwise read every expert before the first token)
@@ -650,23 +650,23 @@ class ExpertCache:
         log.info("expert cache: every routed expert is resident; steps run without pauses from now on")
         return True
 
-    def start_step(self, ids: np.ndarray, first_pos: int) -> None:
-        """Before a step whose first streamed layer routes by token id: its experts follow from the
-        step's token ids (padding rows included: they are routed too), so their loads start now and
-        overlap everything the step computes before that layer's pause."""
-        table = self._hash.get(first_pos)
+    def start_step(self, ids: np.ndarray) -> None:
+        """Before a step that starts at the first MoE layer, when that layer routes by token id:
+        its experts follow from the step's token ids (padding rows included: they are routed too),
+        so their loads start now and overlap everything the step computes before the layer's pause."""
+        table = self._first_table
         if table is None or self.dry or self.direct:
             return
         t0 = time.perf_counter()
         ids = np.asarray(ids)
         predicted, _ = self._distinct(table[ids[(ids >= 0) & (ids < len(table))]])
-        L = self.layers[first_pos]
+        L = self.layers[0]
         for e, s, _ in L.slots.prefetch(predicted):
             self._finish(L, s, compute_waits=False)
             self._load(L, e, s, "prefetch")
             self.stats["expert_prefetch_issued"] += 1
         if self.trace is not None:
-            self.trace.append((first_pos - 1, [], predicted))
+            self.trace.append((-1, [], predicted))
         self.route_seconds += time.perf_counter() - t0
 
     def _read_ids(self, *ts) -> list:
