@@ -650,6 +650,13 @@ class ExpertCache:
         log.info("expert cache: every routed expert is resident; steps run without pauses from now on")
         return True
 
+    def _prefetch(self, L: _Layer, predicted: list) -> None:
+        """Start the loads of the predicted experts of layer L that are not resident."""
+        for e, s, _ in L.slots.prefetch(predicted):
+            self._finish(L, s, compute_waits=False)   # a load still in flight into the victim slot
+            self._load(L, e, s, "prefetch")
+            self.stats["expert_prefetch_issued"] += 1
+
     def start_step(self, ids: np.ndarray) -> None:
         """Before a step that starts at the first MoE layer, when that layer routes by token id:
         its experts follow from the step's token ids (padding rows included: they are routed too),
@@ -660,11 +667,7 @@ class ExpertCache:
         t0 = time.perf_counter()
         ids = np.asarray(ids)
         predicted, _ = self._distinct(table[ids[(ids >= 0) & (ids < len(table))]])
-        L = self.layers[0]
-        for e, s, _ in L.slots.prefetch(predicted):
-            self._finish(L, s, compute_waits=False)
-            self._load(L, e, s, "prefetch")
-            self.stats["expert_prefetch_issued"] += 1
+        self._prefetch(self.layers[0], predicted)
         if self.trace is not None:
             self.trace.append((-1, [], predicted))
         self.route_seconds += time.perf_counter() - t0
@@ -735,12 +738,8 @@ class ExpertCache:
         L.needed, L.slot_ids, L.ids = needed, slot_ids, rid
         predicted = None
         if pred is not None:
-            N = self.layers[pos + 1]
             predicted, _ = self._distinct(rpred)
-            for e, s, _ in N.slots.prefetch(predicted):
-                self._finish(N, s, compute_waits=False)
-                self._load(N, e, s, "prefetch")
-                S["expert_prefetch_issued"] += 1
+            self._prefetch(self.layers[pos + 1], predicted)
         if self.trace is not None:
             self.trace.append((pos, needed, predicted))
         self.route_seconds += time.perf_counter() - t0
