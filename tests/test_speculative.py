@@ -149,45 +149,66 @@ def _chi2_critical(df: int, z: float = 3.09) -> float:
 
 
 # ---------------------------------------------------------------------------- rollback and the MTP cache
-@pytest.mark.parametrize("backend", _backends())
-def test_rollback_leaves_no_stale_cache_entries(backend):
-    """After speculative steps that rejected drafts, every cached position of the sequence -- the main
-    layers and the MTP layer -- holds what a plain recomputation of the accepted tokens writes there,
-    and the prefix cache registered only blocks of accepted tokens."""
-    eng = _engine(backend, {"method": "mtp", "num_draft": 3, "confidence": 0.0}, kv_block_size=4)
-    rid = eng.add_request(_prompts(3)[1], SamplingParams(max_new_tokens=40, ignore_eos=True))
+def _cached_rows(runner, slots: np.ndarray, n: int) -> list:
+    """(pool, rows) of every cache pool of every layer that a sequence's first n positions wrote:
+    per-token pools at their slots (V2 / V3: one latent per layer); V4's compressed pools at the
+    entries of the windows those positions closed."""
+    bs = runner.block_manager.block_size
+    out = []
+    for i, layer in enumerate(runner.kv.layers):
+        for name, t in (layer.items() if isinstance(layer, dict) else [("latent", layer)]):
+            a = runner.backend.to_numpy(t)
+            if t.shape[1] == bs:
+                rows = a[slots // bs, slots % bs]
+            else:
+                r = runner.cfg.v4.ratio(i)
+                p = np.array([q for q in range(n) if (q + 1) % r == 0], np.int64)
+                rows = a[slots[p] // bs, (p % bs) // r]
+            out.append((f"layer {i} {name}", rows))
+    return out
+
+
+def _check_rollback(backend, model, prompt: list, steps: int) -> None:
+    """Speculative steps on one request until drafts were both accepted and rejected; then every
+    cache pool of every layer (the MTP layer's included) holds at the sequence's positions what a
+    plain recomputation of the accepted tokens writes there (the main model over them, then the MTP
+    layer with the tokens that follow them, on a fresh sequence), and the prefix cache registered
+    only blocks of accepted tokens."""
+    eng = _engine(backend, {"method": "mtp", "num_draft": 3, "confidence": 0.0}, model=model, kv_block_size=4)
+    rid = eng.add_request(prompt, SamplingParams(max_new_tokens=40, ignore_eos=True))
     seq = eng._requests[rid][0]
-    for _ in range(12):
+    for _ in range(steps):
         eng.step()
     st = eng.stats()
     assert st["spec_drafts_verified"] > st["spec_drafts_accepted"] > 0, st    # rejections happened
-    r, bm = eng.runner, eng.block_manager
-    n = seq.num_computed
-    toks = list(seq.token_ids)
+    bm = eng.block_manager
+    n, toks = seq.num_computed, list(seq.token_ids)
     assert n == len(toks) - 1 and not seq.is_finished
-    kv = r.backend.to_numpy(r.kv.storage)                  # [layers, blocks, block_size, width]
-    slots = np.array(bm.slots(seq, 0, n))
-    got = kv[:, slots // bm.block_size, slots % bm.block_size]
-
-    # a plain recomputation: the main model over the accepted tokens, then the MTP layer with the
-    # tokens that follow them, on a fresh sequence
-    plain = _engine(backend)
-    pr = plain.runner
+    got = _cached_rows(eng.runner, np.array(bm.slots(seq, 0, n)), n)
+    pr = _engine(backend, model=model, kv_block_size=4).runner
     sid = pr.new_sequence()
     pr.forward([(sid, toks[:n], 0)], keep_hidden=True)
     pr.mtp_logits([(sid, toks[1:n + 1], 0)])
-    pseq = pr._offline[sid]
-    pslots = np.array(pr.block_manager.slots(pseq, 0, n))
-    pkv = pr.backend.to_numpy(pr.kv.storage)
-    want = pkv[:, pslots // pr.block_manager.block_size, pslots % pr.block_manager.block_size]
-    assert np.isfinite(got).all()
-    err = np.abs(got - want).max(axis=(1, 2)) / np.abs(want).max(axis=(1, 2))
-    assert (err < 1e-4).all(), err                          # every layer, the MTP layer (last) included
+    want = _cached_rows(pr, np.array(pr.block_manager.slots(pr._offline[sid], 0, n)), n)
+    L = pr.cfg.num_hidden_layers
+    assert {w.split()[1] for w, _ in want} == set(map(str, range(L + 1)))     # the MTP layer's pools too
+    for (name, a), (_, b) in zip(got, want):
+        assert np.isfinite(a).all() and a.shape == b.shape
+        err = np.abs(a - b).max() / max(np.abs(b).max(), 1e-30) if b.size else 0.0
+        assert err < 1e-4, f"{name}: {err}"
     # the prefix cache holds only blocks of accepted positions, with their tokens
     for i, h in enumerate(seq.block_hashes):
         b = bm.blocks[seq.block_table[i]]
         assert b.tokens == tuple(toks[i * bm.block_size:(i + 1) * bm.block_size])
     assert len(seq.block_hashes) == n // bm.block_size
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_rollback_leaves_no_stale_cache_entries(backend):
+    """The embedded model: after speculative steps that rejected drafts, every cached position of the
+    sequence -- the main layers and the MTP layer -- holds what a plain recomputation of the accepted
+    tokens writes there, and the prefix cache registered only blocks of accepted tokens."""
+    _check_rollback(backend, MODEL, _prompts(3)[1], steps=12)
 
 
 def test_engine_runs_speculation_through_preemption_and_abort():
@@ -315,25 +336,6 @@ def test_v4_speculation_with_an_expert_cache(backend, spec_model):
     assert st["spec_drafts_accepted"] > 0 and st["expert_misses"] > 0 and st["expert_prefetch_used"] > 0
 
 
-def _cached_rows(runner, slots: np.ndarray, n: int) -> list:
-    """(pool, rows) of every cache pool of every layer that a sequence's first n positions wrote:
-    per-token pools at their slots; V4's compressed pools at the entries of the windows those
-    positions closed."""
-    bs = runner.block_manager.block_size
-    out = []
-    for i, layer in enumerate(runner.kv.layers):
-        for name, t in layer.items():
-            a = runner.backend.to_numpy(t)
-            if t.shape[1] == bs:
-                rows = a[slots // bs, slots % bs]
-            else:
-                r = runner.cfg.v4.ratio(i)
-                p = np.array([q for q in range(n) if (q + 1) % r == 0], np.int64)
-                rows = a[slots[p] // bs, (p % bs) // r]
-            out.append((f"layer {i} {name}", rows))
-    return out
-
-
 @pytest.mark.parametrize("family", ["v32", "v4"])
 @pytest.mark.parametrize("backend", _backends())
 def test_family_rollback_leaves_no_stale_cache_entries(backend, family, spec_model):
@@ -341,30 +343,7 @@ def test_family_rollback_leaves_no_stale_cache_entries(backend, family, spec_mod
     the indexer's keys; V4: the window's KV, the compressors' inputs, compressed entries and indexer
     keys; the MTP layer's included) holds at the sequence's positions what a plain recomputation of
     the accepted tokens writes there."""
-    model = spec_model(family)
-    spec = {"method": "mtp", "num_draft": 3, "confidence": 0.0}
-    eng = _engine(backend, spec, model=model, kv_block_size=4)
-    rid = eng.add_request(_spec_prompts()[1], SamplingParams(max_new_tokens=40, ignore_eos=True))
-    seq = eng._requests[rid][0]
-    for _ in range(10):
-        eng.step()
-    st = eng.stats()
-    assert st["spec_drafts_verified"] > st["spec_drafts_accepted"] > 0, st
-    n, toks = seq.num_computed, list(seq.token_ids)
-    assert n == len(toks) - 1 and not seq.is_finished
-    got = _cached_rows(eng.runner, np.array(eng.block_manager.slots(seq, 0, n)), n)
-    plain = _engine(backend, model=model, kv_block_size=4)
-    pr = plain.runner
-    sid = pr.new_sequence()
-    pr.forward([(sid, toks[:n], 0)], keep_hidden=True)
-    pr.mtp_logits([(sid, toks[1:n + 1], 0)])
-    want = _cached_rows(pr, np.array(pr.block_manager.slots(pr._offline[sid], 0, n)), n)
-    L = pr.cfg.num_hidden_layers
-    assert {w.split()[1] for w, _ in want} == set(map(str, range(L + 1)))     # the MTP layer's pools too
-    for (name, a), (_, b) in zip(got, want):
-        assert np.isfinite(a).all() and a.shape == b.shape
-        err = np.abs(a - b).max() / max(np.abs(b).max(), 1e-30) if b.size else 0.0
-        assert err < 1e-4, f"{name}: {err}"
+    _check_rollback(backend, spec_model(family), _spec_prompts()[1], steps=10)
 
 
 # ---------------------------------------------------------------------------- the scheduler
