@@ -1054,13 +1054,19 @@ DEVICE_CASES = [
 @pytest.mark.parametrize("ec", DEVICE_CASES, ids=_id)
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 def test_bit_identical_device(ec, eager):
+    assert_bit_identical_on_device(NANO, "bf16", ec, 4096, enforce_eager=eager)
+
+
+def assert_bit_identical_on_device(path, precision, ec, vocab, **kw) -> None:
+    """On the DEVICE_LIB library (real copy stream, events, pinned buffers): the cached model's
+    logits equal the resident model's at every step of _workload, and the counters add up."""
     def lib():
         return deepinfer.loader.load_library(DEVICE_LIB)
 
-    want = _workload(_runner(NANO, lib(), "bf16", enforce_eager=eager), 4096)
-    r = _runner(NANO, lib(), "bf16", ec, enforce_eager=eager)
+    want = _workload(_runner(path, lib(), precision, **kw), vocab)
+    r = _runner(path, lib(), precision, ec, **kw)
     assert r.experts is not None and not r.experts.host_memory
-    got = _workload(r, 4096)
+    got = _workload(r, vocab)
     for i, (a, b) in enumerate(zip(want, got)):
         assert np.array_equal(a, b), f"step {i}: the cached model differs by {float(np.abs(a - b).max())}"
     _check_counters(r.expert_stats(), r.experts.prefetch, ExpertCacheConfig.parse(ec).policy)

@@ -11,14 +11,13 @@ norm and router, as if its attention added nothing); a hash-routed next layer is
 from the token ids, which test_hash_layers_are_prefetched_exactly checks on the trace."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from deepinfer.engine import ModelRunner
-from deepinfer.model.expert_cache import ExpertCacheConfig
 
 import tiny_v4
-from test_expert_cache import DEVICE_LIB, _assert_bit_identical, _backend, _check_counters, _device, _id, _workload
+from test_expert_cache import (DEVICE_LIB, _assert_bit_identical, _backend, _check_counters, _device, _id, _workload,
+                               assert_bit_identical_on_device)
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -107,16 +106,4 @@ def test_hash_layers_are_prefetched_exactly(v4_dir, cpu_backend):
                                 {"capacity": 1.0}], ids=_id)
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 def test_bit_identical_device(ec, eager, v4_dir):
-    import deepinfer
-
-    def runner(cache=None):
-        return ModelRunner(v4_dir("quantized"), deepinfer.loader.load_library(DEVICE_LIB), expert_cache=cache,
-                           enforce_eager=eager, max_batch=4, max_seq_len=128, max_num_batched_tokens=64, **KW)
-
-    want = _workload(runner(), 256)
-    r = runner(ec)
-    assert r.experts is not None and not r.experts.host_memory
-    got = _workload(r, 256)
-    for i, (a, b) in enumerate(zip(want, got)):
-        assert np.array_equal(a, b), f"step {i}: the cached model differs by {float(np.abs(a - b).max())}"
-    _check_counters(r.expert_stats(), r.experts.prefetch, ExpertCacheConfig.parse(ec).policy)
+    assert_bit_identical_on_device(v4_dir("quantized"), None, ec, 256, enforce_eager=eager, **KW)

@@ -135,8 +135,7 @@ def row_slice(t: Tensor, lo: int, n: int, what: str) -> Tensor:
 
 class V4WeightLoader(WeightLoader):
     def load(self, load_mtp: bool = False) -> V4ModelWeights:
-        c, H = self.cfg, self.cfg.hidden_size
-        v = c.v4
+        c = self.cfg
         self.ckpt.used.clear()
         if self.stream_experts:
             # the routed experts are read later, by the expert cache; they count as used
@@ -147,7 +146,7 @@ class V4WeightLoader(WeightLoader):
         mtp = self._v4_mtp(embed, lm_head) if load_mtp else None   # the MTP head shares the stored lm_head
         if self.quantize_lm_head and lm_head.quant is None:
             lm_head = self._int8_rows(lm_head)
-        ones = self.backend.upload(Tensor.from_numpy(np.ones(v.head_dim, np.float32), self.dtype))
+        ones = self.backend.upload(Tensor.from_numpy(np.ones(c.v4.head_dim, np.float32), self.dtype))
         self._check_all_used()
         return V4ModelWeights(embed=embed, norm=norm, lm_head=lm_head, layers=layers, hc_head=hc_head, ones=ones,
                               mtp=mtp)
