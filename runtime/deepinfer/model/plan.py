@@ -45,6 +45,9 @@ OUTPUT_FIELDS = {op: frozenset(abi.output_fields(op)) for op in abi.OP_NAMES}
 PAUSE = "__pause__"     # the op name of a pause entry in a plan's call list
 
 
+_UNSET = object()      # a cached property not computed yet
+
+
 @dataclass
 class Pause:
     """A bound pause: its tag and its tensors (views of real memory)."""
@@ -185,6 +188,7 @@ class Plan:
     _pending: bool = False
     graph: object = None                   # one backend.Graph per segment (None: run op by op)
     _has_pauses: Optional[bool] = None
+    _first_pause: object = _UNSET          # the first pause's tag, once read (first_pause)
     runs: int = 0
 
     @classmethod
@@ -282,8 +286,10 @@ class Plan:
 
     @property
     def first_pause(self):
-        """The tag of the plan's first pause (None: it has none)."""
-        return next((kw["tag"] for op, kw in self.calls if op == PAUSE), None)
+        """The tag of the plan's first pause (None: it has none); read before every paused step."""
+        if self._first_pause is _UNSET:
+            self._first_pause = next((kw["tag"] for op, kw in self.calls if op == PAUSE), None)
+        return self._first_pause
 
     def input_region(self, name: str) -> tuple:
         """(device view, host view) of one input's bytes, for an input the host writes in a pause
