@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Several device scripts in one device call: each call starts a bare machine (a minute) and builds the
+# library (another), so runs that belong together share one start and one build.
+#
+#   backends/cuda/device_parts.sh COMMIT PART...
+#       PART: v4 (device_v4.sh), speculative (device_speculative.sh), cache_nano and cache_v2lite
+#       (device_expert_cache.sh COMMIT nano / v2lite), cli (`deepinfer run` on cuda: the embedded model
+#       with expert_cache at 25% capacity from disk and from host, and with --speculative mtp).
+#   Each part writes into $OUT/<part>/, which is then packed into $OUT/<part>.tgz (the device tool
+#   returns at most 8 files), and its exit status is printed.
+#   Env: PART_TIMEOUT (seconds per part, default 540).
+# The library: backends/cuda/carried/libdeepinfer_cuda.so when that holds a build of exactly these
+# sources (its .srchash file says which; carry the folder), else one build into /tmp/di_cuda, which
+# is also copied to $OUT/lib/ so that a later call can carry it.
+set -uo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(cd "$HERE/../.." && pwd)"
+OUT="${OUT:-$HERE/build}"; mkdir -p "$OUT"
+COMMIT="${1:?usage: device_parts.sh COMMIT PART...}"; shift
+export PYTHONPATH="$ROOT/runtime${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+cd "$ROOT"
+python3 -c "import cffi" 2>/dev/null || { [[ -d .whl ]] && python3 -m pip install -q --no-index --find-links .whl cffi; }
+
+SRC_HASH="$(cat "$HERE"/src/* "$ROOT"/abi/*.h | sha1sum | cut -c1-12)"
+LIB=/tmp/di_cuda/libdeepinfer_cuda.so
+CARRIED="$HERE/carried"
+mkdir -p /tmp/di_cuda
+if [[ -f "$CARRIED/libdeepinfer_cuda.so" && "$(cat "$CARRIED/.srchash" 2>/dev/null)" == "$SRC_HASH" ]]; then
+  cp "$CARRIED/libdeepinfer_cuda.so" "$LIB"; echo "== carried library of sources $SRC_HASH"
+elif [[ ! -f "$LIB" ]]; then
+  t0=$SECONDS
+  DI_CUDA_ARCHS="${DI_CUDA_ARCHS:-90a}" JOBS="${JOBS:-16}" "$HERE/build.sh" /tmp/di_cuda > /tmp/build.log 2>&1 \
+    || { tail -60 /tmp/build.log; cp /tmp/build.log "$OUT/"; exit 1; }
+  echo "== built sources $SRC_HASH in $((SECONDS - t0)) s"
+  mkdir -p "$OUT/lib" && cp "$LIB" "$OUT/lib/" && echo "$SRC_HASH" > "$OUT/lib/srchash"
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/   GPU: /'
+
+cli_part() {   # deepinfer run on cuda: expert cache (disk and host), speculative decoding
+  local st=0 ec
+  for ec in '{"capacity": 0.25, "source": "disk"}' '{"capacity": 0.25, "source": "host", "prefetch": true}'; do
+    echo "== deepinfer run --backend cuda --expert-cache '$ec' -v"
+    python3 -m deepinfer.cli run --backend "$LIB" --max-new-tokens 32 --expert-cache "$ec" -v \
+      "The capital of France is" || st=1
+  done
+  echo "== deepinfer run --backend cuda (resident), the same prompt: the text must equal the cached runs'"
+  python3 -m deepinfer.cli run --backend "$LIB" --max-new-tokens 32 "The capital of France is" || st=1
+  echo "== deepinfer run --backend cuda --speculative mtp -v"
+  python3 -m deepinfer.cli run --backend "$LIB" --max-new-tokens 32 --speculative mtp -v \
+    "The capital of France is" || st=1
+  return $st
+}
+
+status=0
+for part in "$@"; do
+  dir="$OUT/$part"; mkdir -p "$dir"
+  t0=$SECONDS
+  echo "################ $part"
+  case "$part" in
+    v4)           OUT="$dir" V4_LIB="$LIB" timeout "${PART_TIMEOUT:-540}" "$HERE/device_v4.sh" ;;
+    speculative)  OUT="$dir" timeout "${PART_TIMEOUT:-540}" "$HERE/device_speculative.sh" ;;
+    cache_nano)   OUT="$dir" timeout "${PART_TIMEOUT:-540}" "$HERE/device_expert_cache.sh" "$COMMIT" nano ;;
+    cache_v2lite) OUT="$dir" timeout "${PART_TIMEOUT:-540}" "$HERE/device_expert_cache.sh" "$COMMIT" v2lite ;;
+    cli)          cli_part 2>&1 | tee "$dir/cli.log"; ( exit "${PIPESTATUS[0]}" ) ;;
+    *)            echo "unknown part $part"; false ;;
+  esac
+  rc=$?
+  [[ $rc -eq 0 ]] || status=1
+  echo "################ $part: exit $rc in $((SECONDS - t0)) s"
+  tar -czf "$OUT/$part.tgz" -C "$OUT" "$part" && rm -rf "$dir"
+done
+exit $status
