@@ -8,7 +8,8 @@
 #       with expert_cache at 25% capacity from disk and from host, and with --speculative mtp).
 #   Each part writes into $OUT/<part>/, which is then packed into $OUT/<part>.tgz (the device tool
 #   returns at most 8 files), and its exit status is printed.
-#   Env: PART_TIMEOUT (seconds per part, default 540).
+#   Env: PART_TIMEOUT (seconds per part, default 540), PART_TIMEOUT_<part> (one part's, e.g.
+#   PART_TIMEOUT_speculative=200: a call of several parts must end within the tool's 10 minutes).
 # The library: backends/cuda/carried/libdeepinfer_cuda.so when that holds a build of exactly these
 # sources (its .srchash file says which; carry the folder), else one build into /tmp/di_cuda, which
 # is also copied to $OUT/lib/ so that a later call can carry it.
@@ -55,13 +56,15 @@ status=0
 for part in "$@"; do
   dir="$OUT/$part"; mkdir -p "$dir"
   t0=$SECONDS
-  echo "################ $part"
+  tvar="PART_TIMEOUT_$part"; tmo="${!tvar:-${PART_TIMEOUT:-540}}"
+  echo "################ $part (at most $tmo s)"
   case "$part" in
-    v4)           OUT="$dir" V4_LIB="$LIB" timeout "${PART_TIMEOUT:-540}" "$HERE/device_v4.sh" ;;
-    speculative)  OUT="$dir" timeout "${PART_TIMEOUT:-540}" "$HERE/device_speculative.sh" ;;
-    cache_nano)   OUT="$dir" timeout "${PART_TIMEOUT:-540}" "$HERE/device_expert_cache.sh" "$COMMIT" nano ;;
-    cache_v2lite) OUT="$dir" timeout "${PART_TIMEOUT:-540}" "$HERE/device_expert_cache.sh" "$COMMIT" v2lite ;;
-    cli)          cli_part 2>&1 | tee "$dir/cli.log"; ( exit "${PIPESTATUS[0]}" ) ;;
+    v4)           OUT="$dir" V4_LIB="$LIB" timeout "$tmo" "$HERE/device_v4.sh" ;;
+    speculative)  OUT="$dir" timeout "$tmo" "$HERE/device_speculative.sh" ;;
+    cache_nano)   OUT="$dir" timeout "$tmo" "$HERE/device_expert_cache.sh" "$COMMIT" nano ;;
+    cache_v2lite) OUT="$dir" timeout "$tmo" "$HERE/device_expert_cache.sh" "$COMMIT" v2lite ;;
+    cli)          timeout "$tmo" bash -c "$(declare -f cli_part); LIB=$LIB; cli_part" 2>&1 | tee "$dir/cli.log"
+                  ( exit "${PIPESTATUS[0]}" ) ;;
     *)            echo "unknown part $part"; false ;;
   esac
   rc=$?

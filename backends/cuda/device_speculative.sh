@@ -7,6 +7,7 @@
 #       cuda (greedy output identical with speculation on and off for 50 prompts, alone and mixed;
 #       the sampled distribution; the cache after rollback); benchmarks/bench_speculative.py on the
 #       embedded model: batch 1, 4, 16, greedy and temperature 0.7, off / K = 1, 2, 3 / auto.
+#   Env: SPEC_BENCH_ARGS (more benchmark options, after the defaults: e.g. "--repeats 2").
 set -uo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
@@ -26,6 +27,7 @@ echo "== speculative decoding tests on cuda"
 DEEPINFER_CUDA_LIB=$LIB timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_speculative.py -k cuda 2>&1 \
   | tee "$OUT/speculative_tests_cuda.log" | tail -6 || status=1
 echo "== benchmark: embedded model"
-timeout 300 python3 benchmarks/bench_speculative.py --backend "$LIB" --precision bf16 --out "$OUT" --repeats 3 2>&1 \
+timeout 300 python3 benchmarks/bench_speculative.py --backend "$LIB" --precision bf16 --out "$OUT" --repeats 3 \
+  ${SPEC_BENCH_ARGS:-} 2>&1 \
   | tail -40 || status=1
 exit $status
