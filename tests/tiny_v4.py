@@ -19,6 +19,7 @@ compressor / indexer projections) at QUANT_DIMS; its oracle holds the dequantize
 """
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from pathlib import Path
@@ -224,8 +225,11 @@ class MTP:
             x = norm(self.own["hnorm"], prev) @ self.own["h_proj"].T + e.unsqueeze(2)
             pos = torch.arange(len(ids))[None]
             emb = m.model.embed_tokens(nxt)
-            mask = create_sliding_window_causal_mask(config=cfg, inputs_embeds=emb, attention_mask=None, cache=None,
-                                                     position_ids=pos)
+            # the cache argument is `cache` in newer transformers, `past_key_values` in 5.17 (the device's)
+            cache_arg = "cache" if "cache" in inspect.signature(create_sliding_window_causal_mask).parameters \
+                else "past_key_values"
+            mask = create_sliding_window_causal_mask(config=cfg, inputs_embeds=emb, attention_mask=None,
+                                                     position_ids=pos, **{cache_arg: None})
             pe = {t: m.model.rotary_emb(emb, position_ids=pos, layer_type=t) for t in ("main", "compress")}
             y = self.block(x, position_embeddings=pe, position_ids=pos, attention_mask=mask, input_ids=nxt)
             h = norm(self.own["norm"], self.hc_head(y))
