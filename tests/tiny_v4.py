@@ -19,7 +19,6 @@ compressor / indexer projections) at QUANT_DIMS; its oracle holds the dequantize
 """
 from __future__ import annotations
 
-import inspect
 import json
 import re
 from pathlib import Path
@@ -177,7 +176,7 @@ class MTP:
         from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4DecoderLayer, DeepseekV4HyperHead
 
         cfg = m.config
-        self.m, L, H, N = m, cfg.num_hidden_layers, cfg.hidden_size, cfg.hc_mult
+        self.m, L, H = m, cfg.num_hidden_layers, cfg.hidden_size
         bcfg = copy.deepcopy(cfg)
         bcfg.layer_types = list(cfg.layer_types) + ["sliding_attention"]
         bcfg.mlp_layer_types = list(cfg.mlp_layer_types) + ["moe"]
@@ -225,11 +224,9 @@ class MTP:
             x = norm(self.own["hnorm"], prev) @ self.own["h_proj"].T + e.unsqueeze(2)
             pos = torch.arange(len(ids))[None]
             emb = m.model.embed_tokens(nxt)
-            # the cache argument is `cache` in newer transformers, `past_key_values` in 5.17 (the device's)
-            cache_arg = "cache" if "cache" in inspect.signature(create_sliding_window_causal_mask).parameters \
-                else "past_key_values"
-            mask = create_sliding_window_causal_mask(config=cfg, inputs_embeds=emb, attention_mask=None,
-                                                     position_ids=pos, **{cache_arg: None})
+            # config, embeddings, attention mask, cache: positional, as the cache argument's name changed
+            # (`past_key_values` in transformers 5.17, the device's; `cache` later)
+            mask = create_sliding_window_causal_mask(cfg, emb, None, None, position_ids=pos)
             pe = {t: m.model.rotary_emb(emb, position_ids=pos, layer_type=t) for t in ("main", "compress")}
             y = self.block(x, position_embeddings=pe, position_ids=pos, attention_mask=mask, input_ids=nxt)
             h = norm(self.own["norm"], self.hc_head(y))
