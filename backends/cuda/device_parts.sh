@@ -11,8 +11,9 @@
 #   Env: PART_TIMEOUT (seconds per part, default 540), PART_TIMEOUT_<part> (one part's, e.g.
 #   PART_TIMEOUT_speculative=200: a call of several parts must end within the tool's 10 minutes).
 # The library: backends/cuda/carried/libdeepinfer_cuda.so when that holds a build of exactly these
-# sources (its .srchash file says which; carry the folder), else one build into /tmp/di_cuda, which
-# is also copied to $OUT/lib/ so that a later call can carry it.
+# sources (its file srchash says which; carry the folder), else one build into /tmp/di_cuda, which
+# also comes back gzipped as $OUT/lib/libdeepinfer_cuda.so.gz with its srchash (the tool returns no
+# file over 16 MiB, and the library is about that): gunzip both into backends/cuda/carried/.
 set -uo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
@@ -26,29 +27,34 @@ SRC_HASH="$(cat "$HERE"/src/* "$ROOT"/abi/*.h | sha1sum | cut -c1-12)"
 LIB=/tmp/di_cuda/libdeepinfer_cuda.so
 CARRIED="$HERE/carried"
 mkdir -p /tmp/di_cuda
-if [[ -f "$CARRIED/libdeepinfer_cuda.so" && "$(cat "$CARRIED/.srchash" 2>/dev/null)" == "$SRC_HASH" ]]; then
+if [[ -f "$CARRIED/libdeepinfer_cuda.so" && "$(cat "$CARRIED/srchash" 2>/dev/null)" == "$SRC_HASH" ]]; then
   cp "$CARRIED/libdeepinfer_cuda.so" "$LIB"; echo "== carried library of sources $SRC_HASH"
 elif [[ ! -f "$LIB" ]]; then
   t0=$SECONDS
   DI_CUDA_ARCHS="${DI_CUDA_ARCHS:-90a}" JOBS="${JOBS:-16}" "$HERE/build.sh" /tmp/di_cuda > /tmp/build.log 2>&1 \
     || { tail -60 /tmp/build.log; cp /tmp/build.log "$OUT/"; exit 1; }
   echo "== built sources $SRC_HASH in $((SECONDS - t0)) s"
-  mkdir -p "$OUT/lib" && cp "$LIB" "$OUT/lib/" && echo "$SRC_HASH" > "$OUT/lib/srchash"
+  mkdir -p "$OUT/lib" && gzip -c "$LIB" > "$OUT/lib/libdeepinfer_cuda.so.gz" && echo "$SRC_HASH" > "$OUT/lib/srchash"
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/   GPU: /'
 
-cli_part() {   # deepinfer run on cuda: expert cache (disk and host), speculative decoding
-  local st=0 ec
-  for ec in '{"capacity": 0.25, "source": "disk"}' '{"capacity": 0.25, "source": "host", "prefetch": true}'; do
-    echo "== deepinfer run --backend cuda --expert-cache '$ec' -v"
-    python3 -m deepinfer.cli run --backend "$LIB" --max-new-tokens 32 --expert-cache "$ec" -v \
-      "The capital of France is" || st=1
-  done
-  echo "== deepinfer run --backend cuda (resident), the same prompt: the text must equal the cached runs'"
-  python3 -m deepinfer.cli run --backend "$LIB" --max-new-tokens 32 "The capital of France is" || st=1
-  echo "== deepinfer run --backend cuda --speculative mtp -v"
-  python3 -m deepinfer.cli run --backend "$LIB" --max-new-tokens 32 --speculative mtp -v \
-    "The capital of France is" || st=1
+cli_part() {   # deepinfer run on cuda: resident, expert cache (disk and host), speculative decoding
+  local st=0
+  one() {   # one NAME ARGS...: a run's text (stdout) is kept; with a cache or speculation it must
+            # equal the resident run's greedy text
+    local name="$1"; shift
+    echo "== $name: deepinfer run --backend cuda $*"
+    python3 -m deepinfer.cli run --backend "$LIB" --max-new-tokens 32 "$@" "The capital of France is" \
+      > "/tmp/cli_$name.txt" || st=1
+    cat "/tmp/cli_$name.txt"
+    if [[ $name != resident ]] && ! cmp -s /tmp/cli_resident.txt "/tmp/cli_$name.txt"; then
+      echo "   FAIL: the text differs from the resident run's"; st=1
+    fi
+  }
+  one resident
+  one cache_disk --expert-cache '{"capacity": 0.25, "source": "disk"}' -v
+  one cache_host --expert-cache '{"capacity": 0.25, "source": "host", "prefetch": true}' -v
+  one speculative --speculative mtp -v
   return $st
 }
 
