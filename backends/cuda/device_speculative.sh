@@ -29,5 +29,5 @@ DEEPINFER_CUDA_LIB=$LIB timeout 240 python3 -m pytest -q -x -p no:cacheprovider 
 echo "== benchmark: embedded model"
 timeout 300 python3 benchmarks/bench_speculative.py --backend "$LIB" --precision bf16 --out "$OUT" --repeats 3 \
   ${SPEC_BENCH_ARGS:-} 2>&1 \
-  | tail -40 || status=1
+  | tee "$OUT/bench_speculative.log" | tail -40 || status=1   # the log keeps the rows of a run cut short
 exit $status
