@@ -36,7 +36,7 @@ case "$PART" in
       tests/test_expert_cache_v4.py -k test_bit_identical_device 2>&1 | tee "$OUT/expert_cache_tests_cuda.log" | tail -6 || status=1
     echo "== benchmark: embedded model"
     python3 benchmarks/bench_expert_cache.py --backend "$LIB" --commit "$COMMIT" --out-dir "$OUT" --tokens 256 \
-      --cold-repeats 3 2>&1 | tail -45 || status=1
+      --cold-repeats 3 2>&1 | tee "$OUT/bench_nano.log" | tail -45 || status=1
     ;;
   v2lite)
     echo "== a random V2-Lite shape, 27 layers"
@@ -44,7 +44,8 @@ case "$PART" in
     echo "== benchmark: V2-Lite shape"
     timeout "${EC_TIMEOUT:-480}" python3 benchmarks/bench_expert_cache.py --backend "$LIB" --model /tmp/v2lite27 \
       --commit "$COMMIT" --out-dir "$OUT" --tokens "${EC_TOKENS:-64}" --warmup 16 --cold-repeats 2 \
-      --capacities 0.25 0.5 1.0 --configs lru lfru+prefetch --source disk 2>&1 | tail -40 || status=1
+      --capacities 0.25 0.5 1.0 --configs lru lfru+prefetch --source disk 2>&1 | tee "$OUT/bench_v2lite.log" \
+      | tail -40 || status=1
     ;;
   *) echo "part must be nano or v2lite, not $PART"; exit 2 ;;
 esac
