@@ -78,3 +78,26 @@ def test_descriptor_arrays_are_shared_and_never_stale(cpu_backend):
     a2 = be.descriptor_array(ws2, "w")
     assert a2[0] != a1[0]
     assert int(be.descriptor_array([ws[0], None, ws[2]], "w")[0][1].data == __import__("deepinfer").abi.ffi.NULL)
+
+
+@pytest.mark.parametrize("dtype, numel, fill", [("f32", 1000, np.nan), ("bf16", 4099, 0.0), ("int4", 777, 0.0),
+                                               ("f32", 48, -1.5)])
+def test_device_fill_stages_through_a_bounded_host_chunk(cpu_backend, monkeypatch, dtype, numel, fill):
+    """A device tensor's fill (NativeBackend._fill) copies at most FILL_CHUNK bytes from the host and
+    doubles the filled part on the device: the KV cache is most of a GPU's memory. Run on the CPU
+    library's memory through the same mem_copy calls, with a chunk a few elements long so the
+    doubling and the last partial copy both happen."""
+    import deepinfer.backend as B
+    from deepinfer import dtypes as D
+
+    monkeypatch.setattr(B, "FILL_CHUNK", 40)
+    dt = D.get(dtype)
+    t = Tensor(None, (numel,), dtype)
+    t.buffer = cpu_backend._alloc(t.nbytes)
+    raw = np.full(t.nbytes, 0xAB, np.uint8)                  # poison first
+    cpu_backend._copy(t.buffer.ptr, raw.ctypes.data, raw.nbytes, "DI_COPY_HOST_TO_DEVICE")
+    cpu_backend._fill(t, fill)
+    back = np.empty(t.nbytes, np.uint8)
+    cpu_backend._copy(back.ctypes.data, t.buffer.ptr, back.nbytes, "DI_COPY_DEVICE_TO_HOST")
+    want = np.zeros(t.nbytes, np.uint8) if dt.packed else np.full(numel, fill, dt.np).view(np.uint8)
+    np.testing.assert_array_equal(back, want)

@@ -25,6 +25,7 @@ log = logging.getLogger("deepinfer")
 
 ffi = abi.ffi
 _DESC_SIZE = ffi.sizeof("DI_Tensor")
+FILL_CHUNK = 64 << 20     # host bytes NativeBackend.empty stages a fill through
 
 
 @dataclass
@@ -365,9 +366,29 @@ class NativeBackend(Backend):
         t = Tensor(None, shape, dtype)
         t.buffer = self._alloc(t.nbytes)
         if fill is not None:
-            host = Tensor.empty(shape, dtype, fill)
-            self._copy(t.buffer.ptr, host.data_ptr, t.nbytes, "DI_COPY_HOST_TO_DEVICE")
+            self._fill(t, fill)
         return t
+
+    def _fill(self, t: Tensor, value: float) -> None:
+        """Every element of device tensor t set to value. At most FILL_CHUNK bytes come from the host;
+        the rest is copied on the device from the part already filled, doubling it each time. The
+        KV cache takes most of a GPU's memory (128 GiB on an H200), which as one host buffer would
+        exhaust the host's RAM."""
+        dt = t.dtype
+        n = t.nbytes
+        if n == 0:
+            return
+        if dt.packed:       # 4-bit types: Tensor.empty's fill is zero bytes
+            pattern = np.zeros(min(n, FILL_CHUNK), np.uint8)
+        else:
+            item = dt.np.itemsize
+            pattern = np.full(min(n, FILL_CHUNK) // item, value, dt.np)
+        self._copy(t.buffer.ptr, pattern.ctypes.data, pattern.nbytes, "DI_COPY_HOST_TO_DEVICE")
+        done = pattern.nbytes       # a whole number of elements, so each doubling copies whole ones
+        while done < n:
+            k = min(done, n - done)
+            self._copy(t.buffer.ptr + done, t.buffer.ptr, k, "DI_COPY_DEVICE_TO_DEVICE")
+            done += k
 
     def _copy(self, dst: int, src: int, nbytes: int, kind: str) -> None:
         self._check("mem_copy", self._api.mem_copy(
