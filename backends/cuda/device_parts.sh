@@ -23,7 +23,8 @@ export PYTHONPATH="$ROOT/runtime${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 cd "$ROOT"
 python3 -c "import cffi" 2>/dev/null || { [[ -d .whl ]] && python3 -m pip install -q --no-index --find-links .whl cffi; }
 
-SRC_HASH="$(cat "$HERE"/src/* "$ROOT"/abi/*.h | sha1sum | cut -c1-12)"
+# LC_ALL=C: the glob's order (so the hash) must not depend on the machine's locale
+SRC_HASH="$(export LC_ALL=C; cat "$HERE"/src/* "$ROOT"/abi/*.h | sha1sum | cut -c1-12)"
 LIB=/tmp/di_cuda/libdeepinfer_cuda.so
 CARRIED="$HERE/carried"
 mkdir -p /tmp/di_cuda
