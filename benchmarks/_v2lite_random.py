@@ -7,7 +7,9 @@ set (first_k_dense_replace stays 1: layer 0 dense, the rest MoE with 64 routed e
 shared ones) and the vocabulary of 102400 kept, so the embedding and lm_head cost what they cost in the
 real model. Weights are normal with std 0.02, norms 1, rounded to bf16 by truncation; written as one
 safetensors shard per layer (plus one for embedding, final norm and lm_head) by a writer of its own, a
-tensor at a time, so a ~2.3e9-parameter model takes well under a minute and little memory. The tokenizer
+tensor at a time, so a ~2.3e9-parameter model takes well under a minute and little memory; --jobs N
+writes N shards at once (each shard draws from its own stream, seeded by --seed and its index, so the
+checkpoint is the same for any N: the 27-layer, 31 GB one is a device call's minutes otherwise). The tokenizer
 is the embedded model's byte-level BPE (4096 tokens; bos 0, eos 1, and the config says so): ids above
 4095 have no text, which neither deepinfer nor llama.cpp's converter minds (it pads the GGUF vocabulary
 to 102400 with unused tokens). auto_map is dropped (there is no remote code here; transformers knows
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import struct
 import sys
@@ -84,8 +87,10 @@ def tensor_shapes(cfg: dict) -> list:
     return shards
 
 
-def write_shard(path: Path, tensors: list, rng: np.random.Generator) -> int:
-    """One safetensors file (8-byte little-endian header size, JSON header, raw data); returns bytes."""
+def write_shard(path: Path, tensors: list, seed) -> int:
+    """One safetensors file (8-byte little-endian header size, JSON header, raw data); returns bytes.
+    `seed`: the shard's own random stream (numpy SeedSequence entropy)."""
+    rng = np.random.default_rng(seed)
     header, off = {"__metadata__": {"format": "pt"}}, 0
     for name, shape, _ in tensors:
         n = int(np.prod(shape)) * 2
@@ -110,18 +115,28 @@ def write_shard(path: Path, tensors: list, rng: np.random.Generator) -> int:
     return 8 + len(raw) + off
 
 
-def make(out: Path, layers: int = 4, seed: int = 0, hub: Path = HUB_CONFIG, dense_layers: Optional[int] = None) -> Path:
-    """`hub`: another published config (tests/data/hub_configs/deepseek-v3.json: a V3-shaped model)."""
+def _write_job(job) -> int:
+    return write_shard(*job)
+
+
+def make(out: Path, layers: int = 4, seed: int = 0, hub: Path = HUB_CONFIG, dense_layers: Optional[int] = None,
+         jobs: int = 1) -> Path:
+    """`hub`: another published config (tests/data/hub_configs/deepseek-v3.json: a V3-shaped model).
+    `jobs`: shards written at once (processes)."""
     out = Path(out)
     if (out / "DONE").is_file():
         return out
     out.mkdir(parents=True, exist_ok=True)
     cfg = config(layers, hub, dense_layers)
-    rng = np.random.default_rng(seed)
-    weight_map, total = {}, 0
-    for fname, tensors in tensor_shapes(cfg):
-        total += write_shard(out / fname, tensors, rng)
-        weight_map.update({name: fname for name, _, _ in tensors})
+    shards = tensor_shapes(cfg)
+    work = [(out / fname, tensors, [seed, i]) for i, (fname, tensors) in enumerate(shards)]
+    if jobs > 1:
+        from multiprocessing import get_context
+        with get_context("spawn").Pool(min(jobs, len(work))) as pool:
+            total = sum(pool.map(_write_job, work, chunksize=1))
+    else:
+        total = sum(map(_write_job, work))
+    weight_map = {name: fname for fname, tensors in shards for name, _, _ in tensors}
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -138,8 +153,9 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hub-config", default=str(HUB_CONFIG), help="the published config to shape it by")
+    ap.add_argument("--jobs", type=int, default=1, help="shards written at once (0: one per CPU)")
     a = ap.parse_args(argv)
-    print(make(Path(a.out), a.layers, a.seed, Path(a.hub_config)))
+    print(make(Path(a.out), a.layers, a.seed, Path(a.hub_config), jobs=a.jobs or os.cpu_count() or 1))
 
 
 if __name__ == "__main__":

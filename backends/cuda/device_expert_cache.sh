@@ -10,7 +10,8 @@
 #   backends/cuda/device_expert_cache.sh COMMIT v2lite
 #       a random V2-Lite-shaped checkpoint with all 27 layers (31 GB bf16, written here), then the
 #       same benchmark on it: capacities 25/50/100%, LRU vs LFRU + prefetch, the H2D bound measured
-#       in the same run, and cold start (process start to first token) lazy against eager.
+#       in the same run, and cold start (process start to first token) lazy against eager (measured
+#       first, so a run cut short keeps it; rows are written as they come).
 set -uo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
@@ -40,7 +41,7 @@ case "$PART" in
     ;;
   v2lite)
     echo "== a random V2-Lite shape, 27 layers"
-    python3 benchmarks/_v2lite_random.py /tmp/v2lite27 --layers 27 > /dev/null || exit 1
+    python3 benchmarks/_v2lite_random.py /tmp/v2lite27 --layers 27 --jobs 0 > /dev/null || exit 1
     echo "== benchmark: V2-Lite shape"
     timeout "${EC_TIMEOUT:-480}" python3 benchmarks/bench_expert_cache.py --backend "$LIB" --model /tmp/v2lite27 \
       --commit "$COMMIT" --out-dir "$OUT" --tokens "${EC_TOKENS:-64}" --warmup 16 --cold-repeats 2 \
