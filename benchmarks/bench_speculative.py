@@ -102,8 +102,10 @@ def main() -> None:
     maxb = max(args.batches)
     engines = {}
     for name in args.configs:
+        # a cache for every sequence at full length: all the engines live at once, and a device's
+        # default (90% of its free memory) would leave nothing for the second
         cfg = {"backend": args.backend, "precision": args.precision, "max_batch": maxb, "max_seq_len": 512,
-               "num_threads": args.threads}
+               "kv_cache_tokens": maxb * 512, "num_threads": args.threads}
         if CONFIGS[name] is not None:
             cfg["speculative"] = CONFIGS[name]
         engines[name] = Engine.from_pretrained(args.model, config=cfg)

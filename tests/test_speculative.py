@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -32,6 +33,8 @@ def _engine(backend, spec=None, model=MODEL, **kw):
     if backend in ("cpu", "cuda") and os.environ.get(f"DEEPINFER_{backend.upper()}_LIB"):
         backend = os.environ[f"DEEPINFER_{backend.upper()}_LIB"]   # the library under test (conftest's rule)
     cfg = {"backend": backend, "precision": "f32", "max_batch": 8, "max_seq_len": 512, **kw}
+    # what the host backends hold anyway; a device would otherwise give each engine 90% of its free memory
+    cfg.setdefault("kv_cache_tokens", cfg["max_batch"] * cfg["max_seq_len"])
     if spec is not None:
         cfg["speculative"] = spec
     return Engine.from_pretrained(model, config=cfg)
@@ -49,12 +52,20 @@ def _prompts(n: int) -> list:
 @pytest.fixture(scope="module", params=_backends())
 def greedy_runs(request):
     """The same 50 prompts, 16 greedy tokens each: speculation off, and on with fixed K=2 and with
-    the confidence scheduler; each alone (batch 1) and all together (mixed batches of 8)."""
+    the confidence scheduler; each alone (batch 1) and all together (mixed batches of 8). A run is
+    compared with speculation off in the same arrangement: a device's kernels may round a prompt's
+    prefill differently when it is batched with others (the CUDA library's do), which changes a
+    near-tie's argmax with or without speculation."""
     be = request.param
     prompts = _prompts(50)
     off = _engine(be)
     ids = [off.tokenizer.encode(p) for p in prompts]
-    ref = off.generate_ids(ids, max_new_tokens=16)
+    ref = {"mixed": off.generate_ids(ids, max_new_tokens=16),
+           "alone": [off.generate_ids([i], max_new_tokens=16)[0] for i in ids]}
+    apart = [i for i, (a, b) in enumerate(zip(ref["mixed"], ref["alone"])) if a != b]
+    if apart:       # not speculation's doing; said, so a change in it is seen
+        warnings.warn(f"{be}: {len(apart)} of {len(ids)} prompts' greedy output depends on the batch they ran in "
+                      f"(speculation off): {apart}")
     runs = {}
     for name, spec in (("fixed2", {"method": "mtp", "num_draft": 2, "confidence": 0.0}),
                        ("fixed3", {"method": "mtp", "num_draft": 3, "confidence": 0.0}),
@@ -69,8 +80,9 @@ def greedy_runs(request):
 @pytest.mark.parametrize("run", [("fixed2", "mixed"), ("fixed2", "alone"), ("fixed3", "mixed"), ("auto", "mixed")],
                          ids=lambda r: "-".join(r))
 def test_greedy_output_is_identical_with_speculation(greedy_runs, run):
-    ref, runs = greedy_runs
+    refs, runs = greedy_runs
     got, stats = runs[run]
+    ref = refs[run[1]]
     diff = [i for i, (a, b) in enumerate(zip(ref, got)) if a != b]
     assert not diff, f"{len(diff)} of {len(ref)} prompts differ, first {diff[0]}: {ref[diff[0]]} != {got[diff[0]]}"
     assert all(len(t) == 16 for t in got)

@@ -7,6 +7,8 @@
 #       model with and without graphs: the copy stream, events and pinned buffers for real);
 #       benchmarks/bench_expert_cache.py on the embedded model (policies, decode against the H2D
 #       transfer bound, cold start).
+#   Env: EC_NANO_ARGS (nano's benchmark options, default "--tokens 256 --cold-repeats 3"); for v2lite
+#   EC_TOKENS (64), EC_COLD (cold-start runs, 2), EC_TIMEOUT (the benchmark's seconds, 480).
 #   backends/cuda/device_expert_cache.sh COMMIT v2lite
 #       a random V2-Lite-shaped checkpoint with all 27 layers (31 GB bf16, written here), then the
 #       same benchmark on it: capacities 25/50/100%, LRU vs LFRU + prefetch, the H2D bound measured
@@ -36,15 +38,15 @@ case "$PART" in
     DEEPINFER_CUDA_LIB=$LIB python3 -m pytest -q -x -p no:cacheprovider tests/test_expert_cache.py \
       tests/test_expert_cache_v4.py -k test_bit_identical_device 2>&1 | tee "$OUT/expert_cache_tests_cuda.log" | tail -6 || status=1
     echo "== benchmark: embedded model"
-    python3 benchmarks/bench_expert_cache.py --backend "$LIB" --commit "$COMMIT" --out-dir "$OUT" --tokens 256 \
-      --cold-repeats 3 2>&1 | tee "$OUT/bench_nano.log" | tail -45 || status=1
+    python3 benchmarks/bench_expert_cache.py --backend "$LIB" --commit "$COMMIT" --out-dir "$OUT" \
+      ${EC_NANO_ARGS:---tokens 256 --cold-repeats 3} 2>&1 | tee "$OUT/bench_nano.log" | tail -45 || status=1
     ;;
   v2lite)
     echo "== a random V2-Lite shape, 27 layers"
     python3 benchmarks/_v2lite_random.py /tmp/v2lite27 --layers 27 --jobs 0 > /dev/null || exit 1
     echo "== benchmark: V2-Lite shape"
     timeout "${EC_TIMEOUT:-480}" python3 benchmarks/bench_expert_cache.py --backend "$LIB" --model /tmp/v2lite27 \
-      --commit "$COMMIT" --out-dir "$OUT" --tokens "${EC_TOKENS:-64}" --warmup 16 --cold-repeats 2 \
+      --commit "$COMMIT" --out-dir "$OUT" --tokens "${EC_TOKENS:-64}" --warmup 16 --cold-repeats "${EC_COLD:-2}" \
       --capacities 0.25 0.5 1.0 --configs lru lfru+prefetch --source disk 2>&1 | tee "$OUT/bench_v2lite.log" \
       | tail -40 || status=1
     ;;

@@ -66,10 +66,10 @@ for part in "$@"; do
   tvar="PART_TIMEOUT_$part"; tmo="${!tvar:-${PART_TIMEOUT:-540}}"
   echo "################ $part (at most $tmo s)"
   case "$part" in
-    v4)           OUT="$dir" V4_LIB="$LIB" timeout "$tmo" "$HERE/device_v4.sh" ;;
-    speculative)  OUT="$dir" timeout "$tmo" "$HERE/device_speculative.sh" ;;
-    cache_nano)   OUT="$dir" timeout "$tmo" "$HERE/device_expert_cache.sh" "$COMMIT" nano ;;
-    cache_v2lite) OUT="$dir" timeout "$tmo" "$HERE/device_expert_cache.sh" "$COMMIT" v2lite ;;
+    v4)           OUT="$dir" V4_LIB="$LIB" timeout "$tmo" bash "$HERE/device_v4.sh" ;;
+    speculative)  OUT="$dir" timeout "$tmo" bash "$HERE/device_speculative.sh" ;;
+    cache_nano)   OUT="$dir" timeout "$tmo" bash "$HERE/device_expert_cache.sh" "$COMMIT" nano ;;
+    cache_v2lite) OUT="$dir" timeout "$tmo" bash "$HERE/device_expert_cache.sh" "$COMMIT" v2lite ;;
     cli)          timeout "$tmo" bash -c "$(declare -f cli_part); LIB=$LIB; cli_part" 2>&1 | tee "$dir/cli.log"
                   ( exit "${PIPESTATUS[0]}" ) ;;
     *)            echo "unknown part $part"; false ;;

@@ -24,7 +24,7 @@ echo "== conformance: sample, spec_verify"
 python3 -m deepinfer.conformance "$LIB" --ops sample,spec_verify --no-out > "$OUT/conformance_spec.log" 2>&1 || status=1
 tail -6 "$OUT/conformance_spec.log"
 echo "== speculative decoding tests on cuda"
-DEEPINFER_CUDA_LIB=$LIB timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_speculative.py -k cuda 2>&1 \
+DEEPINFER_CUDA_LIB=$LIB timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_speculative.py -k cuda 2>&1 \
   | tee "$OUT/speculative_tests_cuda.log" | tail -6 || status=1
 echo "== benchmark: embedded model"
 timeout 300 python3 benchmarks/bench_speculative.py --backend "$LIB" --precision bf16 --out "$OUT" --repeats 3 \
