@@ -42,6 +42,7 @@ from deepinfer.engine.model_runner import ModelRunner  # noqa: E402
 from deepinfer.engine.tokenizer import Tokenizer  # noqa: E402
 from deepinfer.loader import get_backend  # noqa: E402
 from deepinfer.model.expert_policy import LayerSlots  # noqa: E402
+from deepinfer.precision import default_activation_dtype  # noqa: E402
 
 CAPACITIES = (0.25, 0.5, 0.75, 1.0)
 REPEATS = 7           # timed passes of each bandwidth measurement (the best one counts)
@@ -57,8 +58,9 @@ def runner_for(args, expert_cache):
     be = get_backend(args.backend, num_threads=args.threads)
     if expert_cache is not None and args.source:
         expert_cache = {**expert_cache, "source": args.source}
+    # the activations the engine picks for this backend (bf16 on a device: a runner's own default is f32)
     return ModelRunner(args.model, be, max_batch=1, precision=args.precision, expert_cache=expert_cache,
-                       max_seq_len=args.tokens + 8)
+                       max_seq_len=args.tokens + 8, dtype=default_activation_dtype(be))
 
 
 def decode(r: ModelRunner, tokens: list) -> dict:
@@ -243,6 +245,7 @@ def main() -> int:
     res = {"date": dt.date.today().isoformat(), "commit": args.commit, "backend": args.backend,
            "model": args.model.name, "text": text_path.name, "tokens": len(ids), "host": platform.node(),
            "cpu": platform.processor() or platform.machine(), "precision": args.precision, "warmup": args.warmup,
+           "activations": default_activation_dtype(get_backend(args.backend, num_threads=args.threads)),
            "command": "python benchmarks/bench_expert_cache.py " + " ".join(sys.argv[1:])}
 
     # 1-2: routing and policies
@@ -310,7 +313,8 @@ def write(res: dict, out: Path, quiet: bool = False) -> None:
     (out / f"{stem}.json").write_text(json.dumps(res, indent=1, default=float))
     f = lambda v, p=3: "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))  # noqa: E731
     L = [f"# Expert cache on {res['backend']}: {res['model']}, {res['tokens']} tokens of {res['text']}", "",
-         f"{res['date']}, commit {res['commit']}, {res['cpu']}, backend {res['backend']}. Command: `{res['command']}`. "
+         f"{res['date']}, commit {res['commit']}, {res['cpu']}, backend {res['backend']}, {res['precision']} weights, "
+         f"{res.get('activations', 'f32')} activations. Command: `{res['command']}`. "
          f"{res['moe_layers']} streamed MoE layers x "
          f"{res['experts_per_layer']} experts of {res['expert_bytes']} bytes; batch 1, teacher-forced decode "
          f"(every step feeds the text's next token).", "",

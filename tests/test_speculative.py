@@ -49,6 +49,39 @@ def _prompts(n: int) -> list:
 
 
 # ---------------------------------------------------------------------------- lossless greedy
+# A device's kernels give a row a rounding that depends on the rows around it (the CUDA library
+# picks a GEMV, a tiled or a tensor-core GEMM by the row count, and its activations and cache are
+# bf16), so there a verify step of several rows per sequence, or a batch of other sequences, can
+# turn the argmax at a near-tie. On such a backend a sequence may leave plain decoding only at a
+# token where plain decoding itself was tied within that rounding: the plain model's logits of its
+# token and of the other differ there by at most NEAR_TIE of the row's range (a wrong draft kept
+# would differ by about the range itself). Host backends (reference, cpu) round a row the same in
+# any batch: their output must be identical.
+NEAR_TIE = 0.02
+
+
+def _assert_same_greedy(backend, off: Engine, ids: list, ref: list, got: list, what) -> None:
+    diff = [i for i, (a, b) in enumerate(zip(ref, got)) if a != b]
+    if backend in ("reference", "cpu"):
+        assert not diff, f"{what}: {len(diff)} of {len(ref)} prompts differ, first {diff[0]}: " \
+                         f"{ref[diff[0]]} != {got[diff[0]]}" if diff else ""
+        return
+    r = off.runner
+    for i in diff:
+        a, b = ref[i], got[i]
+        assert len(a) == len(b), (what, i, a, b)
+        j = next(k for k in range(len(a)) if a[k] != b[k])
+        sid = r.new_sequence()
+        row = r.backend.to_numpy(r.forward([(sid, list(ids[i]) + list(a[:j]), 0)]))[0].astype(np.float64)
+        r.free(sid)
+        gap, span = abs(row[a[j]] - row[b[j]]), row.max() - row.min()
+        assert np.isfinite(row).all() and gap <= NEAR_TIE * span, \
+            f"{what}: prompt {i} leaves plain decoding at token {j} ({a[j]} -> {b[j]}) where their logits " \
+            f"differ by {gap:.4g} of a range {span:.4g}: not a tie"
+    if diff:
+        warnings.warn(f"{backend} {what}: {len(diff)} of {len(ref)} prompts turned at a near-tie: {diff}")
+
+
 @pytest.fixture(scope="module", params=_backends())
 def greedy_runs(request):
     """The same 50 prompts, 16 greedy tokens each: speculation off, and on with fixed K=2 and with
@@ -62,10 +95,8 @@ def greedy_runs(request):
     ids = [off.tokenizer.encode(p) for p in prompts]
     ref = {"mixed": off.generate_ids(ids, max_new_tokens=16),
            "alone": [off.generate_ids([i], max_new_tokens=16)[0] for i in ids]}
-    apart = [i for i, (a, b) in enumerate(zip(ref["mixed"], ref["alone"])) if a != b]
-    if apart:       # not speculation's doing; said, so a change in it is seen
-        warnings.warn(f"{be}: {len(apart)} of {len(ids)} prompts' greedy output depends on the batch they ran in "
-                      f"(speculation off): {apart}")
+    # speculation off, batched or alone: on a device, the batch's rounding alone (see NEAR_TIE)
+    _assert_same_greedy(be, off, ids, ref["alone"], ref["mixed"], "off: alone vs mixed")
     runs = {}
     for name, spec in (("fixed2", {"method": "mtp", "num_draft": 2, "confidence": 0.0}),
                        ("fixed3", {"method": "mtp", "num_draft": 3, "confidence": 0.0}),
@@ -74,17 +105,15 @@ def greedy_runs(request):
         runs[(name, "mixed")] = (eng.generate_ids(ids, max_new_tokens=16), eng.stats())
         if name == "fixed2":
             runs[(name, "alone")] = ([eng.generate_ids([i], max_new_tokens=16)[0] for i in ids], eng.stats())
-    return ref, runs
+    return be, off, ids, ref, runs
 
 
 @pytest.mark.parametrize("run", [("fixed2", "mixed"), ("fixed2", "alone"), ("fixed3", "mixed"), ("auto", "mixed")],
                          ids=lambda r: "-".join(r))
 def test_greedy_output_is_identical_with_speculation(greedy_runs, run):
-    refs, runs = greedy_runs
+    be, off, ids, refs, runs = greedy_runs
     got, stats = runs[run]
-    ref = refs[run[1]]
-    diff = [i for i, (a, b) in enumerate(zip(ref, got)) if a != b]
-    assert not diff, f"{len(diff)} of {len(ref)} prompts differ, first {diff[0]}: {ref[diff[0]]} != {got[diff[0]]}"
+    _assert_same_greedy(be, off, ids, refs[run[1]], got, run)
     assert all(len(t) == 16 for t in got)
     if run[0].startswith("fixed"):
         # the drafts were really verified, and most of them accepted (the embedded model's MTP
@@ -204,10 +233,14 @@ def _check_rollback(backend, model, prompt: list, steps: int) -> None:
     want = _cached_rows(pr, np.array(pr.block_manager.slots(pr._offline[sid], 0, n)), n)
     L = pr.cfg.num_hidden_layers
     assert {w.split()[1] for w, _ in want} == set(map(str, range(L + 1)))     # the MTP layer's pools too
+    # f32 caches: the same arithmetic. bf16 caches (a device's): the recomputation's prefill runs
+    # other kernels than the verify steps did, and an entry may round a few units of the last place
+    # (2^-8) apart; a stale entry (a rejected draft's token) is another vector altogether
+    tol = 1e-4 if pr.dtype == "f32" else 2 ** -5
     for (name, a), (_, b) in zip(got, want):
         assert np.isfinite(a).all() and a.shape == b.shape
         err = np.abs(a - b).max() / max(np.abs(b).max(), 1e-30) if b.size else 0.0
-        assert err < 1e-4, f"{name}: {err}"
+        assert err < tol, f"{name}: {err}"
     # the prefix cache holds only blocks of accepted positions, with their tokens
     for i, h in enumerate(seq.block_hashes):
         b = bm.blocks[seq.block_table[i]]
@@ -319,14 +352,15 @@ def test_family_greedy_output_is_identical_with_speculation(backend, family, spe
     batches, fixed K and auto."""
     model = spec_model(family)
     ids = _spec_prompts()
-    ref = _engine(backend, model=model).generate_ids(ids, max_new_tokens=16)
+    off = _engine(backend, model=model)
+    ref = off.generate_ids(ids, max_new_tokens=16)
     for spec, alone in (({"method": "mtp", "num_draft": 2, "confidence": 0.0}, False),
                         ({"method": "mtp", "num_draft": 3, "confidence": 0.0}, True),
                         ({"method": "mtp", "num_draft": 2, "confidence": "auto"}, False)):
         eng = _engine(backend, spec, model=model)
         got = [eng.generate_ids([i], max_new_tokens=16)[0] for i in ids[:4]] if alone else \
             eng.generate_ids(ids, max_new_tokens=16)
-        assert got == ref[:len(got)], spec
+        _assert_same_greedy(backend, off, ids, ref[:len(got)], got, spec)
         st = eng.stats()
         if spec["confidence"] == 0.0:
             # drafts were accepted and rejected: both paths of the verification ran
