@@ -477,3 +477,16 @@ def test_cli_run_speculative():
     assert out.stdout == plain.stdout and out.stdout.strip()
     stats = json.loads(out.stderr.split("deepinfer: stats ", 1)[1].splitlines()[0])
     assert stats["spec_steps"] > 0 and stats["spec_acceptance_per_position"][0] is not None
+
+
+def test_one_stalled_step_does_not_make_its_kind_look_slow_for_good():
+    """A step that stalled (a page fault, the collector) moves the estimate by at most twice itself:
+    otherwise one slow plain step makes plain look slow until a plain step runs again, which the
+    scheduler then never chooses. A real change is still followed within a few dozen steps."""
+    c = StepCosts()
+    c.observe("plain", 1, 250e-6)
+    c.observe("plain", 1, 2.7e-3)
+    assert c.get("plain", 1) == pytest.approx(300e-6)
+    for _ in range(30):
+        c.observe("plain", 1, 1e-3)
+    assert c.get("plain", 1) > 0.95e-3

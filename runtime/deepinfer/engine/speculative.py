@@ -142,6 +142,7 @@ class StepCosts:
     steps the engine times (host wall time of the whole step, sampling included)."""
 
     ALPHA = 0.2
+    OUTLIER = 2.0
 
     def __init__(self):
         self.plain: dict = {}
@@ -170,6 +171,12 @@ class StepCosts:
 
     def observe(self, kind: str, key: int, seconds: float) -> None:
         t = getattr(self, kind)
+        if key in t:
+            # one stalled step (a page fault, the collector, another process) counts as at most
+            # twice the estimate: the kind it slowed may not run again to correct it (a plain
+            # step's 2.7 ms among 0.25 ms ones kept a CPU engine speculating at 0.8x), while a
+            # real change still moves the estimate by up to ALPHA a step
+            seconds = min(seconds, self.OUTLIER * t[key])
         t[key] = seconds if key not in t else (1 - self.ALPHA) * t[key] + self.ALPHA * seconds
 
     def describe(self) -> dict:
@@ -442,7 +449,13 @@ class Speculator:
     # ------------------------------------------------------------------ one decode step
     def decode_step(self, batch: list, now_fn) -> Optional[list]:
         """Run the decode batch speculatively; None: the scheduler chose a plain step (the engine
-        runs it). Returns the RequestOutputs."""
+        runs it). Returns the RequestOutputs.
+
+        The step time the tables learn is the whole step's wall time, from here to the outputs
+        (the choice, the verify plan, the acceptance, calibration and bookkeeping), as a plain
+        step's is (engine.step): on a GPU a small model's plan takes about as long as the Python
+        around it, and a table of the plan's time alone made speculation look cheaper than it is."""
+        t_entry = time.perf_counter()
         eng, r, bm = self.engine, self.runner, self.engine.block_manager
         self._release_slots(eng.scheduler.running)
         seqs = [s.seq for s in batch]
@@ -510,19 +523,16 @@ class Speculator:
         if with_q:
             inputs["draft_src"] = (src, 0)
             r.draft_store()
-        with Timer() as tm:
-            logits = r.run(steps, all_logits=True, keep_hidden=with_q, kind="spec", tokens=tokens, inputs=inputs)
-            be = self.backend
-            verified = be.to_numpy(r.output("verified")).tolist()
-            accepted = be.to_numpy(r.output("accepted")).tolist()
-            dtok = be.to_numpy(r.output("draft_tokens")).tolist()
-            dprob = be.to_numpy(r.output("draft_probs")).tolist()
-        if r.last_plan.runs > 2:      # a plan's first runs trace, bind and capture it: not its step time
-            self.costs.observe("spec", self._bucket(T), tm.seconds)
+        logits = r.run(steps, all_logits=True, keep_hidden=with_q, kind="spec", tokens=tokens, inputs=inputs)
+        be = self.backend
+        verified = be.to_numpy(r.output("verified")).tolist()
+        accepted = be.to_numpy(r.output("accepted")).tolist()
+        dtok = be.to_numpy(r.output("draft_tokens")).tolist()
+        dprob = be.to_numpy(r.output("draft_probs")).tolist()
+        traced = r.last_plan.runs <= 2     # a plan's first runs trace, bind and capture it: not its step time
         st = self.stats
         st.spec_steps += 1
         st.verify_tokens += T
-        st.seconds["spec"] += tm.seconds
         host = None
         if any(seq.params.logprobs is not None for seq in seqs):
             host = be.to_numpy(logits)
@@ -562,7 +572,11 @@ class Speculator:
         if sampled:
             r.scatter_draft_rows(r.output("draft_logits"), [keep_rows[i] for i in sampled],
                                  [self._slot(keep_seqs[i]) for i in sampled], 0)
-        with Timer() as td:
+        spent = time.perf_counter() - t_entry
+        if not traced:
+            self.costs.observe("spec", self._bucket(T), spent)
+        st.seconds["spec"] += spent
+        with Timer() as td:       # the recursive drafts: their own table and _draft_overhead
             self._draft_deeper(keep_seqs, keep_rows)
         self.draft_seconds = td.seconds if self.draft_seconds is None else \
             0.8 * self.draft_seconds + 0.2 * td.seconds
