@@ -1053,8 +1053,9 @@ DEVICE_CASES = [
 @pytest.mark.skipif(not DEVICE_LIB, reason="needs DEEPINFER_CUDA_LIB (a GPU backend library)")
 @pytest.mark.parametrize("ec", DEVICE_CASES, ids=_id)
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
-def test_bit_identical_device(ec, eager):
-    assert_bit_identical_on_device(NANO, "bf16", ec, 4096, enforce_eager=eager)
+@pytest.mark.parametrize("act", ["bf16", "f32"])        # bf16: what the engine runs on a device
+def test_bit_identical_device(ec, eager, act):
+    assert_bit_identical_on_device(NANO, "bf16", ec, 4096, enforce_eager=eager, dtype=act)
 
 
 def assert_bit_identical_on_device(path, precision, ec, vocab, **kw) -> None:

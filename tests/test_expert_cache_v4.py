@@ -105,5 +105,6 @@ def test_hash_layers_are_prefetched_exactly(v4_dir, cpu_backend):
 @pytest.mark.parametrize("ec", [{"capacity": 0.25, "source": "disk"}, {"capacity": 0.5, "source": "host"},
                                 {"capacity": 1.0}], ids=_id)
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
-def test_bit_identical_device(ec, eager, v4_dir):
-    assert_bit_identical_on_device(v4_dir("quantized"), None, ec, 256, enforce_eager=eager, **KW)
+@pytest.mark.parametrize("act", ["bf16", "f32"])        # bf16: what the engine runs on a device
+def test_bit_identical_device(ec, eager, act, v4_dir):
+    assert_bit_identical_on_device(v4_dir("quantized"), None, ec, 256, enforce_eager=eager, dtype=act, **KW)

@@ -8,10 +8,10 @@
 #       benchmarks/bench_expert_cache.py on the embedded model (policies, decode against the H2D
 #       transfer bound, cold start).
 #   Env: EC_NANO_ARGS (nano's benchmark options, default "--tokens 256 --cold-repeats 3"); for v2lite
-#   EC_TOKENS (64), EC_COLD (cold-start runs, 2), EC_TIMEOUT (the benchmark's seconds, 480).
+#   EC_TOKENS (64), EC_COLD (cold-start runs, 2), EC_CAPACITIES ("0.25 0.5 0.75 1.0"), EC_TIMEOUT (480).
 #   backends/cuda/device_expert_cache.sh COMMIT v2lite
 #       a random V2-Lite-shaped checkpoint with all 27 layers (31 GB bf16, written here), then the
-#       same benchmark on it: capacities 25/50/100%, LRU vs LFRU + prefetch, the H2D bound measured
+#       same benchmark on it: capacities 25/50/75/100%, LRU vs LFRU + prefetch, the H2D bound measured
 #       in the same run, and cold start (process start to first token) lazy against eager (measured
 #       first, so a run cut short keeps it; rows are written as they come).
 set -uo pipefail
@@ -47,7 +47,7 @@ case "$PART" in
     echo "== benchmark: V2-Lite shape"
     timeout "${EC_TIMEOUT:-480}" python3 benchmarks/bench_expert_cache.py --backend "$LIB" --model /tmp/v2lite27 \
       --commit "$COMMIT" --out-dir "$OUT" --tokens "${EC_TOKENS:-64}" --warmup 16 --cold-repeats "${EC_COLD:-2}" \
-      --capacities 0.25 0.5 1.0 --configs lru lfru+prefetch --source disk 2>&1 | tee "$OUT/bench_v2lite.log" \
+      --capacities ${EC_CAPACITIES:-0.25 0.5 0.75 1.0} --configs lru lfru+prefetch --source disk 2>&1 | tee "$OUT/bench_v2lite.log" \
       | tail -40 || status=1
     ;;
   *) echo "part must be nano or v2lite, not $PART"; exit 2 ;;
