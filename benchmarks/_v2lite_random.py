@@ -18,6 +18,7 @@ deepseek_v2). A file DONE marks a complete checkpoint.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -115,10 +116,6 @@ def write_shard(path: Path, tensors: list, seed) -> int:
     return 8 + len(raw) + off
 
 
-def _write_job(job) -> int:
-    return write_shard(*job)
-
-
 def make(out: Path, layers: int = 4, seed: int = 0, hub: Path = HUB_CONFIG, dense_layers: Optional[int] = None,
          jobs: int = 1) -> Path:
     """`hub`: another published config (tests/data/hub_configs/deepseek-v3.json: a V3-shaped model).
@@ -133,9 +130,9 @@ def make(out: Path, layers: int = 4, seed: int = 0, hub: Path = HUB_CONFIG, dens
     if jobs > 1:
         from multiprocessing import get_context
         with get_context("spawn").Pool(min(jobs, len(work))) as pool:
-            total = sum(pool.map(_write_job, work, chunksize=1))
+            total = sum(pool.starmap(write_shard, work, chunksize=1))
     else:
-        total = sum(map(_write_job, work))
+        total = sum(itertools.starmap(write_shard, work))
     weight_map = {name: fname for fname, tensors in shards for name, _, _ in tensors}
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))

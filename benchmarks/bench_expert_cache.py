@@ -94,7 +94,7 @@ def trace_routing(args, tokens: list):
         cur[pos] = (needed, pred)
     if cur:
         steps.append(cur)
-    out = steps, len(ex.layers), ex.E, ex.layout.nbytes, r.backend.name
+    out = steps, len(ex.layers), ex.E, ex.layout.nbytes, r.backend.name, r.dtype
     ex.close()
     del r, ex
     gc.collect()        # its device memory goes now, not when a cycle is next collected (a GPU's 31 GB)
@@ -245,11 +245,10 @@ def main() -> int:
     res = {"date": dt.date.today().isoformat(), "commit": args.commit, "backend": args.backend,
            "model": args.model.name, "text": text_path.name, "tokens": len(ids), "host": platform.node(),
            "cpu": platform.processor() or platform.machine(), "precision": args.precision, "warmup": args.warmup,
-           "activations": default_activation_dtype(get_backend(args.backend, num_threads=args.threads)),
            "command": "python benchmarks/bench_expert_cache.py " + " ".join(sys.argv[1:])}
 
     # 1-2: routing and policies
-    steps, n_layers, E, nb, res["backend"] = trace_routing(args, ids)
+    steps, n_layers, E, nb, res["backend"], res["activations"] = trace_routing(args, ids)
     res.update(moe_layers=n_layers, experts_per_layer=E, expert_bytes=nb)
     sims = [simulate(steps, n_layers, E, c, pol, pf) for c in args.capacities for pol in ("lru", "lfru")
             for pf in (False, True)]
@@ -314,7 +313,7 @@ def write(res: dict, out: Path, quiet: bool = False) -> None:
     f = lambda v, p=3: "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))  # noqa: E731
     L = [f"# Expert cache on {res['backend']}: {res['model']}, {res['tokens']} tokens of {res['text']}", "",
          f"{res['date']}, commit {res['commit']}, {res['cpu']}, backend {res['backend']}, {res['precision']} weights, "
-         f"{res.get('activations', 'f32')} activations. Command: `{res['command']}`. "
+         f"{res['activations']} activations. Command: `{res['command']}`. "
          f"{res['moe_layers']} streamed MoE layers x "
          f"{res['experts_per_layer']} experts of {res['expert_bytes']} bytes; batch 1, teacher-forced decode "
          f"(every step feeds the text's next token).", "",
