@@ -168,7 +168,7 @@ def source_bandwidth(r: ModelRunner) -> dict:
         out["memcpy"] = len(imgs) * nb / best
     elif ex.source == "disk" and ex.raw:
         jobs = [ex._expert_ranges(L, e) for L in ex.layers for e in range(ex.E)][:256]
-        threads = 1 if ex.host_memory else 4
+        threads = ex.read_threads         # as many readers as the cache runs
         bufs = [np.empty(nb, np.uint8) for _ in range(threads)]
 
         def read(i):

@@ -887,8 +887,95 @@ def test_few_bounce_buffers(cpu_backend, monkeypatch):
     for L in ex.layers:
         for slot in list(L.pending):
             ex._finish(L, slot, compute_waits=False)
+    for ld in ex._reading:          # loads given up when their slot went to another expert
+        ld.read.exception(timeout=30)
+    ex._pump()
     ex._pump()
     assert len(ex._bounce_free) == 2
+
+
+def test_pieces_cover_an_expert_image(cpu_backend):
+    """A device disk load is read in pieces of CHUNK_BYTES of the image (each sent to the slot as soon
+    as it is read): the pieces together read exactly the bytes one read of the whole expert does,
+    whatever the piece size, and each piece's runs lie inside its own image range."""
+    from deepinfer.model.expert_cache import _pieces
+
+    r = _runner(NANO, _backend("cpu", cpu_backend), "bf16", _device(0.5, "disk"))
+    ex = r.experts
+    nb = ex.layout.nbytes
+    for L, e in ((ex.layers[0], 0), (ex.layers[-1], ex.E - 1)):
+        runs = ex._expert_ranges(L, e)
+        want = np.zeros(nb, np.uint8)
+        ex._pread(runs, want)
+        for chunk in (4096, 10_000, 65536, nb, 4 * nb):
+            pieces = _pieces(runs, nb, chunk)
+            assert len(pieces) == -(-nb // chunk) and all(n <= chunk for _, _, n in pieces)
+            got = np.zeros(nb, np.uint8)
+            for prs, at, n in pieces:
+                for _, _, parts in prs:
+                    assert all(at <= a and a + k <= at + n for a, k in parts)
+                ex._pread(prs, got)
+            assert np.array_equal(got, want), chunk
+    ex.close()
+
+
+def test_device_path_reads_in_pieces_on_many_threads(cpu_backend, monkeypatch):
+    """Small pieces (12 per expert), slow reads on 8 reader threads, prefetches given up when their
+    slot goes to another expert: the logits stay bit-identical to the resident model's, and every
+    bounce buffer comes back."""
+    import threading
+    import time
+
+    from deepinfer.model import expert_cache as EC
+
+    pread = EC.ExpertCache._pread
+
+    def slow(ranges, dst):
+        if threading.current_thread().name.startswith("deepinfer-experts"):
+            time.sleep(0.0005)
+        pread(ranges, dst)
+
+    monkeypatch.setattr(EC.ExpertCache, "_pread", staticmethod(slow))
+    monkeypatch.setattr(EC, "CHUNK_BYTES", 16384)
+    r = _with_watchdog(lambda: _assert_bit_identical("cpu", cpu_backend, NANO, "bf16",
+                                                     _device(0.25, "disk", prefetch=True), 4096, raw=True))
+    ex = r.experts
+    assert ex.read_threads == EC.DEVICE_READ_THREADS
+    assert all(len(v) == 12 for v in ex._chunks.values())
+    st = r.expert_stats()
+    assert st["expert_prefetch_issued"] > 0 and st["expert_misses"] > 0 and st["expert_loads_given_up"] > 0
+    for L in ex.layers:
+        for slot in list(L.pending):
+            ex._finish(L, slot, compute_waits=False)
+    for ld in ex._reading:
+        ld.read.exception(timeout=30)
+    ex._pump()
+    ex._pump()
+    assert not ex._reading and not ex._copying and not ex._queued
+
+
+def test_readers_take_misses_before_prefetches():
+    """The reader threads take jobs by priority, in submission order within one: a miss submitted
+    after queued prefetches is read before them, and the background fill comes last."""
+    import threading
+
+    from deepinfer.model.expert_cache import PRIORITY, _Readers
+
+    rd = _Readers(1, "deepinfer-experts-test")
+    gate, order = threading.Event(), []
+    rd.submit(0, gate.wait, 10)                       # holds the one thread while the queue fills
+    fs = [rd.submit(PRIORITY[k], order.append, name) for k, name in
+          (("fill", "fill"), ("prefetch", "p1"), ("prefetch", "p2"), ("miss", "m1"), ("overflow", "o1"))]
+    gate.set()
+    for f in fs:
+        f.result(timeout=10)
+    assert order == ["m1", "o1", "p1", "p2", "fill"]
+    boom = rd.submit(0, lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        boom.result(timeout=10)
+    rd.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        rd.submit(0, print)
 
 
 def test_chunked_prefill_and_score(cpu_backend):

@@ -135,6 +135,15 @@ class Backend:
         _check_copy(dst, src)
         dst.numpy()[...] = src.numpy()
 
+    def prepare_copy(self, dst: Tensor, src: Tensor, stream: Optional["Stream"] = None) -> Callable[[], None]:
+        """copy_async(dst, src, stream) checked and bound once, for a copy a hot loop repeats between
+        the same two buffers (an expert cache pause's routing and slot table)."""
+        _check_copy(dst, src)
+        d, s = dst.numpy(), src.numpy()
+        if type(self).copy_async is not Backend.copy_async:
+            return lambda: self.copy_async(dst, src, stream)
+        return lambda: np.copyto(d, s)
+
     def device_count(self) -> int:
         return 1
 
@@ -561,6 +570,24 @@ class NativeBackend(Backend):
         self._check(entry, getattr(self._api, entry)(
             self._ctx, ffi.cast("void*", dst.data_ptr + dst.offset), ffi.cast("void*", src.data_ptr + src.offset),
             dst.nbytes, abi.const(kind), h))
+
+    def prepare_copy(self, dst: Tensor, src: Tensor, stream: Optional[Stream] = None) -> Callable[[], None]:
+        _check_copy(dst, src)
+        kind = abi.const({(True, False): "DI_COPY_HOST_TO_DEVICE", (False, True): "DI_COPY_DEVICE_TO_HOST",
+                          (False, False): "DI_COPY_DEVICE_TO_DEVICE", (True, True): "DI_COPY_HOST_TO_HOST"}[
+            (src.on_host, dst.on_host)])
+        h = self._stream_h if stream is None else (stream.handle if stream.handle is not None else ffi.NULL)
+        entry = "mem_copy_async" if self._has("mem_copy_async") else "mem_copy"
+        fn, ctx, check, n = getattr(self._api, entry), self._ctx, self._check, dst.nbytes
+        d = ffi.cast("void*", dst.data_ptr + dst.offset)
+        s = ffi.cast("void*", src.data_ptr + src.offset)
+
+        def run(_keep=(dst, src)):   # _keep: the tensors (and so their memory) live as long as the call
+            status = fn(ctx, d, s, n, kind, h)
+            if status:
+                check(entry, status)
+
+        return run
 
     @property
     def supports_comm(self) -> bool:

@@ -48,11 +48,14 @@ layer's moe_experts, so the host never waits for a transfer.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import os
+import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -69,7 +72,14 @@ log = logging.getLogger("deepinfer")
 SOURCES = ("host", "disk")
 ALIGN = 256
 READ_THREADS = 1          # host-memory backends: the compute threads use the cores; one reader overlaps them
+# device backends: readers of disk experts. One thread reads the page cache at ~9 GB/s (H100 host), so
+# a miss read by one thread took 2 ms for V2-Lite's 17 MB expert; split in CHUNK_BYTES pieces over 8
+# readers it arrives at the aggregate rate, and each piece is sent on as soon as it is read
+DEVICE_READ_THREADS = 8
+CHUNK_BYTES = 4 << 20
 BOUNCE_BYTES = 1 << 30    # device backends: at most this much pinned memory for disk reads in flight
+# reader priorities: a step waits for its misses now; a prefetch is needed a layer later; fill whenever
+PRIORITY = {"miss": 0, "overflow": 0, "prefetch": 1, "fill": 2}
 # host backends prefetch by default only experts this large: a read then lasts long enough (~200 us
 # from the page cache) for the reader to overlap the compute; with small ones (the embedded model's
 # 192 KiB) the hand-off and the wrong predictions' reads cost more than the overlap saves
@@ -228,11 +238,18 @@ class StreamedLayer:
 @dataclass
 class _Load:
     dst: Optional[Tensor]    # device: the slot's bytes
-    kind: str                # "miss", "prefetch" or "overflow"
-    read: Optional[Future] = None
-    event: object = None     # device: the copy's event (None until issued)
+    kind: str                # "miss", "prefetch", "overflow" or "fill"
+    read: Optional[Future] = None    # device, disk: done once every piece is read and its copy issued
+    event: object = None     # device: recorded after the load's copies (None until then)
     bounce: Optional[Tensor] = None
     ranges: Optional[list] = None    # device, disk: the file runs to read
+    # device, disk: the readers' shared state (under lock): pieces still to read, whether any copy
+    # went out, whether the load was given up (its slot went to another expert), the first error
+    lock: Optional[threading.Lock] = None
+    left: int = 0
+    copied: bool = False
+    cancelled: bool = False
+    error: Optional[BaseException] = None
 
 
 @dataclass
@@ -266,7 +283,7 @@ class ExpertCache:
         self.stats = dict(expert_hits=0, expert_misses=0, expert_overflow_loads=0, expert_prefetch_issued=0,
                           expert_prefetch_used=0, expert_prefetch_late=0, expert_bytes_streamed=0,
                           expert_wait_seconds=0.0, expert_predicted=0, expert_predicted_used=0,
-                          expert_needed=0, expert_needed_predicted=0, expert_fill_loads=0)
+                          expert_needed=0, expert_needed_predicted=0, expert_fill_loads=0, expert_loads_given_up=0)
         t0 = time.perf_counter()
         first = moe_layers[0].prefix
         tmpl, self.raw = self._template(first)
@@ -335,15 +352,16 @@ class ExpertCache:
         self.hashed_first = self._first_table is not None
         self._ranges: dict = {}          # (layer pos, expert) -> its file runs (_merged)
         self._fds: dict = {}
-        self._reader = ThreadPoolExecutor(max_workers=READ_THREADS if self.host_memory else 4,
-                                          thread_name_prefix="deepinfer-experts")
+        self.read_threads = READ_THREADS if self.host_memory else DEVICE_READ_THREADS
+        self._reader = _Readers(self.read_threads, "deepinfer-experts")
         # the readers and the open files go with the cache (weakref.finalize: nothing they run holds it)
         self._closer = weakref.finalize(self, _close, self._reader, self._fds)
         self._images: Optional[list] = None
         self._bounce_free: list = []     # device, disk: pinned buffers the readers read into
-        self._queued: list = []          # loads waiting for a bounce buffer
-        self._reading: list = []         # loads being read into one
+        self._queued: list = []          # loads waiting for a bounce buffer (misses first)
+        self._reading: list = []         # loads being read into one (and sent on by the readers)
         self._copying: list = []        # device: loads whose copies are in flight (bounce buffers held)
+        self._chunks: dict = {}          # (layer pos, expert) -> its pieces (_pieces)
         if not self.host_memory:
             try:      # copies on a stream of their own, ordered by events: ABI 1.1's optional entries
                 self.copy_stream = be.create_stream()
@@ -513,7 +531,7 @@ class ExpertCache:
             elif kind in ("prefetch", "fill"):      # overlaps the layers computed until its use
                 src = (np.copyto, (dst, self._images[L.pos][e * nb:(e + 1) * nb])) if self._images is not None \
                     else (self._pread, (self._expert_ranges(L, e), dst))
-                L.pending[slot] = _Load(None, kind, read=self._reader.submit(src[0], *src[1]))
+                L.pending[slot] = _Load(None, kind, read=self._reader.submit(PRIORITY[kind], src[0], *src[1]))
             elif self._images is not None:
                 np.copyto(dst, self._images[L.pos][e * nb:(e + 1) * nb])
             else:
@@ -531,8 +549,14 @@ class ExpertCache:
             self._issue_copy(ld, Tensor(src, (nb,), "uint8"))
             ld.read = _done()
         elif self.raw:
-            ld.ranges = self._expert_ranges(L, e)
-            self._queued.append(ld)       # a reader takes it once a bounce buffer is free (_feed)
+            key = (L.pos, e)
+            ld.ranges = self._chunks.get(key)
+            if ld.ranges is None:
+                ld.ranges = self._chunks[key] = _pieces(self._expert_ranges(L, e), nb, CHUNK_BYTES)
+            # a reader takes it once a bounce buffer is free (_feed); misses go before queued prefetches
+            p = PRIORITY[kind]
+            at = next((i for i, q in enumerate(self._queued) if PRIORITY[q.kind] > p), len(self._queued))
+            self._queued.insert(at, ld)
             self._feed()
         else:
             self._write_converted(self._converted(L, e), slot_t)
@@ -548,9 +572,76 @@ class ExpertCache:
         blocked on a buffer that only the main thread can free would hang the process at exit)."""
         while self._queued and self._bounce_free:
             ld = self._queued.pop(0)
-            ld.bounce = b = self._bounce_free.pop()
-            ld.read = self._reader.submit(self._pread, ld.ranges, b.numpy())
+            ld.bounce = self._bounce_free.pop()
+            ld.lock, ld.left, ld.read = threading.Lock(), len(ld.ranges), Future()
+            p = PRIORITY[ld.kind]
+            for piece in ld.ranges:
+                self._reader.submit(p, self._read_piece, ld, piece)
             self._reading.append(ld)
+
+    def _read_piece(self, ld: _Load, piece: tuple) -> None:
+        """Reader thread: one piece of a device disk load into its bounce buffer, then its copy to
+        the slot on the copy stream; the last piece records the load's event and completes ld.read.
+        A copy is issued under the load's lock, so once _cancel holds it no copy of the load is
+        still to come: a later load into the slot is ordered after all of them on the copy stream."""
+        runs, at, n = piece
+        err = None
+        if not ld.cancelled:
+            try:
+                self._pread(runs, ld.bounce.numpy())
+            except BaseException as e:       # handed to whoever waits for the load
+                err = e
+        with ld.lock:
+            if err is None and not ld.cancelled:
+                try:
+                    self.backend.copy_async(ld.dst.byte_view(at, n), ld.bounce.byte_view(at, n), self.copy_stream)
+                    ld.copied = True
+                except BaseException as e:
+                    err = e
+            if err is not None and ld.error is None and not ld.cancelled:
+                ld.error = err
+            ld.left -= 1
+            last = ld.left == 0
+            if last and ld.copied:
+                try:
+                    ev = self.backend.create_event()
+                    ev.record(self.copy_stream)
+                    ld.event = ev
+                except BaseException as e:
+                    ld.error = ld.error or e
+        if last:
+            if ld.error is not None:
+                ld.read.set_exception(ld.error)
+            else:
+                ld.read.set_result(None)
+
+    def _cancel(self, L: _Layer, slot: int) -> None:
+        """The slot goes to another expert: give up a load still in flight into it. Device only.
+        Nothing is waited for: a queued load is dropped; a load being read issues no more copies
+        (its bounce buffer comes back once its reads, and copies already out, are done); copies on
+        the copy stream are ordered before the next load's. A load converted on the working stream
+        (no raw bytes, no host images) is waited for, as before."""
+        ld = L.pending.pop(slot, None)
+        if ld is None:
+            return
+        self.stats["expert_loads_given_up"] += 1
+        if ld.ranges is None:
+            if self._images is None:           # written on the working stream: order the copy stream after it
+                self.copy_stream.wait(ld.event)
+            return
+        if ld in self._queued:
+            self._queued.remove(ld)
+            return
+        with ld.lock:
+            ld.cancelled = True
+
+    def _release(self, L: _Layer, slot: int) -> None:
+        """Before a slot takes another expert: on a device the load in flight into it is given up
+        (_cancel); on a host-memory backend the reader writes the slot itself and is waited for."""
+        if self.host_memory:
+            self._finish(L, slot, compute_waits=False)
+        else:
+            self._cancel(L, slot)
 
     def _issue_copy(self, ld: _Load, src: Tensor) -> None:
         nb = self.layout.nbytes
@@ -558,18 +649,23 @@ class ExpertCache:
         ev = self.backend.create_event()
         ev.record(self.copy_stream)
         ld.event = ev
-        if ld.bounce is not None:
-            self._reading.remove(ld)
-            self._copying.append(ld)
 
     def _pump(self) -> None:
-        """Device: send reads that finished, give back bounce buffers whose copies finished, start
-        queued reads."""
+        """Device: take back bounce buffers whose loads are read and copied, start queued reads. A
+        load that failed raises here (or where it is waited for)."""
         if self.host_memory:
             return
-        for ld in [x for x in self._reading if x.read.done()]:
-            ld.read.result()
-            self._issue_copy(ld, ld.bounce)
+        done = [x for x in self._reading if x.read.done()]
+        for ld in done:
+            self._reading.remove(ld)
+            if ld.event is not None:
+                self._copying.append(ld)
+            else:                              # given up before any copy: the buffer is free now
+                self._bounce_free.append(ld.bounce)
+                ld.bounce = None
+        for ld in done:
+            if not ld.cancelled:
+                ld.read.result()
         still = []
         for ld in self._copying:
             if ld.event.query():
@@ -591,8 +687,6 @@ class ExpertCache:
                 ld.read.result(timeout=0.0005)
             except FutureTimeout:      # not the builtin TimeoutError before Python 3.11
                 continue
-            if not self.host_memory and ld.event is None:
-                self._issue_copy(ld, ld.bounce)
             return
 
     def _complete(self, ld: _Load) -> bool:
@@ -653,7 +747,7 @@ class ExpertCache:
     def _prefetch(self, L: _Layer, predicted: list) -> None:
         """Start the loads of the predicted experts of layer L that are not resident."""
         for e, s, _ in L.slots.prefetch(predicted):
-            self._finish(L, s, compute_waits=False)   # a load still in flight into the victim slot
+            self._release(L, s)        # a load still in flight into the victim slot
             self._load(L, e, s, "prefetch")
             self.stats["expert_prefetch_issued"] += 1
 
@@ -678,25 +772,29 @@ class ExpertCache:
         loaded too: which rows share an expert can change a library's blocking, and so the last bits
         of the real rows (the CPU library's does). On a device: asynchronous copies into pinned
         buffers and one synchronization for all of them."""
-        views = []
+        views, copies = [], []
+        stream = self.backend.stream
         for t in ts:
             v = self._views.get(id(t))
-            if v is None or v[0] is not t:
+            if v is None or v[0] is not t or v[3] is not stream:
                 if len(self._views) > 4096:   # plans retraced over a long run: drop the old entries
                     self._views.clear()
                 if self.host_memory:
-                    view = t.numpy()          # the plan binds its tensors once: one view each
+                    v = (t, t.numpy(), None, stream)     # the plan binds its tensors once: one view each
                 else:
+                    # a pinned copy, and the copy into it bound once (a pause's Python is on the GPU's
+                    # critical path: the device idles from the synchronize until the next segment)
                     h = self._host_buffer(t.nbytes)
                     view = Tensor(h.buffer, t.shape, t.dtype, None, h.offset)
-                v = self._views[id(t)] = (t, view)
+                    v = (t, view.numpy(), self.backend.prepare_copy(view.byte_view(), t.byte_view()), stream)
+                self._views[id(t)] = v
             views.append(v[1])
-        if self.host_memory:
-            return [v.copy() for v in views]
-        for t, h in zip(ts, views):
-            self.backend.copy_async(h.byte_view(), t.byte_view())
-        self.backend.synchronize()
-        return [np.array(h.numpy()) for h in views]
+            copies.append(v[2])
+        if not self.host_memory:
+            for c in copies:
+                c()
+            self.backend.synchronize()
+        return [v.copy() for v in views]
 
     def _distinct(self, ids: np.ndarray) -> tuple:
         """(distinct experts in first-use order, whether some id was outside [0, E))."""
@@ -723,7 +821,7 @@ class ExpertCache:
         S["expert_misses"] += len(loads) + len(overflow)
         S["expert_overflow_loads"] += len(overflow)
         for e, s, _ in loads:
-            self._finish(L, s, compute_waits=False)     # a load still in flight into the victim slot
+            self._release(L, s)        # a load still in flight into the victim slot
             self._load(L, e, s, "miss")
         slot_ids = L.slots.table                        # expert -> slot (read before the layer's next route)
         if overflow:
@@ -798,7 +896,75 @@ class ExpertCache:
         return S
 
 
-def _close(reader: ThreadPoolExecutor, fds: dict) -> None:
+class _Readers:
+    """Reader threads taking jobs by priority (lowest first), in submission order within one: a
+    step's misses go ahead of prefetches queued before them, which go ahead of the background fill."""
+
+    def __init__(self, n: int, name: str):
+        self._heap: list = []
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True) for i in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, priority: int, fn, *args) -> Future:
+        f: Future = Future()
+        with self._cv:
+            if self._stop:
+                raise RuntimeError("expert cache: the readers were shut down (the cache is closed)")
+            heapq.heappush(self._heap, (priority, next(self._seq), f, fn, args))
+            self._cv.notify()
+        return f
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap and not self._stop:
+                    self._cv.wait()
+                if not self._heap:
+                    return                        # stopped, nothing left
+                _, _, f, fn, args = heapq.heappop(self._heap)
+            if not f.set_running_or_notify_cancel():
+                continue
+            try:
+                f.set_result(fn(*args))
+            except BaseException as e:            # the waiter re-raises it
+                f.set_exception(e)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Run what is queued, then stop the threads."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if wait:
+            for t in self._threads:
+                if t is not threading.current_thread():
+                    t.join()
+
+
+def _pieces(runs: list, nbytes: int, chunk: int) -> list:
+    """An expert's file runs (_merged) cut at every `chunk` bytes of its image: [(runs of the piece,
+    image offset, bytes)], each piece a contiguous image range [at, at + bytes) (alignment gaps
+    between parts included: their bytes are copied but never read)."""
+    out = []
+    for lo in range(0, nbytes, chunk):
+        hi = min(lo + chunk, nbytes)
+        sub = []
+        for fd, off, parts in runs:
+            fo = off
+            for at, n in parts:
+                a, b = max(at, lo), min(at + n, hi)
+                if a < b:
+                    sub.append((fd, fo + (a - at), b - a, a))
+                fo += n
+        if sub:
+            out.append((_merged(sub), lo, hi - lo))
+    return out
+
+
+def _close(reader: "_Readers", fds: dict) -> None:
     reader.shutdown(wait=True)
     for fd in fds.values():
         try:

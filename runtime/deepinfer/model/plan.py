@@ -250,6 +250,7 @@ class Plan:
         host = self._input_store if self._staging is None else self._staging
         raw = host.numpy()
         self._host_inputs = {}
+        self._send = {}          # pause-written inputs: name -> (their copy, bound once; its stream)
         for k, v in self.inputs.items():
             off = v.buffer.offset
             self._host_inputs[k] = raw[off:off + v.nbytes].view(v.dtype.np).reshape(v.shape)
@@ -310,8 +311,11 @@ class Plan:
         """Make a pause-written input the device's (a copy on the working stream, ordered before
         the rest of the step); nothing to do on a host backend."""
         if self._staging is not None:
-            dev, host = self.input_region(name)
-            backend.copy_async(dev, host)
+            send = self._send.get(name)
+            if send is None or send[1] is not backend.stream:
+                dev, host = self.input_region(name)
+                send = self._send[name] = (backend.prepare_copy(dev, host), backend.stream)
+            send[0]()
 
     def run(self, backend, on_pause=None) -> None:
         if self._staging is not None:
