@@ -460,12 +460,12 @@ class Speculator:
         self._release_slots(eng.scheduler.running)
         seqs = [s.seq for s in batch]
         drafts = [self.drafts_of(seq) for seq in seqs]
-        surv = [survival(seq.draft_probs[:len(d)], self.cal) if d else [] for seq, d in zip(seqs, drafts)]
         # speculate or not: sequences without drafts (new after a plain step) count as if they had
         # K drafts of the measured mean acceptance -- this step's MTP run gives them real ones
-        if not any(drafts) and self.bootstrap_wait > 0:
+        if self.bootstrap_wait > 0 and not any(drafts):
             self.bootstrap_wait -= 1          # recent drafts did not pay: stay plain a while
             return None
+        surv = [survival(seq.draft_probs[:len(d)], self.cal) if d else [] for seq, d in zip(seqs, drafts)]
         virt = [len(d) if d else self.K for d in drafts]
         vsurv = [sv if d else self._expected_survival() for d, sv in zip(drafts, surv)]
         over = self._draft_overhead(len(seqs))
