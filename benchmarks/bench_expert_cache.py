@@ -90,8 +90,16 @@ def trace_routing(args, tokens: list):
     # writes the slot ids): what selection costs on the critical path when nothing is missing
     trace, ex.trace = ex.trace, None
     misses = ex.stats["expert_misses"]
+    before = (ex.route_seconds, ex.sync_seconds, ex.stats["expert_wait_seconds"], ex.pauses)
     again = decode(r, tokens)
-    paused = {"times": again["times"], "misses": ex.stats["expert_misses"] - misses}
+    n = max(ex.pauses - before[3], 1)
+    paused = {"times": again["times"], "misses": ex.stats["expert_misses"] - misses,
+              # per pause: host time in the routed pause, of it waiting for the GPU to get there, and
+              # time waiting for loads before moe_experts (none: everything is resident)
+              "route_us_per_pause": 1e6 * (ex.route_seconds - before[0]) / n,
+              "sync_us_per_pause": 1e6 * (ex.sync_seconds - before[1]) / n,
+              "wait_us_per_pause": 1e6 * (ex.stats["expert_wait_seconds"] - before[2]) / n,
+              "pauses_per_step": n / len(tokens)}
     steps, cur = [], {}
     for pos, needed, pred in trace:
         # pos -1: the step-start prefetch of a hash-routed first layer (V4), before layer 0's pause
@@ -277,7 +285,8 @@ def main() -> int:
     res["resident"] = {"step_ms": 1e3 * t_res, "tok_s": 1 / t_res}
     t_paused = med(paused["times"][args.warmup:])
     res["paused_all_resident"] = {"step_ms": 1e3 * t_paused, "vs_resident": t_paused / t_res,
-                                  "misses": paused["misses"]}
+                                  "overhead_us_per_pause": 1e6 * (t_paused - t_res) / paused["pauses_per_step"],
+                                  **{k: v for k, v in paused.items() if k != "times"}}
     res["runs"] = runs = []
     bw = None
     for c in args.capacities:
@@ -356,7 +365,10 @@ def write(res: dict, out: Path, quiet: bool = False) -> None:
         L += ["", f"Every expert in place, pauses kept (capacity 100% without fill, the text decoded a second "
               f"time: {pr['misses']} misses): {pr['step_ms']:.3f} ms/step = {pr['vs_resident']:.2f}x the resident "
               f"step. This is what expert selection costs on the critical path: a step whose experts were all "
-              f"predicted and loaded in time."]
+              f"predicted and loaded in time. Per pause ({pr['pauses_per_step']:.0f} a step): "
+              f"{pr['overhead_us_per_pause']:.0f} us more than the resident step; host time in the routed pause "
+              f"{pr['route_us_per_pause']:.0f} us, of it {pr['sync_us_per_pause']:.0f} us waiting for the device to "
+              f"reach it; before moe_experts {pr['wait_us_per_pause']:.0f} us."]
     cs = res.get("cold_start")
     if cs:
         L += ["", "## Cold start (process start to first token, fresh processes)", "",

@@ -376,6 +376,8 @@ class ExpertCache:
             self._build_images()
         self.setup_seconds = time.perf_counter() - t0
         self.route_seconds = 0.0         # host time of the routed pauses (reading ids, policy, issuing loads)
+        self.sync_seconds = 0.0          # device: of that, waiting for the working stream to reach the pause
+        self.pauses = 0                  # routed pauses run
         self._views: dict = {}           # id(pause tensor) -> (tensor, its host view / pinned copy)
         # a list: every pause appends (layer pos, needed, predicted next); start_step (-1, [], predicted)
         self.trace: Optional[list] = None
@@ -793,7 +795,9 @@ class ExpertCache:
         if not self.host_memory:
             for c in copies:
                 c()
+            t0 = time.perf_counter()
             self.backend.synchronize()
+            self.sync_seconds += time.perf_counter() - t0
         return [v.copy() for v in views]
 
     def _distinct(self, ids: np.ndarray) -> tuple:
@@ -807,6 +811,7 @@ class ExpertCache:
         if self.dry:
             return
         t0 = time.perf_counter()
+        self.pauses += 1
         rid, rpred = self._read_ids(ids, pred) if pred is not None else (self._read_ids(ids)[0], None)
         needed, L.odd_ids = self._distinct(rid)
         S = self.stats
