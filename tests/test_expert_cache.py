@@ -830,19 +830,24 @@ def test_captured_segments_replay_the_same(cpu_backend):
         stream.close()
 
 
-def test_runner_captures_each_segment_of_a_cached_decode_plan(cpu_backend):
+@pytest.mark.parametrize("device_path", [False, True], ids=["host-path", "device-path"])
+def test_runner_captures_each_segment_of_a_cached_decode_plan(device_path, cpu_backend):
     """The CPU runner captures decode plans after their first run; with the cache a plan pauses
-    once per MoE layer, so its graph is a list with one entry per segment."""
-    r = _runner(NANO, _backend("cpu", cpu_backend), "bf16", {"capacity": 0.5})
+    once per MoE layer, so its graph is a list with one entry per segment. On the device path a
+    layer pauses twice: after the router (the routing goes to the host) and before moe_experts (the
+    shared experts between them run while the host decides)."""
+    ec = _device(0.5, "disk") if device_path else {"capacity": 0.5}
+    r = _runner(NANO, _backend("cpu", cpu_backend), "bf16", ec)
     assert r.use_graphs
     _workload(r, 4096)
     decode = [(k, p) for k, p in r.plans.items() if k[1] == "decode" and p.runs > 1]
     assert {k[0] for k, _ in decode} == {"main", "mtp"}
     for k, p in decode:
         segs = p.prepared(r.backend)
-        moe_layers = 4 if k[0] == "main" else 1         # the main model's 4 MoE layers, or the MTP layer
-        assert p.has_pauses and len(segs) == moe_layers + 1 and segs[-1][1] is None
-        want = [("experts", pos) for pos in range(4)] if k[0] == "main" else [("experts", 4)]
+        layers = range(4) if k[0] == "main" else [4]     # the main model's 4 MoE layers, or the MTP layer
+        per = [("expert_ids",), ("experts",)] if device_path else [("experts",)]
+        want = [kind + (pos,) for pos in layers for kind in per]
+        assert p.has_pauses and len(segs) == len(want) + 1 and segs[-1][1] is None
         assert [tuple(pz.tag) for _, pz in segs[:-1]] == want      # (binding turns the tag into a list)
         assert isinstance(p.graph, list) and len(p.graph) == len(segs)
 

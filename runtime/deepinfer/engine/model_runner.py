@@ -441,12 +441,16 @@ class ModelRunner:
         if not p.has_pauses:
             return p.run(self.backend)
         ex = self.experts
-        if ex.hashed_first and p.first_pause == ("experts", 0):
+        first = p.first_pause
+        if ex.hashed_first and first is not None and first[1] == 0:
             ex.start_step(p.host_input("ids"))
 
         def on_pause(pz):
-            pos = pz.tag[1]
-            ex.on_routed(pos, pz.tensors["ids"], pz.tensors.get("pred"))
+            kind, pos = pz.tag
+            if kind == "expert_ids":       # the routing is ready; the shared experts follow on the device
+                ex.on_ids(pos, pz.tensors["ids"], pz.tensors.get("pred"))
+                return
+            ex.on_routed(pos, pz.tensors.get("ids"), pz.tensors.get("pred"))
             ex.on_experts(pos, p, f"expert_slots_{pos}")
 
         p.run(self.backend, on_pause)

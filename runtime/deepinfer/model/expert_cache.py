@@ -231,6 +231,9 @@ class StreamedLayer:
     w_up: list
     w_down: list
     predict: bool            # trace the next layer's router on this layer's residual (prefetch)
+    # a device: the routing is read at its own pause right after the router, and the shared experts
+    # run while the host decides (on_ids); host backends run ops synchronously and pause once
+    early_read: bool = False
     # every expert resident (a filled lazy cache): E descriptors in expert order, no pause; None before
     direct: Optional[tuple] = None
 
@@ -339,7 +342,7 @@ class ExpertCache:
             descs = list(L.views) + list(self.overflow_views)
             descs += [L.views[0]] * (E - len(descs))     # never named by an id; keeps E resident descriptors
             m.streamed = StreamedLayer(L.pos, [d[0] for d in descs], [d[1] for d in descs], [d[2] for d in descs],
-                                       predict=False)
+                                       predict=False, early_read=not self.host_memory)
         for i, m in enumerate(moe_layers[:-1]):
             # the next layer's router runs on this layer's residual; the MTP layer is another plan
             m.streamed.predict = self.prefetch and self.layers[i + 1].index == self.layers[i].index + 1 \
@@ -379,6 +382,8 @@ class ExpertCache:
         self.sync_seconds = 0.0          # device: of that, waiting for the working stream to reach the pause
         self.pauses = 0                  # routed pauses run
         self._views: dict = {}           # id(pause tensor) -> (tensor, its host view / pinned copy)
+        self._early: Optional[tuple] = None    # (layer pos, host views, event): a routing sent by on_ids
+        self._ids_event = None
         # a list: every pause appends (layer pos, needed, predicted next); start_step (-1, [], predicted)
         self.trace: Optional[list] = None
         # dry: steps load nothing and route every pair nowhere (the runner's warm-up step, which only
@@ -768,13 +773,24 @@ class ExpertCache:
             self.trace.append((-1, [], predicted))
         self.route_seconds += time.perf_counter() - t0
 
-    def _read_ids(self, *ts) -> list:
-        """The routings of a pause (this layer's, and the next layer's prediction), copied: the
-        arena reuses their bytes after the pause. The padding rows of a bucketed batch are routed and
-        loaded too: which rows share an expert can change a library's blocking, and so the last bits
-        of the real rows (the CPU library's does). On a device: asynchronous copies into pinned
-        buffers and one synchronization for all of them."""
-        views, copies = [], []
+    def on_ids(self, pos: int, ids: Tensor, pred: Optional[Tensor]) -> None:
+        """Device: the routing of layer pos (and the next layer's prediction) is complete on the
+        working stream: copy it to pinned memory and record an event, without waiting. The shared
+        experts run on the device meanwhile; on_routed, at the pause before moe_experts, waits only
+        for this event."""
+        if self.dry:
+            return
+        t0 = time.perf_counter()
+        views = self._issue_ids(ids, pred) if pred is not None else self._issue_ids(ids)
+        if self._ids_event is None:
+            self._ids_event = self.backend.create_event()
+        self._ids_event.record(self.backend.stream)
+        self._early = (pos, views)
+        self.route_seconds += time.perf_counter() - t0
+
+    def _issue_ids(self, *ts) -> list:
+        """Host views of the pause tensors ts; on a device their copies are issued (not waited for)."""
+        views = []
         stream = self.backend.stream
         for t in ts:
             v = self._views.get(id(t))
@@ -791,13 +807,32 @@ class ExpertCache:
                     v = (t, view.numpy(), self.backend.prepare_copy(view.byte_view(), t.byte_view()), stream)
                 self._views[id(t)] = v
             views.append(v[1])
-            copies.append(v[2])
+            if v[2] is not None:
+                v[2]()
+        return views
+
+    def _read_ids(self, *ts) -> list:
+        """The routings of a pause (this layer's, and the next layer's prediction), copied: the
+        arena reuses their bytes after the pause. The padding rows of a bucketed batch are routed and
+        loaded too: which rows share an expert can change a library's blocking, and so the last bits
+        of the real rows (the CPU library's does). On a device: asynchronous copies into pinned
+        buffers and one synchronization for all of them."""
+        views = self._issue_ids(*ts)
         if not self.host_memory:
-            for c in copies:
-                c()
             t0 = time.perf_counter()
             self.backend.synchronize()
             self.sync_seconds += time.perf_counter() - t0
+        return [v.copy() for v in views]
+
+    def _early_ids(self, pos: int) -> list:
+        """The routing on_ids sent for layer pos, once its copies are done (waits for them only)."""
+        at, views = self._early
+        if at != pos:
+            raise RuntimeError(f"expert cache: layer {pos}'s pause found the routing of layer {at} (plan order)")
+        self._early = None
+        t0 = time.perf_counter()
+        self._ids_event.synchronize()
+        self.sync_seconds += time.perf_counter() - t0
         return [v.copy() for v in views]
 
     def _distinct(self, ids: np.ndarray) -> tuple:
@@ -812,7 +847,11 @@ class ExpertCache:
             return
         t0 = time.perf_counter()
         self.pauses += 1
-        rid, rpred = self._read_ids(ids, pred) if pred is not None else (self._read_ids(ids)[0], None)
+        if ids is None:               # sent at the routing's own pause (on_ids)
+            got = self._early_ids(pos)
+            rid, rpred = got[0], (got[1] if len(got) > 1 else None)
+        else:
+            rid, rpred = self._read_ids(ids, pred) if pred is not None else (self._read_ids(ids)[0], None)
         needed, L.odd_ids = self._distinct(rid)
         S = self.stats
         if L.slots.predicted:
@@ -840,7 +879,7 @@ class ExpertCache:
                 self._load(L, e, s, "overflow")
         L.needed, L.slot_ids, L.ids = needed, slot_ids, rid
         predicted = None
-        if pred is not None:
+        if rpred is not None:
             predicted, _ = self._distinct(rpred)
             self._prefetch(self.layers[pos + 1], predicted)
         if self.trace is not None:
