@@ -27,7 +27,10 @@ layer's topk_ids (and, with prefetch, the next layer's router applied to this la
 read; the policy (model.expert_policy) names hits and places misses; their loads start, then the
 prefetch loads of the next layer; this layer's loads are waited for (on a device: the working stream
 waits for their copies' events) and the slot ids written; moe_experts follows. Misses wait; what
-hides transfers is prefetch, issued a whole layer ahead. (Computing the resident experts while the
+hides transfers is prefetch, issued a whole layer ahead. On a device the layer pauses twice: right
+after the router its routing is copied to pinned memory behind an event (on_ids), the shared
+experts run on the device while the host waits for that event and decides, and the step stops
+only before moe_experts. (Computing the resident experts while the
 misses arrive would split the op's sum over k into two calls and change its rounding: the output
 would no longer be the resident model's.)
 
@@ -44,7 +47,11 @@ memory is host memory (CPU, reference) a miss is read into its slot on the main 
 for at once) and a prefetch by a reader thread (it overlaps the layers computed until its use). On a
 device, reader threads read into pinned bounce buffers (disk) and the main thread sends each with an
 asynchronous copy on a copy stream; the working stream waits for that copy's event before the
-layer's moe_experts, so the host never waits for a transfer.
+layer's moe_experts, so the host never waits for a transfer. A disk expert is read in CHUNK_BYTES
+pieces by DEVICE_READ_THREADS readers, each of which sends its piece on the copy stream as soon as
+it is read, so one miss arrives at the threads' aggregate rate; the readers take misses before
+queued prefetches, and a slot that goes to another expert gives up the load in flight into it
+instead of waiting for it.
 """
 from __future__ import annotations
 
