@@ -959,6 +959,40 @@ def test_device_path_reads_in_pieces_on_many_threads(cpu_backend, monkeypatch):
     assert not ex._reading and not ex._copying and not ex._queued
 
 
+@pytest.mark.parametrize("host_memory", [None, False], ids=["host-path", "device-path"])
+def test_a_failed_read_is_an_error_not_a_hang(host_memory, cpu_backend, monkeypatch):
+    """A checkpoint read that fails on a reader thread (a disk gone, a file truncated under us)
+    reaches the step that needs the expert as that OSError, whichever piece failed; nothing waits
+    forever for a load that will not come."""
+    import threading
+
+    from deepinfer.model import expert_cache as EC
+
+    pread = EC.ExpertCache._pread
+    calls = {"n": 0}
+
+    def failing(ranges, dst):
+        if threading.current_thread().name.startswith("deepinfer-experts"):
+            calls["n"] += 1
+            if calls["n"] > 3:
+                raise OSError("simulated: the checkpoint's disk went away")
+        pread(ranges, dst)
+
+    monkeypatch.setattr(EC.ExpertCache, "_pread", staticmethod(failing))
+    monkeypatch.setattr(EC, "CHUNK_BYTES", 65536)
+    r = _runner(NANO, _backend("cpu", cpu_backend), "bf16",
+                ExpertCacheConfig(capacity=0.25, source="disk", prefetch=True, host_memory=host_memory))
+    rng = np.random.default_rng(5)
+
+    def run():
+        sid = r.new_sequence()
+        for i, t in enumerate(rng.integers(3, 4096, 64).tolist()):
+            r.forward([(sid, [t], i)])
+
+    with pytest.raises(OSError, match="disk went away"):
+        _with_watchdog(run)
+
+
 def test_readers_take_misses_before_prefetches():
     """The reader threads take jobs by priority, in submission order within one: a miss submitted
     after queued prefetches is read before them, and the background fill comes last."""
