@@ -853,24 +853,43 @@ def test_runner_captures_each_segment_of_a_cached_decode_plan(device_path, cpu_b
 
 
 # ============================================================================ loads under stress, other step shapes
-@pytest.mark.parametrize("host_memory", [None, False], ids=["host-path", "device-path"])
-def test_slow_reads_are_waited_for(host_memory, cpu_backend, monkeypatch):
-    """Reads on the reader thread(s) take milliseconds (a slow disk): a layer whose experts are
-    still arriving waits for them, so the results stay bit-identical (a layer that ran on a slot
-    before its bytes arrived would compute with another expert's weights)."""
+def _on_reader_reads(monkeypatch, before) -> None:
+    """Every checkpoint read on a cache reader thread first calls before() (a slow disk, a failing
+    one); reads on other threads go straight through."""
     import threading
-    import time
 
     from deepinfer.model import expert_cache as EC
 
     pread = EC.ExpertCache._pread
 
-    def slow(ranges, dst):
+    def wrapped(ranges, dst):
         if threading.current_thread().name.startswith("deepinfer-experts"):
-            time.sleep(0.003)
+            before()
         pread(ranges, dst)
 
-    monkeypatch.setattr(EC.ExpertCache, "_pread", staticmethod(slow))
+    monkeypatch.setattr(EC.ExpertCache, "_pread", staticmethod(wrapped))
+
+
+def _drain(ex) -> None:
+    """Wait for every load of the cache still in flight (pending ones, and those given up), then take
+    back their bounce buffers."""
+    for L in ex.layers:
+        for slot in list(L.pending):
+            ex._finish(L, slot, compute_waits=False)
+    for ld in ex._reading:          # loads given up when their slot went to another expert
+        ld.read.exception(timeout=30)
+    ex._pump()
+    ex._pump()
+
+
+@pytest.mark.parametrize("host_memory", [None, False], ids=["host-path", "device-path"])
+def test_slow_reads_are_waited_for(host_memory, cpu_backend, monkeypatch):
+    """Reads on the reader thread(s) take milliseconds (a slow disk): a layer whose experts are
+    still arriving waits for them, so the results stay bit-identical (a layer that ran on a slot
+    before its bytes arrived would compute with another expert's weights)."""
+    import time
+
+    _on_reader_reads(monkeypatch, lambda: time.sleep(0.003))
     ec = ExpertCacheConfig(capacity=0.5, source="disk", prefetch=True, host_memory=host_memory)
     r = _assert_bit_identical("cpu", cpu_backend, NANO, "bf16", ec, 4096, raw=True)
     assert r.expert_stats()["expert_prefetch_issued"] > 0
@@ -889,13 +908,7 @@ def test_few_bounce_buffers(cpu_backend, monkeypatch):
     assert r.expert_stats()["expert_misses"] + r.expert_stats()["expert_prefetch_issued"] > 2
     # once the loads still in flight (prefetches nobody waited for yet) are done, every buffer is back
     ex = r.experts
-    for L in ex.layers:
-        for slot in list(L.pending):
-            ex._finish(L, slot, compute_waits=False)
-    for ld in ex._reading:          # loads given up when their slot went to another expert
-        ld.read.exception(timeout=30)
-    ex._pump()
-    ex._pump()
+    _drain(ex)
     assert len(ex._bounce_free) == 2
 
 
@@ -928,19 +941,11 @@ def test_device_path_reads_in_pieces_on_many_threads(cpu_backend, monkeypatch):
     """Small pieces (12 per expert), slow reads on 8 reader threads, prefetches given up when their
     slot goes to another expert: the logits stay bit-identical to the resident model's, and every
     bounce buffer comes back."""
-    import threading
     import time
 
     from deepinfer.model import expert_cache as EC
 
-    pread = EC.ExpertCache._pread
-
-    def slow(ranges, dst):
-        if threading.current_thread().name.startswith("deepinfer-experts"):
-            time.sleep(0.0005)
-        pread(ranges, dst)
-
-    monkeypatch.setattr(EC.ExpertCache, "_pread", staticmethod(slow))
+    _on_reader_reads(monkeypatch, lambda: time.sleep(0.0005))
     monkeypatch.setattr(EC, "CHUNK_BYTES", 16384)
     r = _with_watchdog(lambda: _assert_bit_identical("cpu", cpu_backend, NANO, "bf16",
                                                      _device(0.25, "disk", prefetch=True), 4096, raw=True))
@@ -949,13 +954,7 @@ def test_device_path_reads_in_pieces_on_many_threads(cpu_backend, monkeypatch):
     assert all(len(v) == 12 for v in ex._chunks.values())
     st = r.expert_stats()
     assert st["expert_prefetch_issued"] > 0 and st["expert_misses"] > 0 and st["expert_loads_given_up"] > 0
-    for L in ex.layers:
-        for slot in list(L.pending):
-            ex._finish(L, slot, compute_waits=False)
-    for ld in ex._reading:
-        ld.read.exception(timeout=30)
-    ex._pump()
-    ex._pump()
+    _drain(ex)
     assert not ex._reading and not ex._copying and not ex._queued
 
 
@@ -964,21 +963,16 @@ def test_a_failed_read_is_an_error_not_a_hang(host_memory, cpu_backend, monkeypa
     """A checkpoint read that fails on a reader thread (a disk gone, a file truncated under us)
     reaches the step that needs the expert as that OSError, whichever piece failed; nothing waits
     forever for a load that will not come."""
-    import threading
-
     from deepinfer.model import expert_cache as EC
 
-    pread = EC.ExpertCache._pread
     calls = {"n": 0}
 
-    def failing(ranges, dst):
-        if threading.current_thread().name.startswith("deepinfer-experts"):
-            calls["n"] += 1
-            if calls["n"] > 3:
-                raise OSError("simulated: the checkpoint's disk went away")
-        pread(ranges, dst)
+    def failing():
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise OSError("simulated: the checkpoint's disk went away")
 
-    monkeypatch.setattr(EC.ExpertCache, "_pread", staticmethod(failing))
+    _on_reader_reads(monkeypatch, failing)
     monkeypatch.setattr(EC, "CHUNK_BYTES", 65536)
     r = _runner(NANO, _backend("cpu", cpu_backend), "bf16",
                 ExpertCacheConfig(capacity=0.25, source="disk", prefetch=True, host_memory=host_memory))

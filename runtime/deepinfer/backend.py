@@ -139,9 +139,9 @@ class Backend:
         """copy_async(dst, src, stream) checked and bound once, for a copy a hot loop repeats between
         the same two buffers (an expert cache pause's routing and slot table)."""
         _check_copy(dst, src)
-        d, s = dst.numpy(), src.numpy()
         if type(self).copy_async is not Backend.copy_async:
             return lambda: self.copy_async(dst, src, stream)
+        d, s = dst.numpy(), src.numpy()
         return lambda: np.copyto(d, s)
 
     def device_count(self) -> int:
@@ -557,7 +557,9 @@ class NativeBackend(Backend):
         if self._ctx is not None:
             self._check("host_unregister", self._api.host_unregister(self._ctx, ptr))
 
-    def copy_async(self, dst: Tensor, src: Tensor, stream: Optional[Stream] = None) -> None:
+    def _copy_call(self, dst: Tensor, src: Tensor, stream: Optional[Stream]) -> tuple:
+        """(entry name, C function, its arguments) of one copy: what copy_async calls at once and
+        prepare_copy binds."""
         _check_copy(dst, src)
         kind = {(True, False): "DI_COPY_HOST_TO_DEVICE", (False, True): "DI_COPY_DEVICE_TO_HOST",
                 (False, False): "DI_COPY_DEVICE_TO_DEVICE", (True, True): "DI_COPY_HOST_TO_HOST"}[
@@ -567,23 +569,20 @@ class NativeBackend(Backend):
         else:
             h = stream.handle if stream.handle is not None else ffi.NULL
         entry = "mem_copy_async" if self._has("mem_copy_async") else "mem_copy"
-        self._check(entry, getattr(self._api, entry)(
+        return entry, getattr(self._api, entry), (
             self._ctx, ffi.cast("void*", dst.data_ptr + dst.offset), ffi.cast("void*", src.data_ptr + src.offset),
-            dst.nbytes, abi.const(kind), h))
+            dst.nbytes, abi.const(kind), h)
+
+    def copy_async(self, dst: Tensor, src: Tensor, stream: Optional[Stream] = None) -> None:
+        entry, fn, args = self._copy_call(dst, src, stream)
+        self._check(entry, fn(*args))
 
     def prepare_copy(self, dst: Tensor, src: Tensor, stream: Optional[Stream] = None) -> Callable[[], None]:
-        _check_copy(dst, src)
-        kind = abi.const({(True, False): "DI_COPY_HOST_TO_DEVICE", (False, True): "DI_COPY_DEVICE_TO_HOST",
-                          (False, False): "DI_COPY_DEVICE_TO_DEVICE", (True, True): "DI_COPY_HOST_TO_HOST"}[
-            (src.on_host, dst.on_host)])
-        h = self._stream_h if stream is None else (stream.handle if stream.handle is not None else ffi.NULL)
-        entry = "mem_copy_async" if self._has("mem_copy_async") else "mem_copy"
-        fn, ctx, check, n = getattr(self._api, entry), self._ctx, self._check, dst.nbytes
-        d = ffi.cast("void*", dst.data_ptr + dst.offset)
-        s = ffi.cast("void*", src.data_ptr + src.offset)
+        entry, fn, args = self._copy_call(dst, src, stream)
+        check = self._check
 
         def run(_keep=(dst, src)):   # _keep: the tensors (and so their memory) live as long as the call
-            status = fn(ctx, d, s, n, kind, h)
+            status = fn(*args)
             if status:
                 check(entry, status)
 

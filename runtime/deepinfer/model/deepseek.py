@@ -299,18 +299,16 @@ class DeepseekGraph:
             pn = g.empty((T, c.hidden_size), self.dtype, "predict_norm")
             g.rmsnorm(x=resid, weight=next_layer.ln2, out=pn, eps=c.rms_norm_eps)
             pred, _ = self.route(g, next_layer.moe, pn, T, "predicted")
-        slot_ids = g.input(f"expert_slots_{s.pos}", (T, K))
+        routing = dict(ids=ids, pred=pred)
         if s.early_read:
             # a device: the routing is sent to the host now and the shared experts run while the host
             # decides; the step stops only before moe_experts (ExpertCache.on_ids)
-            g.pause(("expert_ids", s.pos), ids=ids, pred=pred)
-            if w.shared is not None:
-                self.mlp(g, w.shared, x, T, out=out)
-            g.pause(("experts", s.pos), slot_ids=slot_ids)
-        else:
-            if w.shared is not None:
-                self.mlp(g, w.shared, x, T, out=out)
-            g.pause(("experts", s.pos), ids=ids, pred=pred, slot_ids=slot_ids)
+            g.pause(("expert_ids", s.pos), **routing)
+            routing = {}
+        if w.shared is not None:
+            self.mlp(g, w.shared, x, T, out=out)
+        slot_ids = g.input(f"expert_slots_{s.pos}", (T, K))
+        g.pause(("experts", s.pos), slot_ids=slot_ids, **routing)
         g.moe_experts(x=x, topk_ids=slot_ids, topk_weights=wts, num_experts=len(s.w_gate),
                       accumulate=int(w.shared is not None), w_gate=s.w_gate, w_up=s.w_up, w_down=s.w_down, out=out)
         return out

@@ -224,9 +224,11 @@ class DeepseekV4Graph:
         ids, wts = self.route(g, w, x, meta)
         out = g.empty((T, c.hidden_size), self.dtype, "moe_out")
         s, acc = w.streamed, int(w.shared is not None)
-        early = s is not None and s.direct is None and s.early_read
-        if early:      # a device: the shared experts run while the host reads the routing (model.deepseek)
-            g.pause(("expert_ids", s.pos), ids=ids, pred=pred)
+        routing = dict(ids=ids, pred=pred)
+        if s is not None and s.direct is None and s.early_read:
+            # a device: the shared experts run while the host reads the routing (model.deepseek)
+            g.pause(("expert_ids", s.pos), **routing)
+            routing = {}
         if w.shared is not None:
             mlp(g, w.shared, x, out, self.dtype, self.act_quant, lim)
         if s is None or s.direct is not None:
@@ -235,10 +237,7 @@ class DeepseekV4Graph:
                           w_gate=gate, w_up=up, w_down=down, out=out, swiglu_limit=lim)
             return out
         slot_ids = g.input(f"expert_slots_{s.pos}", (T, K))
-        if early:
-            g.pause(("experts", s.pos), slot_ids=slot_ids)
-        else:
-            g.pause(("experts", s.pos), ids=ids, pred=pred, slot_ids=slot_ids)
+        g.pause(("experts", s.pos), slot_ids=slot_ids, **routing)
         g.moe_experts(x=x, topk_ids=slot_ids, topk_weights=wts, num_experts=len(s.w_gate), accumulate=acc,
                       w_gate=s.w_gate, w_up=s.w_up, w_down=s.w_down, out=out, swiglu_limit=lim)
         return out

@@ -389,7 +389,7 @@ class ExpertCache:
         self.sync_seconds = 0.0          # device: of that, waiting for the working stream to reach the pause
         self.pauses = 0                  # routed pauses run
         self._views: dict = {}           # id(pause tensor) -> (tensor, its host view / pinned copy)
-        self._early: Optional[tuple] = None    # (layer pos, host views, event): a routing sent by on_ids
+        self._early: Optional[tuple] = None    # (layer pos, host views): a routing on_ids sent (_ids_event)
         self._ids_event = None
         # a list: every pause appends (layer pos, needed, predicted next); start_step (-1, [], predicted)
         self.trace: Optional[list] = None
@@ -788,7 +788,7 @@ class ExpertCache:
         if self.dry:
             return
         t0 = time.perf_counter()
-        views = self._issue_ids(ids, pred) if pred is not None else self._issue_ids(ids)
+        views = self._issue_ids(*_present(ids, pred))
         if self._ids_event is None:
             self._ids_event = self.backend.create_event()
         self._ids_event.record(self.backend.stream)
@@ -854,11 +854,9 @@ class ExpertCache:
             return
         t0 = time.perf_counter()
         self.pauses += 1
-        if ids is None:               # sent at the routing's own pause (on_ids)
-            got = self._early_ids(pos)
-            rid, rpred = got[0], (got[1] if len(got) > 1 else None)
-        else:
-            rid, rpred = self._read_ids(ids, pred) if pred is not None else (self._read_ids(ids)[0], None)
+        # ids None: sent at the routing's own pause (on_ids)
+        got = self._early_ids(pos) if ids is None else self._read_ids(*_present(ids, pred))
+        rid, rpred = got[0], (got[1] if len(got) > 1 else None)
         needed, L.odd_ids = self._distinct(rid)
         S = self.stats
         if L.slots.predicted:
@@ -993,6 +991,11 @@ class _Readers:
             for t in self._threads:
                 if t is not threading.current_thread():
                     t.join()
+
+
+def _present(*ts) -> list:
+    """A pause's routing tensors that the plan has (the prediction is absent without prefetch)."""
+    return [t for t in ts if t is not None]
 
 
 def _pieces(runs: list, nbytes: int, chunk: int) -> list:
