@@ -1,5 +1,5 @@
 /*
- * deepinfer kernel ABI, version 1.4 (abi/CHANGELOG.md lists what each minor version added).
+ * deepinfer kernel ABI, version 1.5 (abi/CHANGELOG.md lists what each minor version added).
  *
  * A vendor library (libdeepinfer_<name>.so) is built against this header alone. It exports one
  * frozen symbol, deepinfer_plugin_info(), which returns a DI_PluginInfo. The host asks that struct
@@ -40,7 +40,7 @@ extern "C" {
 /* DI_CDEF_BEGIN */
 
 #define DI_ABI_MAJOR 1
-#define DI_ABI_MINOR 4
+#define DI_ABI_MINOR 5
 #define DI_MAX_DIMS 6
 
 /* ---------------------------------------------------------------- status codes */
@@ -224,7 +224,8 @@ enum DI_OpId {
     DI_OP_ALL_TO_ALL      = 25,
     DI_OP_MOE_DISPATCH    = 26,
     DI_OP_MOE_COMBINE     = 27,
-    DI_OP_COUNT_V1_4      = 28
+    DI_OP_COUNT_V1_4      = 28,
+    DI_OP_COUNT_V1_5      = 28   /* 1.5 added no ops (moe_experts' expert_map and misses) */
 };
 
 /* ---------------------------------------------------------------- op args (README: semantics) */
@@ -366,6 +367,11 @@ typedef struct DI_MoEExpertsArgs {
     /* ---- v1.3 (DI_ARGS_SINCE) ---- */
     float            swiglu_limit;   /* > 0: gate = min(gate, limit), up = clamp(up, -limit, limit) */
     uint32_t         reserved;       /* 0 */
+    /* ---- v1.5 (DI_ARGS_SINCE): an expert cache's device-side table ---- */
+    DI_Tensor        expert_map;     /* [M] int32 or absent: pair (t, k) uses descriptor expert_map[topk_ids[t, k]]
+                                      * for ids in [0, M); an entry < 0 or a non-resident descriptor: not resident */
+    DI_Tensor        misses;         /* [T, K] int32, required with expert_map: 1 = the pair's expert was not
+                                      * resident and the pair was skipped, else 0 (written for every pair) */
 } DI_MoEExpertsArgs;
 
 /* out = a + b (same shape); out may alias a or b */
@@ -825,7 +831,9 @@ const DI_PluginInfo* deepinfer_plugin_info(void);
     A(S, w_gate, IN, OPT, 2, 2, DI_DTS_FLOAT, DI_DTS_WEIGHT_Q, num_experts) \
     A(S, w_up, IN, OPT, 2, 2, DI_DTS_FLOAT, DI_DTS_WEIGHT_Q, num_experts) \
     A(S, w_down, IN, OPT, 2, 2, DI_DTS_FLOAT, DI_DTS_WEIGHT_Q, num_experts) \
-    T(S, out, OUT, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE)
+    T(S, out, OUT, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, expert_map, IN, OPT, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, misses, OUT, OPT, 2, 2, DI_DTS_INDEX, DI_DTS_NONE)
 #define DI_ARGS_add(T, A, S) \
     T(S, a, IN, REQ, 0, 6, DI_DTS_FLOAT, DI_DTS_NONE) \
     T(S, b, IN, REQ, 0, 6, DI_DTS_FLOAT, DI_DTS_NONE) \
@@ -945,6 +953,8 @@ const DI_PluginInfo* deepinfer_plugin_info(void);
     F(moe_router, DI_MoERouterArgs, token_ids, 3) \
     F(moe_router, DI_MoERouterArgs, hash_table, 3) \
     F(moe_experts, DI_MoEExpertsArgs, swiglu_limit, 3) \
+    F(moe_experts, DI_MoEExpertsArgs, expert_map, 5) \
+    F(moe_experts, DI_MoEExpertsArgs, misses, 5) \
     F(silu_mul, DI_SiluMulArgs, limit, 3) \
     F(sample, DI_SampleArgs, probs, 2)
 

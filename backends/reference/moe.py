@@ -131,19 +131,31 @@ def resident(w) -> bool:
 
 
 def moe_experts(x=None, topk_ids=None, topk_weights=None, num_experts=None, accumulate=None,
-                w_gate=None, w_up=None, w_down=None, out=None, swiglu_limit=None) -> None:
+                w_gate=None, w_up=None, w_down=None, out=None, swiglu_limit=None, expert_map=None,
+                misses=None) -> None:
     """out[t] (+)= sum_k w[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]) for e = topk_ids[t, k] in [0, E)
-    (1.3: gate and up clipped first when swiglu_limit > 0)."""
+    (1.3: gate and up clipped first when swiglu_limit > 0). 1.5: with expert_map [M], pair (t, k) uses
+    descriptor expert_map[topk_ids[t, k]] (ids in [0, M)); a pair whose entry is < 0, >= E or names a
+    non-resident descriptor is skipped and flagged in misses [T, K] (required with the map)."""
     op = "moe_experts"
     check_arg(op, "x", x)
     check_arg(op, "topk_ids", topk_ids)
     check_arg(op, "topk_weights", topk_weights)
     check_arg(op, "out", out)
+    check_arg(op, "expert_map", expert_map)
+    check_arg(op, "misses", misses)
     T, H = x.shape
     K = topk_ids.shape[1]
     check_dim(op, "topk_ids.shape[0]", topk_ids.shape[0], T, "x.shape[0]")
     check_shape(op, "topk_weights", topk_weights, (T, K))
     check_shape(op, "out", out, (T, H))
+    if expert_map is not None and misses is None:
+        raise ValueError(f"{op}: expert_map needs misses [T, K] int32: a pair whose expert is not resident is "
+                         f"skipped, and misses is how the caller learns its output is incomplete")
+    if misses is not None:
+        if expert_map is None:
+            raise ValueError(f"{op}: misses is written only with expert_map; pass both or neither")
+        check_shape(op, "misses", misses, (T, K))
     accumulate = i32(accumulate, op, "accumulate") != 0
     limit = _swiglu_limit(op, "swiglu_limit", swiglu_limit)
     for name, lst in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
@@ -156,6 +168,18 @@ def moe_experts(x=None, topk_ids=None, topk_weights=None, num_experts=None, accu
         check_dim(op, f"len({name})", len(lst), E, "num_experts")
 
     ids = read_index(topk_ids)
+    if expert_map is not None:
+        # the cache's table: model expert id -> descriptor; a pair without a resident descriptor is
+        # skipped and reported, not an error (the caller runs the step again once it is loaded)
+        table = read_index(expert_map)
+        M = len(table)
+        inside = (ids >= 0) & (ids < M)
+        ids = np.where(inside, table[np.where(inside, ids, 0)], -1)
+        here = np.array([all(resident(w[e]) for w in (w_gate, w_up, w_down)) for e in range(E)], bool)
+        ok = (ids >= 0) & (ids < E)
+        ok[ok] = here[ids[ok]]
+        write(misses, (inside & ~ok).astype(np.int32))
+        ids = np.where(ok, ids, -1)
     routed = sorted({int(e) for e in ids.ravel() if 0 <= e < E})
     for e in routed:
         if not all(resident(w[e]) for w in (w_gate, w_up, w_down)):
