@@ -10,6 +10,9 @@
 //  * a tiled SIMT f32 fallback for everything else (f32 / f16 activations, activation-quantized x,
 //    f32 / f16 / fp4 weights, shapes off the 16-row / 64-byte grid): correct for any input.
 // Nothing waits for the host when every expert is resident, so a call can be captured in a graph.
+// With an expert cache's table (1.5: expert_map, misses) ids are model expert ids: each is mapped to
+// a descriptor on the device, and a pair whose expert is not resident is skipped and flagged in
+// misses instead of failing, so such a call never waits for the host either.
 // Results do not depend on scheduling: every (pair, column) is computed by exactly one thread and
 // summed over k in k order.
 #include <vector>
@@ -165,9 +168,29 @@ struct ResidentMask {
 };
 constexpr int ALIGN_THREADS = 1024;
 
+// 1.5: an expert cache's table. map == NULL: ids name descriptors directly.
+struct ExpertMap {
+    const int32_t* map;   // [M] model expert id -> descriptor (< 0: not resident)
+    int64_t M;
+    int32_t* misses;      // [T, K] with row stride ms: 1 = the pair was skipped, its expert not resident
+    int64_t ms;
+};
+
+// The descriptor pair p uses (-1: none); *miss = its id named an expert of the map that is not resident.
+__device__ __forceinline__ int64_t pair_expert(DTensor ids, int64_t p, int64_t Ktop, const ExpertMap& m,
+                                               bool* inside) {
+    const int64_t id = load_i(ids.dt, ids.base, (p / Ktop) * ids.strides[0] + p % Ktop);
+    if (!m.map) {
+        *inside = false;
+        return id;
+    }
+    *inside = id >= 0 && id < m.M;
+    return *inside ? (int64_t)m.map[id] : -1;
+}
+
 __global__ __launch_bounds__(ALIGN_THREADS) void k_moe_align(DTensor ids, int64_t T, int Ktop, int E, ResidentMask res,
-                                                            int BN, int max_items, int* sorted, int4* items,
-                                                            int* n_items, uint8_t* pair_ok) {
+                                                            ExpertMap emap, int BN, int max_items, int* sorted,
+                                                            int4* items, int* n_items, uint8_t* pair_ok) {
     __shared__ int cnt[MOE_MAX_E], fill[MOE_MAX_E], off[MOE_MAX_E], ioff[MOE_MAX_E];
     __shared__ int scan_red[MAX_WARPS];
     const int tid = threadIdx.x;
@@ -175,10 +198,12 @@ __global__ __launch_bounds__(ALIGN_THREADS) void k_moe_align(DTensor ids, int64_
     for (int e = tid; e < E; e += blockDim.x) cnt[e] = fill[e] = 0;
     __syncthreads();
     for (int64_t p = tid; p < P; p += blockDim.x) {
-        const int64_t e = load_i(ids.dt, ids.base, (p / Ktop) * ids.strides[0] + p % Ktop);
+        bool inside;
+        const int64_t e = pair_expert(ids, p, Ktop, emap, &inside);
         const bool ok = e >= 0 && e < E && ((res.w[e >> 5] >> (e & 31)) & 1u);
         pair_ok[p] = ok;
         if (ok) atomicAdd(&cnt[e], 1);
+        if (emap.map) emap.misses[(p / Ktop) * emap.ms + p % Ktop] = inside && !ok;
     }
     __syncthreads();
     // exclusive scans of the pair counts and of the items per expert (thread e holds expert e)
@@ -198,7 +223,8 @@ __global__ __launch_bounds__(ALIGN_THREADS) void k_moe_align(DTensor ids, int64_
     __syncthreads();
     for (int64_t p = tid; p < P; p += blockDim.x) {
         if (!pair_ok[p]) continue;
-        const int e = (int)load_i(ids.dt, ids.base, (p / Ktop) * ids.strides[0] + p % Ktop);
+        bool inside;
+        const int e = (int)pair_expert(ids, p, Ktop, emap, &inside);
         sorted[off[e] + atomicAdd(&fill[e], 1)] = (int)p;
     }
 }
@@ -224,6 +250,18 @@ __global__ void k_moe_combine(const float* y, DTensor ids, DTensor tw, const uin
         int64_t o = t * out.strides[0] + c;
         if (accumulate) acc += load_f(out.dt, out.base, o);
         store_f(out.dt, out.base, o, acc);
+    }
+}
+
+// SIMT path with a map: ids translated to descriptors once (-1: skipped), misses written.
+__global__ void k_moe_map_ids(DTensor ids, int64_t P, int64_t Ktop, int64_t E, const uint8_t* resident, ExpertMap m,
+                              int32_t* mapped) {
+    for (int64_t p = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; p < P; p += (int64_t)gridDim.x * blockDim.x) {
+        bool inside;
+        const int64_t e = pair_expert(ids, p, Ktop, m, &inside);
+        const bool ok = e >= 0 && e < E && resident[e];
+        mapped[p] = ok ? (int32_t)e : -1;
+        m.misses[(p / Ktop) * m.ms + p % Ktop] = inside && !ok;
     }
 }
 
@@ -296,7 +334,19 @@ struct Call {
     std::vector<uint8_t> resident;
     std::vector<ExpertBases> ptrs[3];   // gate, up, down of every resident expert
     int64_t n_resident = 0, first = -1;
+    QTensor map{}, miss{};              // 1.5: expert_map [M] and misses [T, K] (mapped only)
+    bool mapped = false;
 };
+
+ExpertMap map_of(const Call& c) {
+    ExpertMap m{};
+    if (!c.mapped) return m;
+    m.map = reinterpret_cast<const int32_t*>(c.map.q.base);
+    m.M = c.map.q.shape[0];
+    m.misses = reinterpret_cast<int32_t*>(c.miss.q.base);
+    m.ms = c.miss.q.strides[0];
+    return m;
+}
 
 // One expert weight: validated under a fixed name first; the indexed name is formatted only for the
 // message of a failure (formatting hundreds of names per call was most of the op's host time).
@@ -386,7 +436,8 @@ uint64_t mma_workspace(const Call& c, const MmaPlan& pl) {
 
 uint64_t simt_workspace(const Call& c) {
     const uint64_t P = (uint64_t)(c.T * c.Ktop);
-    return align256(P * (uint64_t)c.I * 4) + align256(P * (uint64_t)c.H * 4) + align256((uint64_t)c.E);
+    return align256(P * (uint64_t)c.I * 4) + align256(P * (uint64_t)c.H * 4) + align256((uint64_t)c.E) +
+           (c.mapped ? align256(P * 4) : 0);
 }
 
 [[maybe_unused]] void fill_ptrs(const std::vector<ExpertBases>& b, const Call& c, MoePtrs* p) {
@@ -419,8 +470,8 @@ DI_Status run_mma(DI_Context* ctx, const DI_MoEExpertsArgs* a, const Call& c, co
     ResidentMask res{};
     for (int64_t e = 0; e < c.E; ++e)
         if (c.resident[(size_t)e]) res.w[e >> 5] |= 1u << (e & 31);
-    k_moe_align<<<1, ALIGN_THREADS, 0, s>>>(c.ids.q, c.T, (int)c.Ktop, (int)c.E, res, pl.bn, pl.max_items, sorted,
-                                            items, n_items, pair_ok);
+    k_moe_align<<<1, ALIGN_THREADS, 0, s>>>(c.ids.q, c.T, (int)c.Ktop, (int)c.E, res, map_of(c), pl.bn, pl.max_items,
+                                            sorted, items, n_items, pair_ok);
     DI_TRY(launch_status(ctx, op));
     // the pointer tables travel by value in the launches (static: 18 KB is too much for the stack
     // of a host thread that calls in from a small-stack runtime; one op at a time per thread)
@@ -461,6 +512,17 @@ DI_Status run_simt(DI_Context* ctx, const DI_MoEExpertsArgs* a, const Call& c, c
             e = e1;
         }
     }
+    DTensor ids = c.ids.q;
+    if (st == DI_OK && c.mapped && P > 0) {
+        // the kernels below read descriptor ids: translate once (non-resident pairs become -1)
+        int32_t* mapped = reinterpret_cast<int32_t*>(res_dev + align256((uint64_t)E));
+        k_moe_map_ids<<<grid_for(P, 256), 256, 0, s>>>(c.ids.q, P, Ktop, E, res_dev, map_of(c), mapped);
+        st = launch_status(ctx, op);
+        ids.base = reinterpret_cast<char*>(mapped);
+        ids.dt = DT_I32;
+        ids.strides[0] = Ktop;
+        ids.strides[1] = 1;
+    }
     const size_t list_bytes = MOE_WINDOW * sizeof(int);
     if (st == DI_OK && P > 0 && I > 0 && H > 0) {
         (void)cudaFuncSetAttribute(k_moe_up, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)list_bytes);
@@ -495,11 +557,11 @@ DI_Status run_simt(DI_Context* ctx, const DI_MoEExpertsArgs* a, const Call& c, c
                 }
                 if (phase == 0) {
                     dim3 grid((unsigned)cnt, (unsigned)ceil_div(I, TB));
-                    k_moe_up<<<grid, 256, list_bytes, s>>>(c.x, c.ids.q, t1, p1, t2, p2, (int)e0, P, Ktop, I, H, h,
+                    k_moe_up<<<grid, 256, list_bytes, s>>>(c.x, ids, t1, p1, t2, p2, (int)e0, P, Ktop, I, H, h,
                                                            a->swiglu_limit);
                 } else {
                     dim3 grid((unsigned)cnt, (unsigned)ceil_div(H, TB));
-                    k_moe_down<<<grid, 256, list_bytes, s>>>(h, c.ids.q, t1, p1, (int)e0, P, Ktop, I, H, y);
+                    k_moe_down<<<grid, 256, list_bytes, s>>>(h, ids, t1, p1, (int)e0, P, Ktop, I, H, y);
                 }
                 st = launch_status(ctx, op);
             }
@@ -508,7 +570,7 @@ DI_Status run_simt(DI_Context* ctx, const DI_MoEExpertsArgs* a, const Call& c, c
     if (st == DI_OK && (P == 0 || I == 0))  // nothing routed anywhere: y is all zero
         st = cuda_status(ctx, cudaMemsetAsync(y, 0, (size_t)P * H * 4, s), "moe_experts: cudaMemsetAsync");
     if (st == DI_OK && T * H > 0) {
-        k_moe_combine<<<grid_for(T * H, 256), 256, 0, s>>>(y, c.ids.q, c.tw.q, res_dev, 0, E, T, Ktop, H, c.out.q,
+        k_moe_combine<<<grid_for(T * H, 256), 256, 0, s>>>(y, ids, c.tw.q, res_dev, 0, E, T, Ktop, H, c.out.q,
                                                            a->accumulate ? 1 : 0);
         st = launch_status(ctx, op);
     }
@@ -543,6 +605,30 @@ DI_Status op_moe_experts(DI_Context* ctx, const DI_MoEExpertsArgs* a, OpMode* mo
     if (!(isfinite(a->swiglu_limit) && a->swiglu_limit >= 0.f))
         return set_error(ctx, DI_INVALID_ARGUMENT, "%s: swiglu_limit=%g must be finite and >= 0 (0 = no clipping)", op,
                          a->swiglu_limit);
+    // expert_map and misses (1.5): absent for an older caller (api.cu zeroes what it does not know);
+    // in op_query a descriptor with a shape counts as present
+    const bool has_map = a->expert_map.data || (!mode->launch && a->expert_map.ndim > 0);
+    const bool has_miss = a->misses.data || (!mode->launch && a->misses.ndim > 0);
+    if (has_map != has_miss)
+        return set_error(ctx, DI_INVALID_ARGUMENT,
+                         has_map ? "%s: expert_map needs misses [T, K] int32: a pair whose expert is not resident is "
+                                   "skipped, and misses is how the caller learns its output is incomplete"
+                                 : "%s: misses is written only with expert_map; pass both or neither",
+                         op);
+    if (has_map) {
+        DI_TRY(take_tensor(ctx, mode, op, "expert_map", a->expert_map, 1, 0, &c.map));
+        DI_NEED_DT(ctx, op, "expert_map", c.map.q.dt, DT_I32);
+        DI_TRY(take_tensor(ctx, mode, op, "misses", a->misses, 2, 0, &c.miss));
+        DI_NEED_DT(ctx, op, "misses", c.miss.q.dt, DT_I32);
+        DI_TRY(same_shape(ctx, op, "misses", c.miss.q, "topk_ids", c.ids.q));
+        if (c.map.q.strides[0] != 1)
+            return set_error(ctx, DI_INVALID_ARGUMENT, "%s: expert_map must be contiguous (stride %lld)", op,
+                             (long long)c.map.q.strides[0]);
+        if (c.miss.q.shape[1] > 1 && c.miss.q.strides[1] != 1)
+            return set_error(ctx, DI_INVALID_ARGUMENT, "%s: misses rows must be contiguous (column stride %lld)", op,
+                             (long long)c.miss.q.strides[1]);
+        c.mapped = true;
+    }
     if (E > 0 && (!a->w_gate || !a->w_up || !a->w_down))
         return set_error(ctx, DI_INVALID_ARGUMENT, "%s: w_gate, w_up and w_down must point to num_experts descriptors", op);
     // Validate every resident expert (in query mode: every one that has a shape).
@@ -589,7 +675,7 @@ DI_Status op_moe_experts(DI_Context* ctx, const DI_MoEExpertsArgs* a, OpMode* mo
     // A token routed to a non-resident expert is an error the caller must see; checking needs the
     // ids on the host, so only calls that have non-resident experts pay for that round trip. Calls
     // with every expert resident never wait for the host (and are capturable).
-    if (c.n_resident < E && P > 0) {
+    if (c.n_resident < E && P > 0 && !c.mapped) {
         cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
         DI_TRY(cuda_status(ctx, cudaStreamIsCapturing(s, &cs), "moe_experts: cudaStreamIsCapturing"));
         if (cs == cudaStreamCaptureStatusNone) {
