@@ -1274,3 +1274,112 @@ def test_auto_precision_counts_only_what_the_cache_holds(cpu_backend):
     streamed = Engine.from_pretrained(None, config={**base, "expert_cache": {"capacity": 0.25}})
     assert streamed.runner.precision is None or streamed.runner.precision == "bf16"
     assert "bf16" in streamed.runner.precision_note and "expert cache" in streamed.runner.precision_reason
+
+
+# ============================================================================ pause-free steps
+def _pause_free_workload(bname, cpu_lib, path, precision, ec, vocab, *, always=False, lib=None, **kw):
+    """_workload on a cached runner, against the resident model. always: every decode step first
+    tries to run without pauses (the back-off disabled), so steps that miss are run again with
+    pauses. Returns the cached runner."""
+    want = _baseline(bname, cpu_lib, path, precision, vocab, **kw) if lib is None else \
+        _workload(_runner(path, lib(), precision, **kw), vocab)
+    r = _runner(path, _backend(bname, cpu_lib) if lib is None else lib(), precision, ec, **kw)
+    if always:
+        r.experts._pf_after = 0       # stays 0: doubling 0 is 0, and a clean count of 0 reaches it
+    got = _workload(r, vocab)
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert np.array_equal(a, b), f"step {i}: the cached model differs by {float(np.abs(a - b).max())}"
+    rep = r.expert_stats()
+    _check_counters(rep, r.experts.prefetch, ExpertCacheConfig.parse(ec).policy)
+    return r
+
+
+PAUSE_FREE_CASES = [  # (backend, cache)
+    ("cpu", {"capacity": 1.0, "fill": False}),
+    ("cpu", _device(1.0, "disk", fill=False)),
+    ("reference", {"capacity": 1.0, "fill": False, "source": "host"}),
+]
+
+
+@pytest.mark.parametrize("bname,ec", PAUSE_FREE_CASES, ids=lambda x: x if isinstance(x, str) else _id(x))
+def test_pause_free_steps_once_every_expert_is_in_place(bname, ec, cpu_backend):
+    """Every expert resident after the prefill (capacity 1.0 without the background fill): after two
+    decode steps that load nothing the steps run without pauses, the kernels finding each expert's
+    slot in the table on the device, and the logits stay the resident model's."""
+    r = _pause_free_workload(bname, cpu_backend, NANO, "bf16", ec, 4096)
+    rep = r.expert_stats()
+    assert rep["expert_pause_free"] is True
+    assert rep["expert_pause_free_steps"] >= 3 and rep["expert_pause_free_retries"] == 0
+    # the pause-free steps' routing reached the policy: every expert they needed counted as a hit
+    assert rep["expert_hits"] + rep["expert_misses"] == rep["expert_needed"]
+    assert any(k[-1] for k in r.plans)               # a pause-free plan was traced and kept
+
+
+RETRY_CASES = [  # (backend, model, cache)
+    ("cpu", "nano", {"capacity": 0.25}),
+    ("cpu", "nano", {"capacity": 0.5, "source": "host", "policy": "lru", "prefetch": True}),
+    ("cpu", "nano", _device(0.25, "disk")),
+    ("cpu", "nano", _device(0.5, "host", policy="lru", prefetch=False)),
+    ("reference", "nano", {"capacity": 0.5, "source": "disk"}),
+    ("cpu", "v32", {"capacity": 0.5, "source": "disk", "prefetch": True}),
+]
+
+
+@pytest.mark.parametrize("bname,model,ec", RETRY_CASES,
+                         ids=lambda x: x if isinstance(x, str) else _id(x))
+def test_a_pause_free_step_that_misses_is_run_again(bname, model, ec, cpu_backend, tiny_checkpoint):
+    """Every decode step first runs without pauses; with a partial cache most of them route to an
+    expert that is not resident: moe_experts skips and flags those pairs, the host sees the flags
+    after the step and runs it again with pauses, which rewrites the cache rows the failed attempt
+    wrote. The logits (and the MTP head's, which reads those rows) stay the resident model's."""
+    path, vocab = (NANO, 4096) if model == "nano" else (tiny_checkpoint(model)[0], 256)
+    prec = "bf16" if model == "nano" else None
+    r = _pause_free_workload(bname, cpu_backend, path, prec, ec, vocab, always=True)
+    rep = r.expert_stats()
+    assert rep["expert_pause_free_retries"] >= 3
+    assert rep["expert_pause_free_steps"] + rep["expert_pause_free_retries"] >= 8
+
+
+def test_pause_free_off_pauses_every_step(cpu_backend):
+    r = _pause_free_workload("cpu", cpu_backend, NANO, "bf16", {"capacity": 1.0, "fill": False,
+                                                                  "pause_free": False}, 4096)
+    rep = r.expert_stats()
+    assert rep["expert_pause_free"] is False and rep["expert_pause_free_steps"] == 0
+    assert not any(k[-1] for k in r.plans)
+
+
+def test_pause_free_backs_off_after_misses():
+    """The back-off on the bookkeeping alone: a miss doubles the clean paused steps the next try
+    waits for, a clean pause-free step halves it again (never below the start)."""
+    from deepinfer.model import expert_cache as EC
+
+    class Fake:
+        pass
+    ec = Fake()
+    ec._pf_after, ec._clean = EC.PAUSE_FREE_AFTER, 5
+    ec.stats = {"expert_pause_free_retries": 0}
+    ec._records = {1: (None, np.array([[[[0]]], [[[1]]]], np.int32), None)}
+    ec._recorded = {1: {0}}
+    ec.route_seconds = 0.0
+    for want in (4, 8, 16):
+        assert EC.ExpertCache.after_pause_free(ec, 1) is False
+        assert ec._pf_after == want and ec._clean == 0
+    ec._pf_after = EC.PAUSE_FREE_AFTER_MAX
+    assert EC.ExpertCache.after_pause_free(ec, 1) is False and ec._pf_after == EC.PAUSE_FREE_AFTER_MAX
+    assert ec.stats["expert_pause_free_retries"] == 4
+
+
+@pytest.mark.skipif(not DEVICE_LIB, reason="needs DEEPINFER_CUDA_LIB (a GPU backend library)")
+@pytest.mark.parametrize("ec,always", [({"capacity": 1.0, "fill": False}, False),
+                                       ({"capacity": 0.25, "source": "disk"}, True),
+                                       ({"capacity": 0.5, "source": "host", "prefetch": True}, True)],
+                         ids=["all-in-place", "retry-0.25-disk", "retry-0.5-host"])
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_pause_free_on_device(ec, always, eager):
+    """On the device: pause-free steps (captured as one graph each) equal the resident model's, and
+    those that miss are run again with pauses."""
+    r = _pause_free_workload(None, None, NANO, "bf16", ec, 4096, always=always, enforce_eager=eager, dtype="bf16",
+                             lib=lambda: deepinfer.loader.load_library(DEVICE_LIB))
+    rep = r.expert_stats()
+    assert rep["expert_pause_free_steps"] + rep["expert_pause_free_retries"] >= 5
+    assert rep["expert_pause_free_retries"] > 0 if always else rep["expert_pause_free_retries"] == 0

@@ -23,6 +23,7 @@ perplexity and benchmarks; it keeps a Sequence per id, so positions still live i
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
 from typing import Optional, Sequence as Seq
@@ -270,25 +271,17 @@ class ModelRunner:
         return nb
 
     # ================================================================== plans
-    def plan(self, kind: str, mode: str, T: int, S: int, all_logits: bool = False, keep_hidden: bool = False) -> Plan:
-        key = (kind, mode, T, S, all_logits, keep_hidden)
+    def plan(self, kind: str, mode: str, T: int, S: int, all_logits: bool = False, keep_hidden: bool = False,
+             pause_free: bool = False) -> Plan:
+        """The plan of one kind of step (traced once per key). pause_free: an expert cache's step
+        without pauses (model.expert_cache)."""
+        key = (kind, mode, T, S, all_logits, keep_hidden, pause_free)
         p = self.plans.get(key)
         if p is None:
             if keep_hidden or kind != "main":
                 self._hidden_store(T)
-            g = Tracer(self.backend)
-            meta = StepInputs.declare(g, mode, T, S, self.max_blocks_per_seq, all_logits)
-            if kind == "main":
-                self.graph.forward(g, meta, self._hidden.narrow(0, 0, T) if keep_hidden else None)
-            elif kind == "mtp":
-                self.graph.mtp(g, meta, self._hidden.narrow(0, 0, T), self._mtp_hidden.narrow(0, 0, T))
-            elif kind == "draft":
-                # a recursive draft: the MTP layer on its own previous output, read and written in place
-                self.graph.mtp(g, meta, self._draft_hidden.narrow(0, 0, T), self._draft_hidden.narrow(0, 0, T))
-            else:   # "spec": verify the drafts and draft again (keep_hidden = draft logits gathered)
-                self.graph.verify_and_draft(g, meta, self._hidden.narrow(0, 0, T), self._mtp_hidden.narrow(0, 0, T),
-                                            self._draft_q if keep_hidden else None)
-            p = Plan.from_tracer(key, g)
+            with (self.experts.tracing(pause_free) if self.experts is not None else contextlib.nullcontext()):
+                p = self._trace(key)
             self.plans[key] = p
             while len(self.plans) > MAX_CACHED_PLANS:
                 self.plans.popitem(last=False)
@@ -297,6 +290,22 @@ class ModelRunner:
         self.arena.ensure(p.arena_bytes)
         p.bind(self.arena, self.backend)
         return p
+
+    def _trace(self, key: tuple) -> Plan:
+        kind, mode, T, S, all_logits, keep_hidden, _ = key
+        g = Tracer(self.backend)
+        meta = StepInputs.declare(g, mode, T, S, self.max_blocks_per_seq, all_logits)
+        if kind == "main":
+            self.graph.forward(g, meta, self._hidden.narrow(0, 0, T) if keep_hidden else None)
+        elif kind == "mtp":
+            self.graph.mtp(g, meta, self._hidden.narrow(0, 0, T), self._mtp_hidden.narrow(0, 0, T))
+        elif kind == "draft":
+            # a recursive draft: the MTP layer on its own previous output, read and written in place
+            self.graph.mtp(g, meta, self._draft_hidden.narrow(0, 0, T), self._draft_hidden.narrow(0, 0, T))
+        else:   # "spec": verify the drafts and draft again (keep_hidden = draft logits gathered)
+            self.graph.verify_and_draft(g, meta, self._hidden.narrow(0, 0, T), self._mtp_hidden.narrow(0, 0, T),
+                                        self._draft_q if keep_hidden else None)
+        return Plan.from_tracer(key, g)
 
     @property
     def _prefill_mode(self) -> bool:
@@ -347,9 +356,27 @@ class ModelRunner:
         T = sum(n for _, _, n in batch)
         S = len(batch)
         Tb, Sb = bucket(T), bucket(S)
-        if self.experts is not None and self.experts.before_step():
+        ex = self.experts
+        if ex is not None and ex.before_step():
             self.plans.clear()     # every expert is resident now: trace the steps again, without pauses
-        p = self.plan(kind, mode, Tb, Sb, all_logits, keep_hidden)
+        # an expert cache whose recent steps found every expert in place: a decode step without
+        # pauses, run again with them if a pair missed (it rewrites the cache rows the attempt wrote;
+        # only main steps: a draft step reads and writes its hidden rows in place)
+        pause_free = ex is not None and kind == "main" and mode == "decode" and ex.pause_free_ready()
+        p = self._step_plan(batch, kind, mode, T, Tb, Sb, all_logits, keep_hidden, pause_free, tokens, inputs)
+        self._execute(p)
+        if pause_free and not ex.after_pause_free(Tb):
+            p = self._step_plan(batch, kind, mode, T, Tb, Sb, all_logits, keep_hidden, False, tokens, inputs)
+            self._execute(p)
+        if keep_hidden:
+            self.last_hidden = self._hidden.narrow(0, 0, T)
+        self.last_plan, self._last_T = p, T
+        logits = p.bound_outputs["logits"]
+        return logits.narrow(0, 0, T if all_logits else S)
+
+    def _step_plan(self, batch, kind, mode, T, Tb, Sb, all_logits, keep_hidden, pause_free, tokens, inputs) -> Plan:
+        """The step's plan with its inputs written (and announced to the other ranks)."""
+        p = self.plan(kind, mode, Tb, Sb, all_logits, keep_hidden, pause_free)
         self._fill(p, batch, mode, T, Tb, Sb, tokens)
         if kind == "spec" and Tb > T:
             # a speculative step samples every row in the plan: padding attends to the first
@@ -362,12 +389,7 @@ class ModelRunner:
         if self.group is not None:
             # the other ranks run the same plan on the same inputs (their collectives meet ours)
             self.group.send_step(p.key, {name: p.host_input(name) for name in p.inputs})
-        self._execute(p)
-        if keep_hidden:
-            self.last_hidden = self._hidden.narrow(0, 0, T)
-        self.last_plan, self._last_T = p, T
-        logits = p.bound_outputs["logits"]
-        return logits.narrow(0, 0, T if all_logits else S)
+        return p
 
     def _execute(self, p: Plan) -> None:
         """Run a filled plan; a decode plan is captured as a graph after its first eager run. Every
@@ -451,11 +473,10 @@ class ModelRunner:
                 ex.on_ids(pos, pz.tensors["ids"], pz.tensors.get("pred"))
                 return
             ex.on_routed(pos, pz.tensors.get("ids"), pz.tensors.get("pred"))
-            ex.on_experts(pos, p, f"expert_slots_{pos}")
+            ex.on_experts(pos)
 
         p.run(self.backend, on_pause)
-        if not ex.dry:
-            ex.steps += 1
+        ex.end_step()
 
     def _fill(self, p: Plan, batch: list, mode: str, T: int, Tb: int, Sb: int, tokens: Optional[list] = None) -> None:
         """Write a step's inputs. tokens: per batch row the ids fed (default seq.token_ids[start:start + n])."""

@@ -19,10 +19,11 @@ kv_b into the query and reads the latent cache directly.
 
 MoE: router logits in f32, moe_router (softmax greedy / group_limited_greedy / noaux_tc sigmoid
 with e_score_correction_bias), shared experts first, then routed experts accumulated on top. With
-an expert cache (model.expert_cache) the routed experts run over cache slots: the step pauses
-before moe_experts (the host reads the routing, gets what is missing loaded and writes each pair's
-slot), and the next layer's router may run early, on this layer's residual, to predict what to
-pre-load while this layer computes.
+an expert cache (model.expert_cache) the routed experts run over cache slots through the cache's
+expert -> slot table on the device: the step pauses before moe_experts (the host reads the routing,
+gets what is missing loaded and sends the layer's table), and the next layer's router may run
+early, on this layer's residual, to predict what to pre-load while this layer computes; a
+pause-free step (every expert expected in place) records its routing and misses instead.
 
 DSA (V3.2): every layer's lightning indexer keeps one key per token in its own cache pool (wk, LayerNorm,
 rope on its first Dr dims, pairs (i, i + Dr/2)); indexer_topk scores the cached tokens with the
@@ -256,13 +257,15 @@ class DeepseekGraph:
             self.all_reduce(g, out)
         return out
 
-    def route(self, g, w: MoEWeights, x, T, name: str = "topk"):
-        """Router logits in f32, then moe_router: (topk_ids, topk_weights) [T, K]."""
+    def route(self, g, w: MoEWeights, x, T, name: str = "topk", ids=None):
+        """Router logits in f32, then moe_router: (topk_ids, topk_weights) [T, K] (ids: where the
+        ids go, default a new tensor)."""
         c = self.cfg
         E, K = c.n_routed_experts, c.num_experts_per_tok
         logits = g.empty((T, E), "f32", "router_logits")
         g.linear(x=x, w=w.gate, out=logits)
-        ids = g.empty((T, K), "int32", f"{name}_ids")
+        if ids is None:
+            ids = g.empty((T, K), "int32", f"{name}_ids")
         wts = g.empty((T, K), "f32", f"{name}_weights")
         grouped = c.topk_method in ("group_limited_greedy", "noaux_tc") and c.n_group > 1
         g.moe_router(logits=logits, bias=w.gate_bias, topk_ids=ids, topk_weights=wts,
@@ -276,12 +279,15 @@ class DeepseekGraph:
     def moe(self, g, w: MoEWeights, x, T, resid=None, next_layer: Optional[LayerWeights] = None) -> Tensor:
         c = self.cfg
         E, K = c.n_routed_experts, c.num_experts_per_tok
-        ids, wts = self.route(g, w, x, T)
-        out = g.empty((T, c.hidden_size), self.dtype, "moe_out")
         s = w.streamed
+        streamed = s is not None and s.direct is None
+        # a pause-free step (model.expert_cache) records its routing and misses for the host
+        record = s.record(T, s.pos) if streamed and s.pause_free else None
+        ids, wts = self.route(g, w, x, T, ids=record[0] if record else None)
+        out = g.empty((T, c.hidden_size), self.dtype, "moe_out")
         if self.ep > 1:
             return self.moe_expert_parallel(g, w, x, T, ids, wts, out)
-        if s is None or s.direct is not None:
+        if not streamed:
             # resident experts (or a filled expert cache: its slots in expert order, no pause)
             gate, up, down = (w.experts_gate, w.experts_up, w.experts_down) if s is None else s.direct
             if w.shared is not None:
@@ -292,7 +298,13 @@ class DeepseekGraph:
             self.all_reduce(g, out)
             return out
         # streamed experts (model.expert_cache): one pause, after the shared experts, where the host
-        # reads the routing, gets missing experts loaded and writes the slot each (token, k) pair uses
+        # reads the routing, gets missing experts loaded and sends the layer's expert -> slot table,
+        # which moe_experts reads on the device (none in a pause-free step: the table is in place)
+        if record is not None:
+            if w.shared is not None:
+                self.mlp(g, w.shared, x, T, out=out)
+            self.streamed_experts(g, s, x, ids, wts, out, record[1], accumulate=int(w.shared is not None))
+            return out
         pred = None
         if s.predict and resid is not None and next_layer is not None and next_layer.moe is not None:
             # prefetch: the next layer's router on this layer's residual, normed as that layer norms it
@@ -307,11 +319,18 @@ class DeepseekGraph:
             routing = {}
         if w.shared is not None:
             self.mlp(g, w.shared, x, T, out=out)
-        slot_ids = g.input(f"expert_slots_{s.pos}", (T, K))
-        g.pause(("experts", s.pos), slot_ids=slot_ids, **routing)
-        g.moe_experts(x=x, topk_ids=slot_ids, topk_weights=wts, num_experts=len(s.w_gate),
-                      accumulate=int(w.shared is not None), w_gate=s.w_gate, w_up=s.w_up, w_down=s.w_down, out=out)
+        g.pause(("experts", s.pos), **routing)
+        self.streamed_experts(g, s, x, ids, wts, out, g.empty((T, K), "int32", "expert_misses"),
+                              accumulate=int(w.shared is not None))
         return out
+
+    @staticmethod
+    def streamed_experts(g, s, x, ids, wts, out, misses, accumulate: int, **extra) -> None:
+        """moe_experts over an expert cache's slot descriptors, through its table on the device
+        (expert_map, ABI 1.5); a pair whose expert is absent is skipped and flagged in misses."""
+        g.moe_experts(x=x, topk_ids=ids, topk_weights=wts, num_experts=len(s.w_gate), accumulate=accumulate,
+                      w_gate=s.w_gate, w_up=s.w_up, w_down=s.w_down, out=out, expert_map=s.expert_map,
+                      misses=misses, **extra)
 
     def moe_expert_parallel(self, g, w: MoEWeights, x, T, ids, wts, out) -> Tensor:
         """The routed experts spread over the ranks (rank r holds experts [r * Er, (r + 1) * Er)).

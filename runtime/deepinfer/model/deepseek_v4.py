@@ -188,14 +188,15 @@ class DeepseekV4Graph:
         return out
 
     # ------------------------------------------------------------------ MoE
-    def route(self, g, w, x, meta: StepInputs, name: str = "topk"):
+    def route(self, g, w, x, meta: StepInputs, name: str = "topk", ids=None):
         """Router logits in f32, then moe_router (hash layers: the token ids' experts from the
-        table): (topk_ids, topk_weights) [T, K]."""
+        table): (topk_ids, topk_weights) [T, K] (ids: where the ids go, default a new tensor)."""
         c, T = self.cfg, meta.T
         E, K = c.n_routed_experts, c.num_experts_per_tok
         logits = g.empty((T, E), "f32", "router_logits")
         g.linear(x=x, w=w.gate, out=logits)
-        ids = g.empty((T, K), "int32", f"{name}_ids")
+        if ids is None:
+            ids = g.empty((T, K), "int32", f"{name}_ids")
         wts = g.empty((T, K), "f32", f"{name}_weights")
         hashed = w.hash_table is not None
         # transformers' V4 routers always normalize the selected weights
@@ -218,28 +219,31 @@ class DeepseekV4Graph:
         """Shared experts, then the routed experts accumulated on top (clipped SwiGLU in both).
         Streamed experts (model.expert_cache) pause before moe_experts as in model.deepseek: the
         host reads the routing (and `pred`, the next layer's guessed experts, to prefetch), gets
-        the misses loaded and writes the slot of each (token, k) pair."""
+        the misses loaded and sends the layer's expert -> slot table; a pause-free step records its
+        routing and misses instead."""
         c, T = self.cfg, meta.T
         E, K, lim = c.n_routed_experts, c.num_experts_per_tok, c.v4.swiglu_limit
-        ids, wts = self.route(g, w, x, meta)
-        out = g.empty((T, c.hidden_size), self.dtype, "moe_out")
         s, acc = w.streamed, int(w.shared is not None)
+        streamed = s is not None and s.direct is None
+        record = s.record(T, s.pos) if streamed and s.pause_free else None
+        ids, wts = self.route(g, w, x, meta, ids=record[0] if record else None)
+        out = g.empty((T, c.hidden_size), self.dtype, "moe_out")
         routing = dict(ids=ids, pred=pred)
-        if s is not None and s.direct is None and s.early_read:
+        if streamed and record is None and s.early_read:
             # a device: the shared experts run while the host reads the routing (model.deepseek)
             g.pause(("expert_ids", s.pos), **routing)
             routing = {}
         if w.shared is not None:
             mlp(g, w.shared, x, out, self.dtype, self.act_quant, lim)
-        if s is None or s.direct is not None:
+        if not streamed:
             gate, up, down = (w.experts_gate, w.experts_up, w.experts_down) if s is None else s.direct
             g.moe_experts(x=x, topk_ids=ids, topk_weights=wts, num_experts=E, accumulate=acc,
                           w_gate=gate, w_up=up, w_down=down, out=out, swiglu_limit=lim)
             return out
-        slot_ids = g.input(f"expert_slots_{s.pos}", (T, K))
-        g.pause(("experts", s.pos), slot_ids=slot_ids, **routing)
-        g.moe_experts(x=x, topk_ids=slot_ids, topk_weights=wts, num_experts=len(s.w_gate), accumulate=acc,
-                      w_gate=s.w_gate, w_up=s.w_up, w_down=s.w_down, out=out, swiglu_limit=lim)
+        if record is None:
+            g.pause(("experts", s.pos), **routing)
+        misses = record[1] if record is not None else g.empty((T, K), "int32", "expert_misses")
+        DeepseekGraph.streamed_experts(g, s, x, ids, wts, out, misses, acc, swiglu_limit=lim)
         return out
 
     # ------------------------------------------------------------------ the step
@@ -262,7 +266,7 @@ class DeepseekV4Graph:
         g.hc_post(x=X, y=y, post=post, comb=comb, out=Y)
         s = w.moe.streamed
         pred = self.predict(g, Y, nxt, meta) if (s is not None and s.direct is None and s.predict
-                                                 and nxt is not None) else None
+                                                 and not s.pause_free and nxt is not None) else None
         post, comb, m = self.hc_pre(g, Y, w.ffn_hc)
         g.rmsnorm(x=m, weight=w.ln2, out=m, eps=c.rms_norm_eps)
         y = self.moe(g, w.moe, m, meta, pred)

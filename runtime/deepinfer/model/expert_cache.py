@@ -14,13 +14,14 @@ image. Each MoE layer owns `slots` of them in one backend allocation; one shared
 for one layer at a time, the misses of a step that routes to more experts than the layer's slots
 minus those it needs (a prefill touching most experts).
 
-The kernel never sees expert ids. A streamed layer's moe_experts is traced over the layer's slot
-descriptors, E of them (its slots, the shared overflow, then aliases of slot 0 that no id names, so
-a library sees as many resident experts as the eager model has and chooses the same kernels), and
-its topk_ids is an input holding slot ids, which the host writes in the step's pause. moe_experts
-computes each (token, k) pair independently of how experts are numbered and sums the k
-contributions of a token in k order (abi/README.md section 8), so the output is bit-identical to
-the eager model's.
+The expert-to-slot table lives on the device. A streamed layer's moe_experts is traced over the
+layer's slot descriptors, E of them (its slots, the shared overflow, then aliases of slot 0 that no
+entry names, so a library sees as many resident experts as the eager model has and chooses the same
+kernels), with the router's topk_ids as they are and the layer's row of `maps` (ABI 1.5
+expert_map: expert -> descriptor, -1 = not resident): the kernel finds each expert's slot itself and
+skips, flagging it in `misses`, a pair whose expert is not there. moe_experts computes each
+(token, k) pair independently of how experts are numbered and sums the k contributions of a token
+in k order (abi/README.md section 8), so the output is bit-identical to the eager model's.
 
 A step at a MoE layer pauses once, after the router and the shared experts (model.plan): the
 layer's topk_ids (and, with prefetch, the next layer's router applied to this layer's residual) are
@@ -33,6 +34,14 @@ experts run on the device while the host waits for that event and decides, and t
 only before moe_experts. (Computing the resident experts while the
 misses arrive would split the op's sum over k into two calls and change its rounding: the output
 would no longer be the resident model's.)
+
+Pause-free steps. Once recent steps found every expert they routed to resident and no load is in
+flight, a decode step runs a plan without pauses (the runner traces it with pause_free): the table
+is on the device, so nothing needs the host until the step ends. Each layer writes its routing and
+misses into a record the host reads once afterwards; the policy's bookkeeping follows from it. If
+any pair missed, the step is run again with pauses (it rewrites the same cache positions, so
+nothing of the failed attempt survives) and the next try waits twice as many clean steps. A step
+whose experts were all in place then costs what a resident step costs, plus one small read-back.
 
 Lazy loading (capacity 1.0) fills in: after the first step the experts nobody routed yet load in
 the background, and once every expert is resident each layer gets direct descriptors (its slots in
@@ -91,6 +100,10 @@ PRIORITY = {"miss": 0, "overflow": 0, "prefetch": 1, "fill": 2}
 # from the page cache) for the reader to overlap the compute; with small ones (the embedded model's
 # 192 KiB) the hand-off and the wrong predictions' reads cost more than the overlap saves
 HOST_PREFETCH_MIN_BYTES = 4 << 20
+# pause-free steps start after this many paused steps that loaded nothing; each step that misses
+# doubles it (up to PAUSE_FREE_AFTER_MAX), each that does not halves it again
+PAUSE_FREE_AFTER = 2
+PAUSE_FREE_AFTER_MAX = 256
 
 
 def _align(n: int) -> int:
@@ -112,6 +125,9 @@ class ExpertCacheConfig:
     the background; once every expert is resident the plans are traced again without pauses (the
     step is then the eager model's, its experts in the cache's memory).
 
+    pause_free (default on): decode steps run without pauses while recent steps needed no load,
+    and are run again with pauses when one misses (the module docstring). Off: every step pauses.
+
     prefetch, when not given: on for device backends, where copies run on their own engine beside the
     kernels; on host backends only for experts of HOST_PREFETCH_MIN_BYTES or more: there the reader
     takes a core from the compute threads, and with small experts its hand-off and the reads of wrong
@@ -123,6 +139,8 @@ class ExpertCacheConfig:
     prefetch: Optional[bool] = None   # None: on for devices, on host backends for large experts
     policy: str = "lfru"
     fill: Optional[bool] = None       # capacity 1.0: load the rest in the background (None: yes)
+    # steps without pauses once recent steps found every expert resident (None: yes); see ExpertCache
+    pause_free: Optional[bool] = None
     # not a JSON key: False drives the device path (pinned bounce buffers, async copies on a copy
     # stream, events) on a host-memory backend, which is how tests cover it without a GPU
     host_memory: Optional[bool] = None
@@ -136,10 +154,10 @@ class ExpertCacheConfig:
         if not isinstance(d, dict):
             raise ConfigError(f"expert_cache must be an object such as {{\"capacity\": 0.5, \"source\": \"disk\"}}, "
                               f"not {d!r}")
-        unknown = set(d) - {"capacity", "source", "prefetch", "policy", "fill"}
+        unknown = set(d) - {"capacity", "source", "prefetch", "policy", "fill", "pause_free"}
         if unknown:
             raise ConfigError(f"unknown expert_cache option(s) {sorted(map(str, unknown))}; valid: capacity, source, "
-                              f"prefetch, policy, fill")
+                              f"prefetch, policy, fill, pause_free")
         c = cls()
         if "capacity" in d:
             cap = d["capacity"]
@@ -157,6 +175,8 @@ class ExpertCacheConfig:
             c.source = d["source"]
         if "prefetch" in d:
             c.prefetch = V.boolean("expert_cache.prefetch", d["prefetch"])
+        if "pause_free" in d:
+            c.pause_free = V.boolean("expert_cache.pause_free", d["pause_free"])
         if "fill" in d:
             c.fill = V.boolean("expert_cache.fill", d["fill"])
             if c.fill and c.capacity != 1.0:
@@ -243,6 +263,11 @@ class StreamedLayer:
     early_read: bool = False
     # every expert resident (a filled lazy cache): E descriptors in expert order, no pause; None before
     direct: Optional[tuple] = None
+    expert_map: Optional[Tensor] = None    # [E] int32 on the device: expert -> descriptor, -1 = not resident
+    # set while the runner traces a pause-free plan (ExpertCache.tracing): no pause, no prediction;
+    # the routing and misses go to record(T) = (ids [T, K], misses [T, K]) for the host to read after
+    pause_free: bool = False
+    record: object = None
 
 
 @dataclass
@@ -272,10 +297,8 @@ class _Layer:
     views: list              # per slot: (gate, up, down)
     raw: list = field(default_factory=list)       # host-memory backends: per slot, its bytes as NumPy
     pending: dict = field(default_factory=dict)   # slot -> _Load in flight
-    slot_ids: Optional[np.ndarray] = None         # expert -> slot id the kernel uses (-1: skip)
+    slot_ids: Optional[np.ndarray] = None         # this step's table: expert -> slot (overflow included)
     needed: list = field(default_factory=list)    # this step's distinct experts
-    ids: Optional[np.ndarray] = None              # this step's topk_ids
-    odd_ids: bool = False                         # some id of this step is outside [0, E)
 
 
 class ExpertCache:
@@ -345,11 +368,29 @@ class ExpertCache:
                 L.raw = [self._slot_tensor(L, s).numpy() for s in range(n)]
             self._overflow_raw = [self._slot_tensor(self.layers[0], n + j).numpy() for j in range(self.n_overflow)]
         self._moe = moe_layers
+        if be.abi_minor < 5:
+            raise ConfigError(f"expert_cache needs moe_experts' expert_map (ABI 1.5), and backend {be.name} implements "
+                              f"ABI 1.{be.abi_minor}; update that library, or load the model without expert_cache")
+        # the device-side expert -> slot table, one row per layer (-1: not resident). Its host copy
+        # (pinned on a device) is what the rows are sent from, each send on the working stream
+        self.maps = be.empty((n_moe, E), "int32", fill=-1)
+        self._maps_pinned = None
+        if self.host_memory:
+            self._maps_host = self.maps.numpy()
+        else:
+            h = self._host_buffer(n_moe * E * 4)
+            self._maps_pinned = Tensor(h.buffer, (n_moe, E), "int32", None, h.offset)
+            self._maps_host = self._maps_pinned.numpy()
+        self._map_sends: dict = {}       # layer pos (or "all") -> (its copy, bound once; the stream)
+        self._maps_clean = True          # the device rows hold the layers' tables, no overflow entries
+        self._records: dict = {}         # rows T -> (device [2, n_moe, T, K] int32, host view, its copy)
+        self._recorded: dict = {}        # rows T -> the layer positions its pause-free plans record
         for L, m in zip(self.layers, moe_layers):
             descs = list(L.views) + list(self.overflow_views)
-            descs += [L.views[0]] * (E - len(descs))     # never named by an id; keeps E resident descriptors
+            descs += [L.views[0]] * (E - len(descs))     # never named by the table; keeps E resident descriptors
             m.streamed = StreamedLayer(L.pos, [d[0] for d in descs], [d[1] for d in descs], [d[2] for d in descs],
-                                       predict=False, early_read=not self.host_memory)
+                                       predict=False, early_read=not self.host_memory,
+                                       expert_map=self.maps.narrow(0, L.pos, 1).view(E), record=self._record)
         for i, m in enumerate(moe_layers[:-1]):
             # the next layer's router runs on this layer's residual; the MTP layer is another plan
             m.streamed.predict = self.prefetch and self.layers[i + 1].index == self.layers[i].index + 1 \
@@ -399,6 +440,13 @@ class ExpertCache:
         self.steps = 0                   # steps run through the pauses (the runner counts them)
         self._filling = False
         self.direct = False              # every expert resident: plans run without pauses
+        # pause-free steps (module docstring): on while the last `_clean` paused steps started no
+        # load and reached `_pf_after` of them; a step that misses doubles _pf_after
+        self.pause_free = cfg.pause_free is None or bool(cfg.pause_free)
+        self._clean = 0
+        self._pf_after = PAUSE_FREE_AFTER
+        self._step_loads = 0
+        self.stats.update(expert_pause_free_steps=0, expert_pause_free_retries=0)
 
     def _default_source(self, lazy: bool, total: int) -> str:
         """disk on host-memory backends (their slots are host memory already) and for lazy loading
@@ -537,6 +585,7 @@ class ExpertCache:
         L.pending until it is known to be complete."""
         nb = self.layout.nbytes
         self.stats["expert_bytes_streamed"] += nb
+        self._step_loads += 1
         if self.host_memory:
             dst = L.raw[slot] if slot < L.slots.n else self._overflow_raw[slot - L.slots.n]
             if not self.raw and self._images is None:
@@ -857,7 +906,7 @@ class ExpertCache:
         # ids None: sent at the routing's own pause (on_ids)
         got = self._early_ids(pos) if ids is None else self._read_ids(*_present(ids, pred))
         rid, rpred = got[0], (got[1] if len(got) > 1 else None)
-        needed, L.odd_ids = self._distinct(rid)
+        needed, _ = self._distinct(rid)
         S = self.stats
         if L.slots.predicted:
             S["expert_predicted"] += len(L.slots.predicted)
@@ -882,7 +931,7 @@ class ExpertCache:
                 s = L.slots.n + j
                 slot_ids[e] = s
                 self._load(L, e, s, "overflow")
-        L.needed, L.slot_ids, L.ids = needed, slot_ids, rid
+        L.needed, L.slot_ids = needed, slot_ids
         predicted = None
         if rpred is not None:
             predicted, _ = self._distinct(rpred)
@@ -891,12 +940,14 @@ class ExpertCache:
             self.trace.append((pos, needed, predicted))
         self.route_seconds += time.perf_counter() - t0
 
-    def on_experts(self, pos: int, plan, name: str) -> None:
-        """Before layer pos's moe_experts: its experts in place, its slot ids in the plan input."""
+    def on_experts(self, pos: int) -> None:
+        """Before layer pos's moe_experts: its experts in place, its row of the table on the device."""
         L = self.layers[pos]
-        if self.dry:       # route every pair nowhere: moe_experts skips ids outside [0, E)
-            plan.pause_input(name)[...] = -1
-            plan.send_pause_input(name, self.backend)
+        row = self._maps_host[pos]
+        self._maps_clean = False
+        if self.dry:       # every expert absent: moe_experts skips every pair (and flags it)
+            row[...] = -1
+            self._send_map(pos)
             return
         if L.pending:
             t0 = time.perf_counter()
@@ -912,16 +963,111 @@ class ExpertCache:
                 self._finish(L, s, compute_waits=True)
             self.stats["expert_prefetch_late"] += late
             self.stats["expert_wait_seconds"] += time.perf_counter() - t0
-        host = plan.pause_input(name)
-        ids = L.ids
-        if L.odd_ids:          # ids outside [0, E) stay outside (moe_experts skips them)
-            ok = (ids >= 0) & (ids < self.E)
-            host[...] = np.where(ok, L.slot_ids[np.where(ok, ids, 0)], -1)
-        else:
-            np.take(L.slot_ids, ids, out=host)
-        plan.send_pause_input(name, self.backend)
+        # the whole table: entries of loads still in flight are never routed by this step
+        row[...] = L.slot_ids
+        self._send_map(pos)
         if not self.host_memory:
             self._pump()
+
+    def _send_map(self, pos) -> None:
+        """The host rows of the table (one layer's, or "all") to the device, on the working stream."""
+        if self.host_memory:
+            return
+        stream = self.backend.stream
+        send = self._map_sends.get(pos)
+        if send is None or send[1] is not stream:
+            dev, host = (self.maps, self._maps_pinned) if pos == "all" else \
+                (self.maps.narrow(0, pos, 1), self._maps_pinned.narrow(0, pos, 1))
+            send = self._map_sends[pos] = (self.backend.prepare_copy(dev.byte_view(), host.byte_view()), stream)
+        send[0]()
+
+    def end_step(self) -> None:
+        """After a step run with pauses (the runner): one more step that loaded nothing, or none."""
+        if self.dry:
+            return
+        self.steps += 1
+        self._clean = self._clean + 1 if self._step_loads == 0 else 0
+        self._step_loads = 0
+
+    # ------------------------------------------------------------------ pause-free steps
+    def tracing(self, pause_free: bool) -> "_Tracing":
+        """`with cache.tracing(True):` the runner traces a pause-free plan (StreamedLayer.pause_free)."""
+        return _Tracing(self._moe, pause_free)
+
+    def _record(self, T: int, pos: int) -> tuple:
+        """(ids, misses) [T, K] int32: where layer pos of a pause-free T-row step writes its routing
+        and misses, views of one record per T that the host reads with one copy."""
+        rec = self._records.get(T)
+        if rec is None:
+            shape = (2, len(self.layers), T, self.K)
+            dev = self.backend.empty(shape, "int32", fill=0)
+            if self.host_memory:
+                rec = (dev, dev.numpy(), None)
+            else:
+                h = self._host_buffer(dev.nbytes)
+                host = Tensor(h.buffer, shape, "int32", None, h.offset)
+                rec = (dev, host.numpy(), self.backend.prepare_copy(host.byte_view(), dev.byte_view()))
+            self._records[T] = rec
+            self._recorded[T] = set()
+        self._recorded[T].add(pos)      # the layers a T-row pause-free plan runs (not the MTP layer's)
+        rows = rec[0].view(2 * len(self.layers), T, self.K)
+        return (rows.narrow(0, pos, 1).view(T, self.K),
+                rows.narrow(0, len(self.layers) + pos, 1).view(T, self.K))
+
+    def pause_free_ready(self) -> bool:
+        """Whether the coming decode step may run without pauses: recent steps loaded nothing and no
+        load is in flight (one whose bytes have all arrived is ordered before the step here)."""
+        if not self.pause_free or self.dry or self.direct or self.steps < 1 or self._clean < self._pf_after:
+            return False
+        self._pump()
+        for L in self.layers:
+            for slot in list(L.pending):
+                if not self._complete(L.pending[slot]):
+                    return False
+                self._finish(L, slot, compute_waits=True)
+        if not self._maps_clean:
+            # the tables as they are: the paused steps' rows may name the overflow, which holds
+            # another layer's experts by now
+            for L in self.layers:
+                self._maps_host[L.pos] = L.slots.table
+            self._send_map("all")
+            self._maps_clean = True
+        return True
+
+    def after_pause_free(self, T: int) -> bool:
+        """After a pause-free step of T rows: False if some pair missed (the runner then runs the step
+        again with pauses); else the policy learns the step's routing, as a paused step would."""
+        dev, host, copy = self._records[T]
+        t0 = time.perf_counter()
+        if copy is not None:
+            copy()
+            self.backend.synchronize()
+        ids, missed = host[0], host[1]
+        if missed.any():
+            self.stats["expert_pause_free_retries"] += 1
+            self._pf_after = min(2 * self._pf_after, PAUSE_FREE_AFTER_MAX)
+            self._clean = 0
+            self.route_seconds += time.perf_counter() - t0
+            return False
+        S = self.stats
+        S["expert_pause_free_steps"] += 1
+        self._pf_after = max(PAUSE_FREE_AFTER, self._pf_after // 2)
+        self._clean += 1
+        self.steps += 1
+        for pos in sorted(self._recorded[T]):
+            L = self.layers[pos]
+            needed, _ = self._distinct(ids[pos])
+            hits, used_pf, loads, overflow = L.slots.route(needed)
+            if loads or overflow:     # the device found them resident: the host's table must agree
+                raise RuntimeError(f"expert cache: layer {L.index}'s table on the device and on the host disagree "
+                                   f"(experts {[e for e, _, _ in loads] + list(overflow)})")
+            S["expert_needed"] += len(needed)
+            S["expert_hits"] += len(hits)
+            S["expert_prefetch_used"] += len(used_pf)
+            if self.trace is not None:
+                self.trace.append((pos, needed, None))
+        self.route_seconds += time.perf_counter() - t0
+        return True
 
     def close(self) -> None:
         """Wait for reads in flight, stop the readers, close the checkpoint files (also done when
@@ -941,7 +1087,7 @@ class ExpertCache:
                  expert_cache_bytes=self.slot_bytes, expert_total_bytes=self.total_expert_bytes,
                  expert_bytes=self.layout.nbytes, expert_source=self.source, expert_policy=self.cfg.policy,
                  expert_prefetch=self.prefetch, expert_setup_seconds=self.setup_seconds,
-                 expert_fill=self.fill, expert_direct=self.direct)
+                 expert_fill=self.fill, expert_direct=self.direct, expert_pause_free=self.pause_free)
         return S
 
 
@@ -1045,3 +1191,18 @@ def _done() -> Future:
     f: Future = Future()
     f.set_result(None)
     return f
+
+
+class _Tracing:
+    """Context manager of ExpertCache.tracing: the streamed layers trace pause-free while inside."""
+
+    def __init__(self, moe_layers: list, on: bool):
+        self._layers, self._on = moe_layers, on
+
+    def __enter__(self):
+        for m in self._layers:
+            m.streamed.pause_free = self._on
+
+    def __exit__(self, *exc):
+        for m in self._layers:
+            m.streamed.pause_free = False
