@@ -8,7 +8,8 @@
 #       benchmarks/bench_expert_cache.py on the embedded model (policies, decode against the H2D
 #       transfer bound, cold start).
 #   Env: EC_NANO_ARGS (nano's benchmark options, default "--tokens 256 --cold-repeats 3"); for v2lite
-#   EC_TOKENS (64), EC_COLD (cold-start runs, 2), EC_CAPACITIES ("0.25 0.5 0.75 1.0"), EC_TIMEOUT (480).
+#   EC_TOKENS (64), EC_COLD (cold-start runs, 2), EC_CAPACITIES ("0.25 0.5 0.75 1.0"), EC_TIMEOUT (480),
+#   EC_SOURCE (disk; host: every expert in pinned host memory, misses copied at the H2D rate).
 #   backends/cuda/device_expert_cache.sh COMMIT v2lite
 #       a random V2-Lite-shaped checkpoint with all 27 layers (31 GB bf16, written here), then the
 #       same benchmark on it: capacities 25/50/75/100%, LRU vs LFRU + prefetch, the H2D bound measured
@@ -36,7 +37,7 @@ case "$PART" in
     tail -6 "$OUT/conformance_moe.log"
     echo "== expert cache tests on cuda"
     DEEPINFER_CUDA_LIB=$LIB python3 -m pytest -q -x -p no:cacheprovider tests/test_expert_cache.py \
-      tests/test_expert_cache_v4.py -k test_bit_identical_device 2>&1 | tee "$OUT/expert_cache_tests_cuda.log" | tail -6 || status=1
+      tests/test_expert_cache_v4.py -k "test_bit_identical_device or test_pause_free_on_device" 2>&1 | tee "$OUT/expert_cache_tests_cuda.log" | tail -6 || status=1
     echo "== benchmark: embedded model"
     python3 benchmarks/bench_expert_cache.py --backend "$LIB" --commit "$COMMIT" --out-dir "$OUT" \
       ${EC_NANO_ARGS:---tokens 256 --cold-repeats 3} 2>&1 | tee "$OUT/bench_nano.log" | tail -45 || status=1
@@ -47,7 +48,7 @@ case "$PART" in
     echo "== benchmark: V2-Lite shape"
     timeout "${EC_TIMEOUT:-480}" python3 benchmarks/bench_expert_cache.py --backend "$LIB" --model /tmp/v2lite27 \
       --commit "$COMMIT" --out-dir "$OUT" --tokens "${EC_TOKENS:-64}" --warmup 16 --cold-repeats "${EC_COLD:-2}" \
-      --capacities ${EC_CAPACITIES:-0.25 0.5 0.75 1.0} --configs lru lfru+prefetch --source disk 2>&1 | tee "$OUT/bench_v2lite.log" \
+      --capacities ${EC_CAPACITIES:-0.25 0.5 0.75 1.0} --configs lru lfru+prefetch --source "${EC_SOURCE:-disk}" 2>&1 | tee "$OUT/bench_v2lite.log" \
       | tail -40 || status=1
     ;;
   *) echo "part must be nano or v2lite, not $PART"; exit 2 ;;
