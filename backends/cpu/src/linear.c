@@ -748,21 +748,56 @@ DI_Status op_linear(DI_Context* ctx, const DI_LinearArgs* a, int query) {
 }
 
 /* ------------------------------------------------------------------ moe_experts */
-/* Expert e's (token, k) pairs become rows [off[e], off[e] + count[e]) of the gathered buffers, in
- * token order: its routing weight (rw) and its x row (xg); prow[t * K + k] is the
- * row of pair (t, k), -1 when it is skipped. cur: E scratch. */
-static void moe_gather(const DI_MoEExpertsArgs* a, int64_t T, int64_t K, int64_t H, const int64_t* off,
-                       int64_t* cur, float* rw, float* xg, int64_t* prow) {
-    int E = a->num_experts, xd = dt_id(a->x.dtype);
+/* The descriptor of every (token, k) pair, pe[t * K + k] (-1: the pair is skipped), and count[e]
+ * (zeroed by the caller) += the pairs of descriptor e. Without expert_map a pair uses descriptor
+ * topk_ids[t, k]: ids outside [0, E) are skipped, and a routed expert that is not resident is
+ * FAILED_PRECONDITION. With it (1.5: an expert cache's table, model expert id -> descriptor) a pair
+ * uses expert_map[id] for ids in [0, M), other ids are skipped as without a map, and an entry that
+ * names no resident descriptor (< 0, >= E, data NULL) skips the pair and flags it in misses instead:
+ * the cache loads the expert and runs the step again. Every pair's misses element is written. */
+static DI_Status moe_route(DI_Context* ctx, const DI_MoEExpertsArgs* a, int has_map, int64_t T, int64_t K,
+                           int32_t* pe, int64_t* count) {
+    int E = a->num_experts;
     const int32_t* ids = (const int32_t*)t_base(&a->topk_ids);
+    int64_t ids_rs = a->topk_ids.strides[0];
+    const int32_t* map = has_map ? (const int32_t*)t_base(&a->expert_map) : NULL;   /* stride 1 (rank 1) */
+    int64_t M = has_map ? a->expert_map.shape[0] : 0;
+    for (int64_t t = 0; t < T; t++) {
+        int32_t* miss = has_map ? (int32_t*)t_row(&a->misses, DT_I32, t) : NULL;
+        for (int64_t k = 0; k < K; k++) {
+            int32_t id = ids[t * ids_rs + k], e = -1;
+            if (has_map) {
+                int mapped = id >= 0 && id < M;
+                if (mapped) e = map[id];
+                if (e < 0 || e >= E || !a->w_gate[e].data) e = -1;   /* partial residency is refused earlier */
+                miss[k] = mapped && e < 0;
+            } else if (id >= 0 && id < E) {
+                if (!a->w_gate[id].data)
+                    return di_fail(ctx, DI_FAILED_PRECONDITION, "moe_experts: expert %d not resident (token %lld)",
+                                   id, (long long)t);
+                e = id;
+            }
+            pe[t * K + k] = e;
+            if (e >= 0) count[e]++;
+        }
+    }
+    return DI_OK;
+}
+
+/* Descriptor e's (token, k) pairs become rows [off[e], off[e] + count[e]) of the gathered buffers,
+ * in token order: its routing weight (rw) and its x row (xg); prow[t * K + k] is the row of pair
+ * (t, k), -1 when it is skipped (pe: moe_route's descriptors). cur: E scratch. */
+static void moe_gather(const DI_MoEExpertsArgs* a, const int32_t* pe, int64_t T, int64_t K, int64_t H,
+                       const int64_t* off, int64_t* cur, float* rw, float* xg, int64_t* prow) {
+    int E = a->num_experts, xd = dt_id(a->x.dtype);
     const float* tw = (const float*)t_base(&a->topk_weights);
-    int64_t ids_rs = a->topk_ids.strides[0], w_rs = a->topk_weights.strides[0];
+    int64_t w_rs = a->topk_weights.strides[0];
     for (int e = 0; e < E; e++) cur[e] = off[e];
     for (int64_t t = 0; t < T; t++)
         for (int64_t k = 0; k < K; k++) {
-            int32_t e = ids[t * ids_rs + k];
+            int32_t e = pe[t * K + k];
             prow[t * K + k] = -1;
-            if (e < 0 || e >= E) continue;
+            if (e < 0) continue;
             int64_t r = cur[e]++;
             prow[t * K + k] = r;
             rw[r] = tw[t * w_rs + k];
@@ -826,8 +861,8 @@ static void expert_task(void* arg, int64_t t, int worker) {
     if (st) atomic_store(&j->st, (int)st);
 }
 
-static DI_Status moe_by_expert(DI_Context* ctx, const DI_MoEExpertsArgs* a, const int64_t* count, int64_t T,
-                               int64_t H, int64_t K, int64_t I) {
+static DI_Status moe_by_expert(DI_Context* ctx, const DI_MoEExpertsArgs* a, const int32_t* pe,
+                               const int64_t* count, int64_t T, int64_t H, int64_t K, int64_t I) {
     int E = a->num_experts, nw = pool_size(ctx->pool);
     int64_t total = 0, nact = 0;
     for (int e = 0; e < E; e++) { total += count[e]; nact += count[e] > 0; }
@@ -849,7 +884,7 @@ static DI_Status moe_by_expert(DI_Context* ctx, const DI_MoEExpertsArgs* a, cons
             o += count[e];
             if (count[e]) act[na++] = e;
         }
-        moe_gather(a, T, K, H, off, cur, rw, xg, prow);
+        moe_gather(a, pe, T, K, H, off, cur, rw, xg, prow);
         ExpertJob j = {ctx, a, act, off, count, xg, yb, hb, H, I, 0};
         pool_run(ctx->pool, nact, expert_task, &j, total * 3 * H * I);
         st = (DI_Status)atomic_load(&j.st);
@@ -901,32 +936,39 @@ DI_Status op_moe_experts(DI_Context* ctx, const DI_MoEExpertsArgs* a, int query)
         if ((st = check_weight(&v, u, n2, I, H))) return st;
         if ((st = check_weight(&v, d, n3, H, I))) return st;
     }
+    /* expert_map and misses (1.5): both or neither; absent for an older caller (its struct ends
+     * before them). misses is required so that a skipped pair never goes unnoticed. */
+    int has_map = tensor_present(&v, &a->expert_map), has_misses = tensor_present(&v, &a->misses);
+    if (has_map && !has_misses)
+        return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_experts: expert_map needs misses [T, K] int32: a pair whose "
+                       "expert is not resident is skipped, and misses is how the caller learns its output is "
+                       "incomplete");
+    if (has_misses && !has_map)
+        return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_experts: misses is written only with expert_map; pass both "
+                       "or neither");
+    if (has_map) {
+        if ((st = check_tensor(&v, &a->expert_map, "expert_map", 1, 1, DTM(DT_I32), 0))) return st;
+        if ((st = check_tensor(&v, &a->misses, "misses", 2, 2, DTM(DT_I32), 0))) return st;
+        if ((st = check_dim(&v, &a->misses, "misses", 0, T)) || (st = check_dim(&v, &a->misses, "misses", 1, K)))
+            return st;
+    }
     if (query) return DI_OK;
 
-    const int32_t* ids = (const int32_t*)t_base(&a->topk_ids);
-    int64_t ids_rs = a->topk_ids.strides[0];
-    /* group (token, k) pairs by expert; check residency before any work */
+    /* each pair's descriptor, grouped by descriptor; residency checked (or misses written) before
+     * any work. The experts' products below see only descriptors: a map that renames experts to
+     * other descriptors gives every pair the same rows, so the same bits (moe_combine sums in k order) */
     int64_t* count = calloc((size_t)E + 1, sizeof(int64_t));
-    if (!count) return DI_OOM(ctx, "moe_experts");
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t k = 0; k < K; k++) {
-            int32_t e = ids[t * ids_rs + k];
-            if (e < 0 || e >= E) continue;
-            if (!a->w_gate[e].data) {
-                free(count);
-                return di_fail(ctx, DI_FAILED_PRECONDITION, "moe_experts: expert %d not resident (token %lld)", e,
-                               (long long)t);
-            }
-            count[e]++;
-        }
+    int32_t* pe = di_malloc((size_t)(T * K) * sizeof(int32_t));
+    if (!count || !pe) { free(count); free(pe); return DI_OOM(ctx, "moe_experts"); }
+    if ((st = moe_route(ctx, a, has_map, T, K, pe, count))) { free(count); free(pe); return st; }
     int64_t maxn = 0, nact0 = 0;
     for (int e = 0; e < E; e++) {
         if (count[e] > maxn) maxn = count[e];
         nact0 += count[e] > 0;
     }
     if (maxn <= FUSED_MAX_M && nact0 >= pool_size(ctx->pool)) {
-        st = moe_by_expert(ctx, a, count, T, H, K, I);
-        free(count);
+        st = moe_by_expert(ctx, a, pe, count, T, H, K, I);
+        free(count); free(pe);
         return st;
     }
     /* pairs grouped by expert: expert e's rows are [off[e], off[e] + count[e]) of the gathered
@@ -934,7 +976,7 @@ DI_Status op_moe_experts(DI_Context* ctx, const DI_MoEExpertsArgs* a, int query)
      * down product in a second one */
     int64_t total = 0, nact = 0;
     int64_t* off = calloc((size_t)E + 1, sizeof(int64_t));
-    if (!off) { free(count); return DI_OOM(ctx, "moe_experts"); }
+    if (!off) { free(count); free(pe); return DI_OOM(ctx, "moe_experts"); }
     for (int e = 0; e < E; e++) {
         off[e] = total;
         total += count[e];
@@ -953,7 +995,7 @@ DI_Status op_moe_experts(DI_Context* ctx, const DI_MoEExpertsArgs* a, int query)
     st = DI_OK;
     if (!acc || !xg || !gb || !ub || !yb || !rw || !cur || !spec || !prow) st = DI_OOM(ctx, "moe_experts");
     if (!st && total) {
-        moe_gather(a, T, K, H, off, cur, rw, xg, prow);
+        moe_gather(a, pe, T, K, H, off, cur, rw, xg, prow);
         int ns = 0;
         for (int e = 0; e < E; e++) {
             if (!count[e]) continue;
@@ -972,7 +1014,7 @@ DI_Status op_moe_experts(DI_Context* ctx, const DI_MoEExpertsArgs* a, int query)
     if (!st && !total)
         for (int64_t i = 0; i < T * K; i++) prow[i] = -1;   /* nothing routed: moe_gather did not run */
     if (!st) st = moe_combine(ctx, a, T, K, H, prow, rw, yb, acc);
-    free(count); free(off); free(acc); free(xg); free(gb); free(ub); free(yb); free(rw); free(cur);
+    free(count); free(pe); free(off); free(acc); free(xg); free(gb); free(ub); free(yb); free(rw); free(cur);
     free(spec); free(prow);
     return st;
 }
