@@ -17,7 +17,7 @@ from deepinfer.engine import ModelRunner
 
 import tiny_v4
 from test_expert_cache import (DEVICE_LIB, _assert_bit_identical, _backend, _check_counters, _device, _id, _workload,
-                               assert_bit_identical_on_device)
+                               _pause_free_workload, assert_bit_identical_on_device)
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -99,6 +99,23 @@ def test_hash_layers_are_prefetched_exactly(v4_dir, cpu_backend):
     hit = sum(len(p & n) for p, n in topk) / sum(len(n) for _, n in topk)
     assert 0.5 < hit < 1.0, hit
     _check_counters(r.expert_stats(), True, "lfru")
+
+
+@pytest.mark.parametrize("bname, layout, ec, always", [
+    ("cpu", "hf", {"capacity": 1.0, "fill": False}, False),
+    ("cpu", "hf", {"capacity": 0.5, "source": "disk", "prefetch": True}, True),
+    ("cpu", "mtp", _device(0.25, "host"), True),
+    ("reference", "hf", {"capacity": 0.5, "source": "host"}, True)],
+    ids=["cpu-in-place", "cpu-retry", "cpu-mtp-retry-device-path", "reference-retry"])
+def test_pause_free_steps(bname, layout, ec, always, v4_dir, cpu_backend):
+    """V4's graph without pauses (hash-routed layers included: their ids come from the token ids on
+    the device), and steps that miss run again with pauses: the logits stay the resident model's."""
+    r = _pause_free_workload(bname, cpu_backend, v4_dir(layout), None, ec, 256, always=always, **KW)
+    rep = r.expert_stats()
+    if always:
+        assert rep["expert_pause_free_retries"] >= 3
+    else:     # capacity 1.0 without fill: an expert routed for the first time still misses
+        assert rep["expert_pause_free_steps"] >= 3
 
 
 @pytest.mark.skipif(not DEVICE_LIB, reason="needs DEEPINFER_CUDA_LIB (a GPU backend library)")
