@@ -4,7 +4,8 @@
 #
 #   backends/cuda/device_parts.sh COMMIT PART...
 #       PART: v4 (device_v4.sh), speculative (device_speculative.sh), cache_nano and cache_v2lite
-#       (device_expert_cache.sh COMMIT nano / v2lite), cli (`deepinfer run` on cuda: the embedded model
+#       (device_expert_cache.sh COMMIT nano / v2lite), chunks (benchmarks/sweep_expert_chunks.py on the
+#       27-layer V2-Lite shape; EC_CHUNK_ARGS: its options), cli (`deepinfer run` on cuda: the embedded model
 #       with expert_cache at 25% capacity from disk and from host, and with --speculative mtp).
 #   Each part writes into $OUT/<part>/, which is then packed into $OUT/<part>.tgz (the device tool
 #   returns at most 8 files), and its exit status is printed.
@@ -70,6 +71,10 @@ for part in "$@"; do
     speculative)  OUT="$dir" timeout "$tmo" bash "$HERE/device_speculative.sh" ;;
     cache_nano)   OUT="$dir" timeout "$tmo" bash "$HERE/device_expert_cache.sh" "$COMMIT" nano ;;
     cache_v2lite) OUT="$dir" timeout "$tmo" bash "$HERE/device_expert_cache.sh" "$COMMIT" v2lite ;;
+    chunks)       python3 benchmarks/_v2lite_random.py /tmp/v2lite27 --layers 27 --jobs 0 > /dev/null \
+                    && timeout "$tmo" python3 benchmarks/sweep_expert_chunks.py --backend "$LIB" --model /tmp/v2lite27 \
+                         --commit "$COMMIT" --out-dir "$dir" ${EC_CHUNK_ARGS:-} 2>&1 | tee "$dir/sweep.log" | tail -12
+                  ( exit "${PIPESTATUS[0]}" ) ;;
     cli)          timeout "$tmo" bash -c "$(declare -f cli_part); LIB=$LIB; cli_part" 2>&1 | tee "$dir/cli.log"
                   ( exit "${PIPESTATUS[0]}" ) ;;
     *)            echo "unknown part $part"; false ;;
