@@ -45,5 +45,14 @@ def test_cpu_library_passes_conformance(cpu_lib, tmp_path):
     forged = [r for r in on_disk["levels"]["L0"]["results"] if r["case"].startswith("comm not made by comm_create")]
     assert sorted(r["op"] for r in forged) == ["all_gather", "all_reduce", "all_to_all"]
     assert all(r["status"] == "pass" for r in forged), forged
+    # 1.5: moe_experts takes a 1.4 caller's struct and expert_map / misses both or neither, and its mapped
+    # L1 cases ran (not "unsupported")
+    n14 = abi.args_struct_size("moe_experts", 4)
+    for case in (f"struct_size of ABI 1.4 ({n14}) -> accepted, fields of 1.5 ignored",
+                 "expert_map without misses -> INVALID_ARGUMENT (1.5: both or neither)",
+                 "misses without expert_map -> INVALID_ARGUMENT (1.5: both or neither)"):
+        assert l0[case]["status"] == "pass", l0[case]
+    mapped = [r for r in on_disk["levels"]["L1"]["results"] if r["op"] == "moe_experts" and "expert_map" in r["case"]]
+    assert mapped and all(r["status"] == "pass" for r in mapped), [r for r in mapped if r["status"] != "pass"]
     l3 = [r for r in on_disk["levels"]["L3"]["results"] if r["case"].startswith("an event orders")]
     assert len(l3) == 1 and l3[0]["status"] == "pass", on_disk["levels"]["L3"]

@@ -697,8 +697,8 @@ class L0:
         names = [n for n, s in case.tensors.items() if isinstance(s, C.TSpec) and s.out and not s.alias]
         return b"".join(np.ascontiguousarray(m.read(n)).tobytes() for n in names)
 
-    def _expect_rejected(self, op, mutate, want, what, touch_check=True):
-        case, m, args, keep = self._fresh(op)
+    def _expect_rejected(self, op, mutate, want, what, touch_check=True, case=None):
+        case, m, args, keep = self._fresh(op, case)
         mutate(args, keep, case)
         before = self._snapshot(m, case) if touch_check and self.device == "cpu" else None
         msg = self.expect(self._call_raw(op, args), want, f"{op} with {what}", self.be._ctx)
@@ -826,6 +826,17 @@ class L0:
             self.check(op, "a draft id >= V -> INVALID_ARGUMENT, never a read out of bounds",
                        lambda: self._expect_rejected(op, far_draft, INVALID if self.device == "cpu" else (INVALID, abi.OK),
                                                      "draft_ids[0] = V"))
+        if op == "moe_experts" and self.info.abi_minor >= 5:
+            # 1.5: expert_map and misses are both or neither (a map without misses would skip pairs unseen);
+            # the other one absent (data NULL) in an otherwise valid call with both
+            def absent(name):
+                def f(args, keep, case):
+                    getattr(args, name).data = ffi.NULL
+                return f
+            for given, gone in (("expert_map", "misses"), ("misses", "expert_map")):
+                self.check(op, f"{given} without {gone} -> INVALID_ARGUMENT (1.5: both or neither)",
+                           lambda given=given, gone=gone: self._expect_rejected(
+                               op, absent(gone), INVALID, f"{given} but no {gone}", case=C.a_full_case(op)))
         # a quantized input's storage dtype is checked by quant_checks; plain inputs and every output here
         wrong = [] if case0.tensors[x].quant is not None else [(x, self._wrong_dtype(case0.tensors[x].dtype, False))]
         wrong.append((o, self._wrong_dtype(case0.tensors[o].dtype, True)))

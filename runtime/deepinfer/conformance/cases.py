@@ -418,9 +418,11 @@ def moe_router(seed, T, config="v3") -> Case:
 
 
 def moe_experts(seed, T, E, K, H, I, dtype, wfmt=None, routing="random", accumulate=0,
-                absent=(), expect="OK", limit=0.0) -> Case:
+                absent=(), expect="OK", limit=0.0, mapped=None) -> Case:
     """routing: random | one (every token to expert 0) | skip (ids -1 and E mixed in);
-    absent: experts whose weights are not resident (data NULL); limit > 0: V4's clipped SwiGLU (1.3)."""
+    absent: experts whose weights are not resident (data NULL); limit > 0: V4's clipped SwiGLU (1.3).
+    mapped (1.5): an expert cache's table, expert_map [M] with M = E + mapped model experts, and its
+    misses output; see _expert_map for what routing means then."""
     rng = np.random.default_rng(seed)
     wfmt = wfmt or dtype
     quantized = wfmt in WEIGHT_FORMATS
@@ -431,7 +433,10 @@ def moe_experts(seed, T, E, K, H, I, dtype, wfmt=None, routing="random", accumul
         return plain(rng, shape, wfmt, scale=1 / math.sqrt(shape[1]))
 
     resident = [e for e in range(E) if e not in absent]
-    if routing == "one":
+    table = None
+    if mapped is not None:
+        table, ids = _expert_map(rng, T, E, K, E + mapped, absent, routing)
+    elif routing == "one":
         ids = np.zeros((T, K), np.int64)
         ids[:, 1:] = -1
     else:
@@ -454,14 +459,59 @@ def moe_experts(seed, T, E, K, H, I, dtype, wfmt=None, routing="random", accumul
         t["out"].out = True
     else:
         t["out"] = out((T, H), dtype)
+    check, tol_keys = ["out"], {}
+    if table is not None:
+        t["expert_map"] = ints(table)
+        t["misses"] = out((T, K), "int32")
+        check, tol_keys = ["out", "misses"], {"misses": "exact"}   # misses: integers, exactly the reference's
     name = f"moe_experts {dtype} w={wfmt} {_shape_str(T=T, E=E, K=K, H=H, I=I)} routing={routing}" \
            f"{' accumulate' if accumulate else ''}{' absent=' + str(list(absent)) if absent else ''}" \
-           f"{f' swiglu_limit={limit:g}' if limit else ''}"
+           f"{f' swiglu_limit={limit:g}' if limit else ''}" \
+           f"{f' expert_map M={E + mapped}' if table is not None else ''}"
     scal = {"num_experts": E, "accumulate": accumulate}
     if limit:   # only when set: a 1.2 library runs every other case
         scal["swiglu_limit"] = limit
-    return Case("moe_experts", name, f"x={dtype} w={wfmt}" + (" limit" if limit else ""), t, scal,
-                tol_key=_tol(dtype, quantized), expect=expect, seed=seed)
+    return Case("moe_experts", name, f"x={dtype} w={wfmt}" + (" limit" if limit else "") +
+                (" map" if table is not None else ""), t, scal, check=check, tol_key=_tol(dtype, quantized),
+                tol_keys=tol_keys, expect=expect, seed=seed)
+
+
+def _expert_map(rng, T, E, K, M, absent, routing) -> tuple[np.ndarray, np.ndarray]:
+    """(expert_map [M], topk_ids [T, K]) of an expert cache (1.5): model experts 0..M-1, E descriptors.
+
+    The map permutes: each descriptor (resident or not) is named by one model expert, chosen at random
+    (never the identity when E > 1, so a library that ignores the map is caught), and the M - E other
+    entries are -1, E, 2^30, -5, -1, ... (not resident). routing "all": ids only of model experts whose
+    descriptor is resident, so no pair misses. "random": ids of half of those (descriptors with no pair
+    are wanted, and the others get many pairs each), then one pair (in a random place, as far as there
+    are pairs) forced to an entry of each kind that misses: -1, >= E, a non-resident descriptor. "cold":
+    ids drawn from all M model experts (most pairs miss), then the same. "skip": as random, and ids
+    outside [0, M) (-1 and M), skipped but not flagged. "one": every token's k = 0 to the model expert
+    of descriptor 0, the other k to -1."""
+    table = np.full(M, -1, np.int64)
+    owners = rng.permutation(M)[:E]                 # owners[d]: the model expert of descriptor d
+    if E > 1 and np.all(owners == np.arange(E)):
+        owners = np.roll(owners, 1)
+    table[owners] = np.arange(E)
+    spare = [i for i in range(M) if i not in set(owners.tolist())]
+    for j, i in enumerate(spare):      # not resident: -1, E itself, far past E (never read), below -1
+        table[i] = (-1, E, 1 << 30, -5)[j % 4]
+    here = [int(owners[d]) for d in range(E) if d not in absent]
+    if routing == "one":
+        ids = np.full((T, K), -1, np.int64)
+        ids[:, :1] = owners[0]
+        return table.astype(np.int32), ids
+    pool = list(range(M)) if routing == "cold" else here if routing == "all" else here[: max(1, len(here) // 2)]
+    ids = rng.choice(pool, (T, K)) if pool and T * K else np.full((T, K), -1, np.int64)
+    if routing != "all":
+        kinds = [[i for i in spare if table[i] < 0], [i for i in spare if table[i] >= E],
+                 [int(owners[d]) for d in absent]]
+        forced = [int(rng.choice(k)) for k in kinds if k]
+        if routing == "skip":
+            forced += [-1, M]
+        places = rng.permutation(T * K)[:len(forced)]
+        ids.reshape(-1)[places] = forced[:len(places)]
+    return table.astype(np.int32), ids
 
 
 def binary(op, seed, shape, dtype, alias=None, view=False) -> Case:
@@ -884,10 +934,16 @@ def _pick(profile: Profile, labels):
 
 class _Seeds:
     def __init__(self, base: int):
+        self.base = base
         self.rng = np.random.default_rng(base)
 
     def __call__(self) -> int:
         return int(self.rng.integers(0, 2**31))
+
+    def fork(self, tag: int) -> "_Seeds":
+        """Seeds of their own for cases a later ABI minor added to a generator, drawn without touching
+        this sequence: every case that was there before keeps its seed (and a certificate's names)."""
+        return _Seeds(self.base * 1000 + tag)
 
 
 def gen_embedding(p: Profile, s: _Seeds):
@@ -1107,6 +1163,32 @@ def gen_moe_experts(p, s):
         yield moe_experts(s(), int(r.integers(1, 10)), int(r.integers(1, 8)), int(r.integers(1, 3)),
                           int(r.integers(1, 40)), int(r.integers(1, 40)), FLOATS[int(r.integers(0, 2))],
                           routing=["random", "skip", "all"][int(r.integers(0, 3))], accumulate=int(r.integers(0, 2)))
+    # 1.5: an expert cache's table, on seeds of their own (every earlier case keeps its seed). A
+    # permuting map over more model experts than descriptors, with entries -1, -5, E, 2^30 and descriptors
+    # not resident (misses), ids -1 and M (skipped, not flagged); a pure permutation with every pair resident
+    # (misses all 0: what a complete step of the cache computes); every kind of weight the GPU libraries
+    # take on their tensor-core grid, decode- and prefill-sized; a limit, accumulate, no tokens.
+    s5 = s.fork(5)
+    for dt in FLOATS:
+        yield moe_experts(s5(), 6, 5, 2, 24, 40, dt, routing="skip", absent=(1,), mapped=3)
+        yield moe_experts(s5(), 5, 4, 2, 16, 24, dt, routing="cold", accumulate=1, absent=(0, 3), mapped=4)
+        yield moe_experts(s5(), 4, 6, 2, 16, 8, dt, routing="all", mapped=0)
+        yield moe_experts(s5(), 3, 4, 3, 16, 8, dt, routing="one", absent=(0,), mapped=2)
+    yield moe_experts(s5(), 0, 4, 2, 16, 8, "bf16", mapped=3)
+    yield moe_experts(s5(), 6, 5, 2, 24, 40, "f32", routing="skip", absent=(4,), limit=0.5, mapped=3)
+    for wf in ["bf16"] + _pick(p, ["int4/g32/sym/f32", "e4m3/128x128/f32"]):
+        yield moe_experts(s5(), 3, 8, 2, 256, 128, "bf16", wf, routing="skip", absent=(5,), mapped=8)
+        yield moe_experts(s5(), 150, 8, 2, 256, 128, "bf16", wf, absent=(2, 7), mapped=8)
+    yield moe_experts(s5(), 150, 8, 2, 256, 128, "bf16", routing="cold", absent=(6,), mapped=8)
+    yield moe_experts(s5(), 40, 8, 3, 256, 160, "bf16", routing="all", accumulate=1, mapped=0)
+    for _ in range(p.random_draws):
+        r = s5.rng
+        E = int(r.integers(1, 8))
+        yield moe_experts(s5(), int(r.integers(1, 10)), E, int(r.integers(1, 3)), int(r.integers(1, 40)),
+                          int(r.integers(1, 40)), FLOATS[int(r.integers(0, 2))],
+                          routing=["random", "skip", "all", "cold"][int(r.integers(0, 4))],
+                          accumulate=int(r.integers(0, 2)),
+                          absent=tuple(int(e) for e in np.nonzero(r.random(E) < 0.3)[0]), mapped=int(r.integers(0, 6)))
 
 
 def gen_moe_experts_errors(p, s):
@@ -1498,7 +1580,8 @@ def a_full_case(op: str) -> Case:
             # 1.3's appended fields
             "mla_decode": lambda: mla_decode(1, 3, 1, 1, 4, 2, 4, 8, 2, 2, 2, "f32", zero_len=False, indices=3),
             "moe_router": lambda: moe_router(1, 3, "hash-softmax"),
-            "moe_experts": lambda: moe_experts(1, 2, 2, 1, 8, 4, "f32", routing="all", limit=0.3),
+            # and 1.5's: a permuting map of every descriptor, resident (a 1.4 caller's call is valid too)
+            "moe_experts": lambda: moe_experts(1, 2, 2, 1, 8, 4, "f32", routing="all", limit=0.3, mapped=0),
             "silu_mul": lambda: silu_mul(1, 2, 8, "f32", limit=1.0)}
     return full[op]() if op in full else a_valid_case(op)
 
