@@ -1,10 +1,11 @@
-"""ABI 1.0 to 1.4 side by side: 1.0, 1.1, 1.2 and 1.3 libraries keep loading and passing under this
-runtime, the current library still serves runtimes that only know an older minor (a 1.1 host sends
+"""ABI 1.0 to 1.5 side by side: 1.0, 1.1, 1.2, 1.3 and 1.4 libraries keep loading and passing under
+this runtime, the current library still serves runtimes that only know an older minor (a 1.1 host sends
 the smaller 1.1 DI_SampleArgs, a 1.2 host the 1.2 DI_MLADecodeArgs and DI_SiluMulArgs, a 1.3 host a
-table it reads only up to layernorm), the runtime refuses a field newer than a library's minor instead
-of letting it be ignored (a 1.3 scalar such as silu_mul's limit only when it is not zero) and a
-communicator from a library that has none (1.4), and the padding rule that made 1.0 unsafe to grow is
-gone (the check is shown to catch it in the frozen 1.0 header)."""
+table it reads only up to layernorm, a 1.4 host the 1.4 DI_MoEExpertsArgs), the runtime refuses a field
+newer than a library's minor instead of letting it be ignored (a 1.3 scalar such as silu_mul's limit
+only when it is not zero; 1.5's expert_map and misses) and a communicator from a library that has none
+(1.4), and the padding rule that made 1.0 unsafe to grow is gone (the check is shown to catch it in the
+frozen 1.0 header)."""
 from __future__ import annotations
 
 import cffi
@@ -14,13 +15,14 @@ import pytest
 from deepinfer import abi
 from deepinfer.conformance import run_conformance, summary
 from deepinfer.loader import probe
-from plugin_build import ABI_V1_0_DIR, ABI_V1_1_DIR, ABI_V1_2_DIR, ABI_V1_3_DIR, PROFILE
+from plugin_build import ABI_V1_0_DIR, ABI_V1_1_DIR, ABI_V1_2_DIR, ABI_V1_3_DIR, ABI_V1_4_DIR, PROFILE
 
 V1_0_TEXT = (ABI_V1_0_DIR / "deepinfer_abi.h").read_text()
 V1_1_TEXT = (ABI_V1_1_DIR / "deepinfer_abi.h").read_text()
 V1_2_TEXT = (ABI_V1_2_DIR / "deepinfer_abi.h").read_text()
 V1_3_TEXT = (ABI_V1_3_DIR / "deepinfer_abi.h").read_text()
-OLD_TEXTS = {0: V1_0_TEXT, 1: V1_1_TEXT, 2: V1_2_TEXT, 3: V1_3_TEXT}
+V1_4_TEXT = (ABI_V1_4_DIR / "deepinfer_abi.h").read_text()
+OLD_TEXTS = {0: V1_0_TEXT, 1: V1_1_TEXT, 2: V1_2_TEXT, 3: V1_3_TEXT, 4: V1_4_TEXT}
 # the DI_Api entries 1.4 appended: the five ops, then the communicator entries
 API_V1_4_FIELDS = [f for f, _ in abi.ffi.typeof("DI_Api").fields if abi.API_ENTRY_SINCE.get(f) == 4]
 COLLECTIVES = ["all_reduce", "all_gather", "all_to_all"]
@@ -57,31 +59,41 @@ def test_the_frozen_headers_are_the_versions_they_say():
         assert f"#define DI_ABI_MINOR {minor}\n" in text, minor
     assert abi.API_V1_3_FIELDS == ["hc_pre", "hc_post", "kv_compress", "indexer_topk", "sparse_attention",
                                    "layernorm"]
-    assert abi.ABI_MINOR == 4 and API_V1_4_FIELDS == ["all_reduce", "all_gather", "all_to_all", "moe_dispatch",
-                                                       "moe_combine", "comm_unique_id", "comm_create", "comm_destroy"]
+    assert API_V1_4_FIELDS == ["all_reduce", "all_gather", "all_to_all", "moe_dispatch", "moe_combine",
+                               "comm_unique_id", "comm_create", "comm_destroy"]
+    # 1.5 appended no DI_Api entry, only two fields of DI_MoEExpertsArgs
+    assert abi.ABI_MINOR == 5 and not [f for f, m in abi.API_ENTRY_SINCE.items() if m == 5]
+    assert [f for f, m in abi.OP_SPECS["moe_experts"].appended if m == 5] == ["expert_map", "misses"]
     # the frozen 1.3 header is HEAD's before 1.4: its table ends with layernorm, and it knows no communicator
     assert "DI_OP_COUNT_V1_3      = 23\n" in V1_3_TEXT and "DI_Comm" not in V1_3_TEXT
+    # the frozen 1.4 header is HEAD's before 1.5: communicators, and moe_experts ends with swiglu_limit
+    assert "DI_OP_COUNT_V1_4      = 28\n" in V1_4_TEXT and "DI_OP_COUNT_V1_5" not in V1_4_TEXT
+    assert "DI_Comm" in V1_4_TEXT and "expert_map" not in V1_4_TEXT and "misses" not in V1_4_TEXT
 
 
-@pytest.mark.parametrize("minor", [0, 1, 2, 3])
+@pytest.mark.parametrize("minor", [0, 1, 2, 3, 4])
 def test_older_structs_keep_their_sizes(minor):
     """Named reserved fields took the padding's place (1.1), 1.2 and 1.3 only appended DI_ARGS_SINCE
-    fields (1.3's scalars with a reserved partner, so no struct has padding) and 1.4 only added structs
-    and DI_Api entries: the current header's struct, cut at version 1.<minor>, has exactly that version's
-    size and offsets, so a 1.<minor> library sees a struct_size it knows and a 1.<minor> host sends one
-    the library takes."""
+    fields (1.3's scalars with a reserved partner, so no struct has padding), 1.4 only added structs
+    and DI_Api entries and 1.5 only appended DI_ARGS_SINCE fields (moe_experts' expert_map and misses):
+    the current header's struct, cut at version 1.<minor>, has exactly that version's size and offsets,
+    so a 1.<minor> library sees a struct_size it knows and a 1.<minor> host sends one the library takes."""
     old = _ffi(OLD_TEXTS[minor])
     by_struct = {abi.OP_SPECS[op].struct: op for op in abi.OP_NAMES}
     typedefs, _, _ = old.list_types()
     for name in typedefs:
-        if old.typeof(name).kind == "struct" and name not in ("DI_Context", "DI_Graph", "DI_Api"):
+        t = old.typeof(name)
+        # opaque handles (DI_Context, DI_Graph, 1.4's DI_Comm) have no size; DI_Api is compared below
+        if t.kind == "struct" and t.fields is not None and name != "DI_Api":
             size = abi.args_struct_size(by_struct[name], minor) if name in by_struct else abi.ffi.sizeof(name)
             assert old.sizeof(name) == size, name
             for f, _ in old.typeof(name).fields:
                 assert old.offsetof(name, f) == abi.ffi.offsetof(name, f), (name, f)
     for f, _ in old.typeof("DI_Api").fields:
         assert abi.ffi.offsetof("DI_Api", f) == old.offsetof("DI_Api", f), f
-    assert abi.ffi.sizeof("DI_Api") > old.sizeof("DI_Api")
+    # every minor up to 1.4 appended DI_Api entries; 1.5 appended none
+    assert abi.ffi.sizeof("DI_Api") > old.sizeof("DI_Api") if minor < 4 else \
+        abi.ffi.sizeof("DI_Api") == old.sizeof("DI_Api")
 
 
 def test_a_1_0_runtime_runs_a_1_1_library(cpu_lib):
@@ -412,7 +424,8 @@ def test_the_runtime_refuses_1_3_fields_for_a_1_2_table(cpu_lib):
             with pytest.raises(UnsupportedOpError, match=rf"`{fields[0]}` is ABI 1\.3; backend 'cpu12' implements "
                                                          rf"ABI 1\.2"):
                 be.call(op, **m.kwargs)
-            plain = C.without_fields(case, fields)
+            # without every field newer than 1.2 (the full case also sets 1.5's expert_map and misses)
+            plain = C.without_fields(case, [f for f, m_ in abi.OP_SPECS[op].appended if m_ > 2])
             m = Materialized(be, plain)
             kw = dict(m.kwargs)
             if op in ("moe_experts", "silu_mul"):
@@ -581,3 +594,172 @@ def test_l0_fails_a_library_whose_communicators_break_the_rules(plugin_factory, 
         assert {op for op, case in failed if case == "a collective: its checks need a one-rank communicator"} == \
             set(COLLECTIVES)
         assert l1 and all(r["status"] == "unsupported" and "has no communicators" in r["message"] for r in l1)
+
+
+# ---------------------------------------------------------------------------- 1.5 against 1.4
+
+
+def _moe_inputs(rng, T, E, K, H, I):
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    ids = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
+    wts = rng.uniform(0.1, 1.0, (T, K)).astype(np.float32)
+    gate = [(rng.standard_normal((I, H)) / np.sqrt(H)).astype(np.float32) for _ in range(E)]
+    up = [(rng.standard_normal((I, H)) / np.sqrt(H)).astype(np.float32) for _ in range(E)]
+    down = [(rng.standard_normal((H, I)) / np.sqrt(I)).astype(np.float32) for _ in range(E)]
+    return x, ids, wts, gate, up, down
+
+
+def _reference_moe(x, ids, wts, gate, up, down, **extra) -> np.ndarray:
+    from deepinfer.reference import ReferenceBackend
+    from deepinfer.tensor import Tensor
+
+    T = Tensor.from_numpy
+    out = Tensor.empty(x.shape, "f32")
+    ReferenceBackend().moe_experts(x=T(x), topk_ids=T(ids), topk_weights=T(wts), num_experts=len(gate), accumulate=0,
+                                   w_gate=[T(w) for w in gate], w_up=[T(w) for w in up], w_down=[T(w) for w in down],
+                                   out=out, **extra)
+    return out.numpy()
+
+
+def test_a_1_4_runtime_runs_moe_experts_on_the_current_library(cpu_lib):
+    """A host with the 1.4 header sends the 1.4 DI_MoEExpertsArgs (it ends after swiglu_limit). The current
+    library takes that struct_size and never reads past it: the bytes after it here hold what a 1.5 caller
+    would have put in `expert_map` (a permutation) and `misses`, which must be ignored (topk_ids are
+    descriptor ids, misses never written). The 1.4 host reads the whole table: 1.5 appended no entry."""
+    f = _ffi(V1_4_TEXT)
+    lib = f.dlopen(str(cpu_lib))
+    info = lib.deepinfer_plugin_info()
+    assert (info.abi_major, info.abi_minor) == (1, abi.ABI_MINOR)
+    api = info.get_api(1)
+    assert api.struct_size >= f.sizeof("DI_Api") == abi.ffi.sizeof("DI_Api")
+    opts = f.new("DI_ContextOptions*", {"struct_size": f.sizeof("DI_ContextOptions")})
+    ctx = f.new("DI_Context**")
+    assert api.context_create(opts, ctx) == 0
+    try:
+        rng = np.random.default_rng(15)
+        T, E, K, H, I = 4, 3, 2, 16, 8
+        x, ids, wts, gate, up, down = _moe_inputs(rng, T, E, K, H, I)
+        table = np.array([2, 0, 1], np.int32)
+        misses = np.full((T, K), 7, np.int32)
+        out = np.full((T, H), np.nan, np.float32)
+        n14 = f.sizeof("DI_MoEExpertsArgs")
+        assert n14 == abi.args_struct_size("moe_experts", 4) == abi.ffi.offsetof("DI_MoEExpertsArgs", "expert_map")
+        # the 1.4 struct followed by a complete, valid expert_map and misses
+        buf = abi.ffi.new("DI_MoEExpertsArgs*")
+        _host_tensor(abi.ffi, buf.expert_map, table, 0)
+        _host_tensor(abi.ffi, buf.misses, misses, 0)
+        a = f.cast("DI_MoEExpertsArgs*", abi.ffi.cast("void*", buf))
+        a.header.struct_size = n14
+        for name, arr, code in (("x", x, 2), ("topk_ids", ids, 0), ("topk_weights", wts, 2), ("out", out, 2)):
+            _host_tensor(f, getattr(a, name), arr, code)
+        arrays = []
+        for name, ws in (("w_gate", gate), ("w_up", up), ("w_down", down)):
+            arr = f.new("DI_Tensor[]", E)
+            for e, w in enumerate(ws):
+                _host_tensor(f, arr[e], w, 2)
+            arrays.append(arr)
+            setattr(a, name, arr)
+        a.num_experts, a.accumulate = E, 0
+        st = api.moe_experts(ctx[0], a)
+        assert st == 0, f.string(api.last_error(ctx[0]))
+        assert np.all(misses == 7), "misses lies past the caller's struct_size but was written"
+        want = _reference_moe(x, ids, wts, gate, up, down)
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+        # the map would have changed the result: the library really did not read it
+        from deepinfer.tensor import Tensor
+        mapped = _reference_moe(x, ids, wts, gate, up, down, expert_map=Tensor.from_numpy(table),
+                                misses=Tensor.empty((T, K), "int32"))
+        assert not np.allclose(mapped, want, rtol=1e-2)
+        a.header.struct_size = n14 + 8     # between two versions' sizes: no caller's
+        assert api.moe_experts(ctx[0], a) == abi.INVALID_ARGUMENT
+    finally:
+        api.context_destroy(ctx[0])
+
+
+def test_a_1_4_build_of_the_tiny_plugin_loads_and_passes_under_1_5(plugin_factory):
+    """The tiny plugin built against the frozen 1.4 header (with its one-rank communicators) says 1.4 and
+    passes L0 and L1 under this runtime, communicator checks included: a 1.4 library is a library of this
+    runtime. It has no moe_experts, so no 1.5 case applies to it."""
+    from deepinfer.loader import load_library
+
+    lib = plugin_factory("libdeepinfer_tiny14f.so", abi="1.4", TEST_NAME='"tiny14f"', TEST_COMM=None)
+    c = probe(lib)
+    assert c.ok and c.abi_version == "1.4", c.reason
+    assert set(API_V1_4_FIELDS[:3]) <= set(c.ops) and "moe_experts" not in c.ops
+    cert = run_conformance(str(lib), levels=("L0", "L1"), profile=PROFILE, isolate=False,
+                           only_ops=["silu_mul", "all_reduce", "moe_experts"])
+    assert cert["passed"], summary(cert)
+    l0 = {r["case"]: r for r in cert["levels"]["L0"]["results"]}
+    assert "1.4 entries: not offered by an older library" not in l0
+    assert l0["1.4 communicators: comm_unique_id, comm_create, comm_destroy and the three collectives all six or "
+              "none"]["status"] == "pass"
+    older = [k for k, r in l0.items() if r["op"] == "silu_mul" and k.startswith("struct_size of ABI 1.2")]
+    assert older and all(l0[k]["status"] == "pass" for k in older)
+    l1 = cert["levels"]["L1"]["results"]
+    assert {r["op"] for r in l1 if r["status"] == "pass"} == {"silu_mul", "all_reduce"}
+    assert {r["op"] for r in l1 if r["status"] == "unsupported"} == {"moe_experts"}
+    be = load_library(lib)
+    try:
+        assert be.abi_minor == 4 and be.supports_comm
+    finally:
+        be.close()
+
+
+def test_the_runtime_refuses_1_5_fields_for_a_1_4_table(cpu_lib):
+    """The CPU library's table presented as a 1.4 library's (abi_minor 4; the table is the same size, 1.5
+    appended no entry): moe_experts' expert_map (read) and misses (written) are refused with a message that
+    says why, through call and prepare, and the suite calls a mapped case "unsupported"; the same call
+    without them runs (1.3's swiglu_limit included)."""
+    from deepinfer.backend import BackendInfo, NativeBackend
+    from deepinfer.conformance import cases as C
+    from deepinfer.conformance.harness import Materialized, ReferenceCache, check_case
+    from deepinfer.errors import UnsupportedOpError
+    from deepinfer.reference import ReferenceBackend
+
+    ffi = abi.ffi
+    lib = ffi.dlopen(str(cpu_lib))
+    real = lib.deepinfer_plugin_info().get_api(1)
+    api = ffi.new("DI_Api*")
+    ffi.memmove(api, real, ffi.sizeof("DI_Api"))
+    api.abi_minor = 4
+    api.struct_size = _ffi(V1_4_TEXT).sizeof("DI_Api")
+    be = NativeBackend(lib, api, BackendInfo("cpu14", "test", "cpu", str(cpu_lib), "1.4"))
+    try:
+        assert be.abi_minor == 4 and be.ops() == abi.OP_NAMES
+        case = C.a_full_case("moe_experts")
+        m = Materialized(be, case)
+        for call in (lambda kw: be.call("moe_experts", **kw), lambda kw: be.prepare("moe_experts", **kw)):
+            with pytest.raises(UnsupportedOpError, match=r"`expert_map` is ABI 1\.5; backend 'cpu14' implements ABI "
+                                                         r"1\.4 and cannot read it"):
+                call(m.kwargs)
+            only_misses = {k: v for k, v in m.kwargs.items() if k != "expert_map"}
+            with pytest.raises(UnsupportedOpError, match=r"`misses` is ABI 1\.5; backend 'cpu14' implements ABI "
+                                                         r"1\.4 and cannot write it"):
+                call(only_misses)
+        poisoned = np.ascontiguousarray(m.read("misses")).view(np.uint8)
+        assert np.all(poisoned == 0x7F), "a refused call wrote misses"
+        plain = C.without_fields(case, ["expert_map", "misses"])
+        assert plain.scalars["swiglu_limit"]
+        m2 = Materialized(be, plain)
+        be.call("moe_experts", **m2.kwargs)
+        ref = ReferenceCache(ReferenceBackend())
+        np.testing.assert_allclose(m2.read("out"), ref.results(plain)["out"], rtol=1e-4, atol=1e-5)
+        mapped = [c for c in C.cases_for("moe_experts", "quick") if "expert_map" in c.tensors][:2]
+        for c in mapped:
+            o = check_case(be, c, ref)
+            assert o.status == "unsupported" and "newer than the library's ABI 1.4" in o.message, o.message
+    finally:
+        be.close()
+
+
+def test_the_current_library_takes_the_map_and_a_1_4_callers_struct(cpu_lib):
+    """The CPU library (1.5) under L0: a 1.4 caller's struct_size is accepted with the map's bytes past
+    it ignored (misses not written, the result of the same call without the map), and expert_map and
+    misses are both or neither."""
+    cert = run_conformance(str(cpu_lib), levels=("L0",), profile=PROFILE, isolate=False, only_ops=["moe_experts"])
+    l0 = {r["case"]: r for r in cert["levels"]["L0"]["results"] if r["op"] == "moe_experts"}
+    n14 = abi.args_struct_size("moe_experts", 4)
+    for case in (f"struct_size of ABI 1.4 ({n14}) -> accepted, fields of 1.5 ignored",
+                 "expert_map without misses -> INVALID_ARGUMENT (1.5: both or neither)",
+                 "misses without expert_map -> INVALID_ARGUMENT (1.5: both or neither)"):
+        assert l0[case]["status"] == "pass", l0[case]

@@ -36,7 +36,7 @@ C_DUMP = r"""
 #include "deepinfer_abi_check.h"
 int main(void) {
     printf("[[");   /* [ops, DI_ARGS_SINCE rows] */
-    for (int32_t op = 0; op < DI_OP_COUNT_V1_4; op++) {
+    for (int32_t op = 0; op < DI_OP_COUNT_V1_5; op++) {
         const DI_OpInfo* o = di_op_info(op);
         printf("%s{\"id\": %d, \"name\": \"%s\", \"struct\": \"%s\", \"size\": %u, \"minor\": %u, "
                "\"min_size\": %u, \"args\": [", op ? ", " : "", o->id, o->name, o->struct_name, o->struct_size,
@@ -55,7 +55,7 @@ int main(void) {
         printf("%s[\"%s\", \"%s\", %u, %u]", i ? ", " : "", since[i].op, since[i].field, since[i].offset,
                since[i].minor);
     printf("]]\n");
-    return di_op_info(DI_OP_COUNT_V1_4) == NULL ? 0 : 1;
+    return di_op_info(DI_OP_COUNT_V1_5) == NULL ? 0 : 1;
 }
 """
 
@@ -125,6 +125,12 @@ LOADER_MUTATIONS = {
     # a 1.3 field said to have arrived with its op (1.0)
     "1.3 field said to be its op's": ("F(mla_decode, DI_MLADecodeArgs, indices, 3)",
                                       "F(mla_decode, DI_MLADecodeArgs, indices, 0)"),
+    # a 1.5 field said to be older than the 1.3 field before it (fields are in minor order)
+    "1.5 field out of minor order": ("F(moe_experts, DI_MoEExpertsArgs, expert_map, 5)",
+                                     "F(moe_experts, DI_MoEExpertsArgs, expert_map, 2)"),
+    # an appended tensor made required (a caller of 1.4 cannot send it)
+    "1.5 field required": ("T(S, misses, OUT, OPT, 2, 2, DI_DTS_INDEX, DI_DTS_NONE)",
+                           "T(S, misses, OUT, REQ, 2, 2, DI_DTS_INDEX, DI_DTS_NONE)"),
 }
 
 
