@@ -418,7 +418,8 @@ class Engine:
     def stats(self) -> dict:
         """metrics() plus load_seconds (weights onto the backend) and, with an expert cache, its
         counters: expert_hits, expert_misses, expert_prefetch_issued / _used / _late,
-        expert_bytes_streamed, expert_wait_seconds, hit rate, prefetch recall and precision; with
+        expert_bytes_streamed, expert_wait_seconds, hit rate, prefetch recall and precision,
+        expert_pause_free_steps / _retries (decode steps run without pauses, and those run again); with
         speculative decoding, spec_*: acceptance per draft position, mean accepted length (tokens
         a sequence gains per speculative step), verify tokens per step, plain steps the scheduler
         chose, the step-time table."""

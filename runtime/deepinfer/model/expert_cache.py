@@ -27,7 +27,7 @@ A step at a MoE layer pauses once, after the router and the shared experts (mode
 layer's topk_ids (and, with prefetch, the next layer's router applied to this layer's residual) are
 read; the policy (model.expert_policy) names hits and places misses; their loads start, then the
 prefetch loads of the next layer; this layer's loads are waited for (on a device: the working stream
-waits for their copies' events) and the slot ids written; moe_experts follows. Misses wait; what
+waits for their copies' events) and the layer's row of the table sent; moe_experts follows. Misses wait; what
 hides transfers is prefetch, issued a whole layer ahead. On a device the layer pauses twice: right
 after the router its routing is copied to pinned memory behind an event (on_ids), the shared
 experts run on the device while the host waits for that event and decides, and the step stops

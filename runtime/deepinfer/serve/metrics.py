@@ -49,7 +49,9 @@ class ServerMetrics:
             ("prefetch_issued", "experts loaded ahead of use on a prediction"),
             ("prefetch_used", "prefetched experts a step then used"),
             ("bytes_streamed", "expert bytes copied into the cache"),
-            ("wait_seconds", "time steps waited for expert loads"))}
+            ("wait_seconds", "time steps waited for expert loads"),
+            ("pause_free_steps", "decode steps run without pauses (every expert in place)"),
+            ("pause_free_retries", "pause-free steps that missed an expert and were run again with pauses"))}
         self.expert_hit_ratio = Gauge("deepinfer_expert_cache_hit_ratio", "hits / needed experts", registry=r)
         # speculative decoding (engine config speculative), present only when it is on
         self.spec = {k: Gauge(f"deepinfer_spec_{k}", help_, registry=r) for k, help_ in (
