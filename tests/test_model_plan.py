@@ -39,7 +39,7 @@ def test_decode_step_allocates_nothing(v3_model, monkeypatch):
 def test_arena_recycles_activations(v3_model):
     m = v3_model
     m.forward([(0, list(range(20, 36)), 0)])
-    p = m.plans[("main", "prefill", 16, 1, False, False)]
+    p = m.plans[("main", "prefill", 16, 1, False, False, False)]
     assert 0 < p.arena_bytes < p.total_activation_bytes / 3
     # placed buffers that are live at the same time never overlap
     acts = [s for s in p.syms if s.kind == "act" and s.first >= 0]
@@ -59,7 +59,7 @@ def test_plans_cached_by_batch_shape(v3_model):
     m.forward([0, 1, 2], [[7], [8], [9]], [2, 2, 2])
     assert len(m.plans) == len(keys) + 1          # one decode plan for B=3, reused
     m.forward([0, 1], [[1], [2]], [3, 3])
-    assert ("main", "decode", 2, 2, False, False) in m.plans
+    assert ("main", "decode", 2, 2, False, False, False) in m.plans
 
 
 def test_kv_blocks_are_recycled_and_bounded(tiny_checkpoint):
