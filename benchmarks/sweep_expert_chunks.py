@@ -71,7 +71,12 @@ def main() -> int:
                 rows.append({"chunk_mib": mib, "capacity": c, "step_ms": 1e3 * t, "bound_ms": 1e3 * bound,
                              "vs_bound": t / bound, "hit_rate": st["expert_hit_rate"],
                              "wait_ms_per_token": 1e3 * st["expert_wait_seconds"] / len(ids),
-                             "bytes_per_token": moved,
+                             "bytes_per_token": moved, "loads_given_up": st["expert_loads_given_up"],
+                             "route_ms_per_token": 1e3 * r.experts.route_seconds / len(ids),
+                             "sync_ms_per_token": 1e3 * r.experts.sync_seconds / len(ids),
+                             "pause_free_steps": st["expert_pause_free_steps"],
+                             "pause_free_retries": st["expert_pause_free_retries"],
+                             "prefetch_late": st["expert_prefetch_late"], "misses": st["expert_misses"],
                              "bit_identical": all(np.array_equal(a, b) for a, b in zip(base["logits"], out["logits"]))})
                 print(json.dumps(rows[-1]), flush=True)
                 r.experts.close()

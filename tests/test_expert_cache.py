@@ -1381,5 +1381,8 @@ def test_pause_free_on_device(ec, always, eager):
     r = _pause_free_workload(None, None, NANO, "bf16", ec, 4096, always=always, enforce_eager=eager, dtype="bf16",
                              lib=lambda: deepinfer.loader.load_library(DEVICE_LIB))
     rep = r.expert_stats()
-    assert rep["expert_pause_free_steps"] + rep["expert_pause_free_retries"] >= 5
-    assert rep["expert_pause_free_retries"] > 0 if always else rep["expert_pause_free_steps"] >= 3
+    if always:
+        assert rep["expert_pause_free_retries"] > 0
+        assert rep["expert_pause_free_steps"] + rep["expert_pause_free_retries"] >= 5
+    else:
+        assert rep["expert_pause_free_steps"] >= 3
