@@ -1,15 +1,12 @@
 """The expert cache's disk piece size against the transfer bound, on one model.
 
     python benchmarks/sweep_expert_chunks.py --backend LIB --model DIR [--chunks-mib 1 2 4] [--capacities 0.5 0.75]
-        [--gil-switch-ms 5 0.2]
 
 On a device a disk expert is read in pieces (model.expert_cache.CHUNK_BYTES) by DEVICE_READ_THREADS
 readers, each piece sent to its slot as soon as it is read. The piece size trades how many readers
 one miss keeps busy (an expert of 17 MB in 4 MiB pieces keeps 5 of 8 busy) against the per-piece
 cost (a reader hand-off and a copy call each). For every piece size and capacity this decodes the
-same teacher-forced tokens as bench_expert_cache.py (LFRU + prefetch by default), also for each
-GIL switch interval given (--gil-switch-ms: what the cache sets while its readers run; a reader
-needs the GIL back after each read), and reports the
+same teacher-forced tokens as bench_expert_cache.py (LFRU + prefetch by default) and reports the
 step time against the transfer bound measured in the same run (resident step + bytes moved per
 token / the slowest source stage), and whether the logits equal the resident model's.
 Results: <out-dir>/expert_chunks_<backend>_<date>_<commit>.{json,md}.
@@ -41,8 +38,6 @@ def main() -> int:
     ap.add_argument("--source", default="disk", choices=("disk",))
     ap.add_argument("--chunks-mib", type=float, nargs="+", default=[1, 2, 4])
     ap.add_argument("--capacities", type=float, nargs="+", default=[0.5, 0.75])
-    ap.add_argument("--gil-switch-ms", type=float, nargs="+", default=[EC.GIL_SWITCH_SECONDS * 1e3],
-                    help="GIL switch intervals the cache sets while its readers run (5 = Python's default)")
     ap.add_argument("--config", default="lfru+prefetch", choices=list(B.CONFIGS))
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out-dir", default=str(B.ROOT / "benchmarks" / "results"))
@@ -60,35 +55,35 @@ def main() -> int:
     gc.collect()
     label, opts = B.CONFIGS[args.config]
     rows, bw = [], None
-    default_chunk, default_switch = EC.CHUNK_BYTES, EC.GIL_SWITCH_SECONDS
+    default_chunk = EC.CHUNK_BYTES
     try:
-        for mib, sw, c in [(m, w, c) for m in args.chunks_mib for w in args.gil_switch_ms for c in args.capacities]:
+        for mib in args.chunks_mib:
             EC.CHUNK_BYTES = int(mib * (1 << 20))
-            EC.GIL_SWITCH_SECONDS = sw / 1e3
-            r = B.runner_for(args, {"capacity": c, **opts})
-            if bw is None:
-                bw = B.source_bandwidth(r)["bound"]
-            out = B.decode(r, ids)
-            st = r.expert_stats()
-            t = B.med(out["times"][args.warmup:])
-            moved = st["expert_bytes_streamed"] / len(ids)
-            bound = t_res + moved / bw
-            rows.append({"chunk_mib": mib, "gil_switch_ms": sw, "capacity": c, "step_ms": 1e3 * t, "bound_ms": 1e3 * bound,
-                         "vs_bound": t / bound, "hit_rate": st["expert_hit_rate"],
-                         "wait_ms_per_token": 1e3 * st["expert_wait_seconds"] / len(ids),
-                         "bytes_per_token": moved, "loads_given_up": st["expert_loads_given_up"],
-                         "route_ms_per_token": 1e3 * r.experts.route_seconds / len(ids),
-                         "sync_ms_per_token": 1e3 * r.experts.sync_seconds / len(ids),
-                         "pause_free_steps": st["expert_pause_free_steps"],
-                         "pause_free_retries": st["expert_pause_free_retries"],
-                         "prefetch_late": st["expert_prefetch_late"], "misses": st["expert_misses"],
-                         "bit_identical": all(np.array_equal(a, b) for a, b in zip(base["logits"], out["logits"]))})
-            print(json.dumps(rows[-1]), flush=True)
-            r.experts.close()
-            del r
-            gc.collect()
+            for c in args.capacities:
+                r = B.runner_for(args, {"capacity": c, **opts})
+                if bw is None:
+                    bw = B.source_bandwidth(r)["bound"]
+                out = B.decode(r, ids)
+                st = r.expert_stats()
+                t = B.med(out["times"][args.warmup:])
+                moved = st["expert_bytes_streamed"] / len(ids)
+                bound = t_res + moved / bw
+                rows.append({"chunk_mib": mib, "capacity": c, "step_ms": 1e3 * t, "bound_ms": 1e3 * bound,
+                             "vs_bound": t / bound, "hit_rate": st["expert_hit_rate"],
+                             "wait_ms_per_token": 1e3 * st["expert_wait_seconds"] / len(ids),
+                             "bytes_per_token": moved, "loads_given_up": st["expert_loads_given_up"],
+                             "route_ms_per_token": 1e3 * r.experts.route_seconds / len(ids),
+                             "sync_ms_per_token": 1e3 * r.experts.sync_seconds / len(ids),
+                             "pause_free_steps": st["expert_pause_free_steps"],
+                             "pause_free_retries": st["expert_pause_free_retries"],
+                             "prefetch_late": st["expert_prefetch_late"], "misses": st["expert_misses"],
+                             "bit_identical": all(np.array_equal(a, b) for a, b in zip(base["logits"], out["logits"]))})
+                print(json.dumps(rows[-1]), flush=True)
+                r.experts.close()
+                del r
+                gc.collect()
     finally:
-        EC.CHUNK_BYTES, EC.GIL_SWITCH_SECONDS = default_chunk, default_switch
+        EC.CHUNK_BYTES = default_chunk
     res = {"date": dt.date.today().isoformat(), "commit": args.commit, "backend": args.backend,
            "model": args.model.name, "tokens": len(ids), "config": label, "resident_step_ms": 1e3 * t_res,
            "source_bandwidth_GBps": bw / 1e9, "default_chunk_mib": default_chunk / (1 << 20), "rows": rows,
@@ -100,10 +95,10 @@ def main() -> int:
     L = [f"# Expert cache disk piece size: {args.model.name}, {len(ids)} tokens, {label}", "",
          f"{res['date']}, commit {args.commit}. Command: `{res['command']}`. Resident step {1e3 * t_res:.3f} ms; "
          f"source {bw / 1e9:.2f} GB/s (slowest stage). Default piece: {default_chunk >> 20} MiB.", "",
-         "| piece MiB | GIL switch ms | capacity | step ms | bound ms | vs bound | hit rate | wait ms/token | identical |",
-         "|---|---|---|---|---|---|---|---|---|"]
+         "| piece MiB | capacity | step ms | bound ms | vs bound | hit rate | wait ms/token | identical |",
+         "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        L.append(f"| {r['chunk_mib']:g} | {r['gil_switch_ms']:g} | {r['capacity']:.0%} | {r['step_ms']:.3f} | {r['bound_ms']:.3f} | "
+        L.append(f"| {r['chunk_mib']:g} | {r['capacity']:.0%} | {r['step_ms']:.3f} | {r['bound_ms']:.3f} | "
                  f"{r['vs_bound']:.2f}x | {r['hit_rate']:.3f} | {r['wait_ms_per_token']:.3f} | "
                  f"{'yes' if r['bit_identical'] else 'NO'} |")
     (out / f"{stem}.md").write_text("\n".join(L) + "\n")

@@ -68,7 +68,6 @@ import heapq
 import itertools
 import logging
 import os
-import sys
 import threading
 import time
 import weakref
@@ -101,12 +100,6 @@ PRIORITY = {"miss": 0, "overflow": 0, "prefetch": 1, "fill": 2}
 # from the page cache) for the reader to overlap the compute; with small ones (the embedded model's
 # 192 KiB) the hand-off and the wrong predictions' reads cost more than the overlap saves
 HOST_PREFETCH_MIN_BYTES = 4 << 20
-# Python's GIL switch interval while a cache's readers run (the default is 5 ms). A reader whose
-# read (GIL released) is done needs the GIL back to send its piece; with 5 ms slices it waited for a
-# busy main thread's slice to end, and a V2-Lite-sized expert took 4x its read time, with steps
-# varying 4x run to run (benchmarks/results/expert_map_cuda_h100_20261206_*: 0.2 ms made them steady)
-GIL_SWITCH_SECONDS = 0.0002
-_switch = {"users": 0, "saved": None}
 # pause-free steps start after this many paused steps that loaded nothing; each step that misses
 # doubles it (up to PAUSE_FREE_AFTER_MAX), each that does not halves it again
 PAUSE_FREE_AFTER = 2
@@ -412,7 +405,6 @@ class ExpertCache:
         self._fds: dict = {}
         self.read_threads = READ_THREADS if self.host_memory else DEVICE_READ_THREADS
         self._reader = _Readers(self.read_threads, "deepinfer-experts")
-        _short_switch_interval()
         # the readers and the open files go with the cache (weakref.finalize: nothing they run holds it)
         self._closer = weakref.finalize(self, _close, self._reader, self._fds)
         self._images: Optional[list] = None
@@ -1172,26 +1164,7 @@ def _pieces(runs: list, nbytes: int, chunk: int) -> list:
     return out
 
 
-def _short_switch_interval() -> None:
-    """A cache with readers shortens the GIL switch interval (GIL_SWITCH_SECONDS) until the last
-    such cache closes; one a user set shorter already is kept."""
-    if _switch["users"] == 0:
-        _switch["saved"] = sys.getswitchinterval()
-        if _switch["saved"] > GIL_SWITCH_SECONDS:
-            sys.setswitchinterval(GIL_SWITCH_SECONDS)
-    _switch["users"] += 1
-
-
-def _restore_switch_interval() -> None:
-    _switch["users"] -= 1
-    if _switch["users"] == 0 and _switch["saved"] is not None:
-        if sys.getswitchinterval() == GIL_SWITCH_SECONDS:   # nobody changed it since
-            sys.setswitchinterval(_switch["saved"])
-        _switch["saved"] = None
-
-
 def _close(reader: "_Readers", fds: dict) -> None:
-    _restore_switch_interval()
     reader.shutdown(wait=True)
     for fd in fds.values():
         try:
