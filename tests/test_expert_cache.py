@@ -491,6 +491,7 @@ BAD_CONFIGS = [
     ({"capacity": float("inf")}, "must be an integer"),
     ({"prefetch": "yes"}, "prefetch must be true or false"),
     ({"prefetch": 1}, "prefetch must be true or false"),
+    ({"pause_free": "no"}, "pause_free must be true or false"),
     (0.5, "expert_cache must be an object"),
     ("disk", "expert_cache must be an object"),
     ([{"capacity": 0.5}], "expert_cache must be an object"),
@@ -512,6 +513,7 @@ GOOD_CONFIGS = [    # (capacity, source, prefetch, policy); None: chosen per bac
     ({"capacity": 1e9}, (10 ** 9, None, None, "lfru")),         # an integral float above 1: bytes
     ({"capacity": 0.25, "source": "host", "prefetch": False, "policy": "lru"}, (0.25, "host", False, "lru")),
     ({"source": "disk", "policy": "lfru", "prefetch": True}, (1.0, "disk", True, "lfru")),
+    ({"capacity": 0.5, "pause_free": False}, (0.5, None, None, "lfru")),
 ]
 
 
@@ -522,6 +524,7 @@ def test_engine_config_accepts_valid_expert_cache(value, want):
     c = ExpertCacheConfig.parse(cfg.expert_cache)
     assert (c.capacity, c.source, c.prefetch, c.policy) == want
     assert type(c.capacity) is type(want[0])          # a fraction stays a float, bytes are an int
+    assert c.pause_free is value.get("pause_free")
     assert EngineConfig.from_any({}).expert_cache is None and ExpertCacheConfig.parse(None) is None
 
 

@@ -54,7 +54,7 @@ class EngineConfig:
     speculative: dict = field(default_factory=dict)
     # routed MoE experts on demand (model.expert_cache): {"capacity": fraction of all routed expert
     # bytes or bytes, "source": "host" | "disk", "prefetch": bool, "policy": "lfru" | "lru", "fill":
-    # bool}. None: every
+    # bool, "pause_free": bool}. None: every
     # expert is loaded at start. {"capacity": 1.0} is lazy loading (experts load when first routed).
     # Unset source / prefetch are chosen per backend (ExpertCacheConfig says how)
     expert_cache: Optional[dict] = None
