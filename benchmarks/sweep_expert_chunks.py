@@ -39,6 +39,9 @@ def main() -> int:
     ap.add_argument("--chunks-mib", type=float, nargs="+", default=[1, 2, 4])
     ap.add_argument("--capacities", type=float, nargs="+", default=[0.5, 0.75])
     ap.add_argument("--config", default="lfru+prefetch", choices=list(B.CONFIGS))
+    ap.add_argument("--profile", action="store_true",
+                    help="profile the main thread's decode of each run (cProfile; top functions by own time "
+                         "in <out-dir>/profile_<piece>_<capacity>.txt)")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out-dir", default=str(B.ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
@@ -63,7 +66,18 @@ def main() -> int:
                 r = B.runner_for(args, {"capacity": c, **opts})
                 if bw is None:
                     bw = B.source_bandwidth(r)["bound"]
-                out = B.decode(r, ids)
+                if args.profile:
+                    import cProfile
+                    import io
+                    import pstats
+                    prof = cProfile.Profile()
+                    out = prof.runcall(B.decode, r, ids)
+                    buf = io.StringIO()
+                    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+                    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+                    (Path(args.out_dir) / f"profile_{mib:g}MiB_{c:g}.txt").write_text(buf.getvalue())
+                else:
+                    out = B.decode(r, ids)
                 st = r.expert_stats()
                 t = B.med(out["times"][args.warmup:])
                 moved = st["expert_bytes_streamed"] / len(ids)
