@@ -104,7 +104,8 @@ def main() -> int:
            "command": "python benchmarks/sweep_expert_chunks.py " + " ".join(sys.argv[1:])}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"expert_chunks_{Path(args.backend).stem.replace('libdeepinfer_', '')}_{res['date'].replace('-', '')}_{args.commit}"
+    lib = Path(args.backend).stem.replace("libdeepinfer_", "")
+    stem = f"expert_chunks_{lib}_{res['date'].replace('-', '')}_{args.commit}"
     (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
     L = [f"# Expert cache disk piece size: {args.model.name}, {len(ids)} tokens, {label}", "",
          f"{res['date']}, commit {args.commit}. Command: `{res['command']}`. Resident step {1e3 * t_res:.3f} ms; "

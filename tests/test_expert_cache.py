@@ -1389,3 +1389,12 @@ def test_pause_free_on_device(ec, always, eager):
         assert rep["expert_pause_free_steps"] + rep["expert_pause_free_retries"] >= 5
     else:
         assert rep["expert_pause_free_steps"] >= 3
+
+
+def test_a_library_older_than_1_5_is_refused(cpu_backend, monkeypatch):
+    """The cache hands moe_experts its table (expert_map, ABI 1.5): on an older library it says so at
+    load instead of failing in the first step."""
+    be = _backend("cpu", cpu_backend)
+    monkeypatch.setattr(type(be), "abi_minor", property(lambda self: 4))
+    with pytest.raises(ConfigError, match=r"needs moe_experts' expert_map \(ABI 1.5\).*ABI 1.4"):
+        _runner(NANO, be, "bf16", {"capacity": 0.5})

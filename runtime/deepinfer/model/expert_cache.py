@@ -27,8 +27,8 @@ A step at a MoE layer pauses once, after the router and the shared experts (mode
 layer's topk_ids (and, with prefetch, the next layer's router applied to this layer's residual) are
 read; the policy (model.expert_policy) names hits and places misses; their loads start, then the
 prefetch loads of the next layer; this layer's loads are waited for (on a device: the working stream
-waits for their copies' events) and the layer's row of the table sent; moe_experts follows. Misses wait; what
-hides transfers is prefetch, issued a whole layer ahead. On a device the layer pauses twice: right
+waits for their copies' events) and the layer's row of the table sent; moe_experts follows. Misses
+wait; what hides transfers is prefetch, issued a whole layer ahead. On a device the layer pauses twice: right
 after the router its routing is copied to pinned memory behind an event (on_ids), the shared
 experts run on the device while the host waits for that event and decides, and the step stops
 only before moe_experts. (Computing the resident experts while the
@@ -265,7 +265,7 @@ class StreamedLayer:
     direct: Optional[tuple] = None
     expert_map: Optional[Tensor] = None    # [E] int32 on the device: expert -> descriptor, -1 = not resident
     # set while the runner traces a pause-free plan (ExpertCache.tracing): no pause, no prediction;
-    # the routing and misses go to record(T) = (ids [T, K], misses [T, K]) for the host to read after
+    # the routing and misses go to record(T, pos) = (ids [T, K], misses [T, K]) for the host to read after
     pause_free: bool = False
     record: object = None
 
@@ -307,6 +307,10 @@ class ExpertCache:
     def __init__(self, backend, loader, moe_layers: list, cfg: ExpertCacheConfig, *, top_k: int,
                  max_tokens: int, main_layers: int):
         self.backend, self.loader, self.cfg = backend, loader, cfg
+        if backend.abi_minor < 5:
+            raise ConfigError(f"expert_cache needs moe_experts' expert_map (ABI 1.5), and backend {backend.name} "
+                              f"implements ABI 1.{backend.abi_minor}; update that library, or load the model without "
+                              f"expert_cache")
         self.ckpt = loader.ckpt
         # slots in host memory the reader writes itself (CPU / reference backends), else the device path
         self.host_memory = backend.device == "cpu" if cfg.host_memory is None else bool(cfg.host_memory)
@@ -368,9 +372,6 @@ class ExpertCache:
                 L.raw = [self._slot_tensor(L, s).numpy() for s in range(n)]
             self._overflow_raw = [self._slot_tensor(self.layers[0], n + j).numpy() for j in range(self.n_overflow)]
         self._moe = moe_layers
-        if be.abi_minor < 5:
-            raise ConfigError(f"expert_cache needs moe_experts' expert_map (ABI 1.5), and backend {be.name} implements "
-                              f"ABI 1.{be.abi_minor}; update that library, or load the model without expert_cache")
         # the device-side expert -> slot table, one row per layer (-1: not resident). Its host copy
         # (pinned on a device) is what the rows are sent from, each send on the working stream
         self.maps = be.empty((n_moe, E), "int32", fill=-1)
