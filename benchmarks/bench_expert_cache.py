@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -241,6 +242,15 @@ def cold_start(args, cache: bool, repeats: int) -> list:
     return out
 
 
+def heldout_tokens(model: Path, text: Optional[str], n: int) -> tuple:
+    """(text file, its first n token ids): `text`, else the model's heldout.txt, else the embedded
+    model's; tokenized by the model's tokenizer, else the embedded model's."""
+    path = Path(text) if text else (model / "heldout.txt" if (model / "heldout.txt").exists()
+                                    else default_model_dir() / "heldout.txt")
+    tok = Tokenizer(model if (model / "tokenizer.json").exists() else default_model_dir())
+    return path, tok.encode(path.read_text())[:n]
+
+
 def med(x):
     return statistics.median(x) if x else float("nan")
 
@@ -262,10 +272,7 @@ def main() -> int:
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
     args.model = Path(args.model)
-    text_path = Path(args.text) if args.text else (args.model / "heldout.txt" if (args.model / "heldout.txt").exists()
-                                                   else default_model_dir() / "heldout.txt")
-    tok = Tokenizer(args.model if (args.model / "tokenizer.json").exists() else default_model_dir())
-    ids = tok.encode(text_path.read_text())[: args.tokens]
+    text_path, ids = heldout_tokens(args.model, args.text, args.tokens)
     res = {"date": dt.date.today().isoformat(), "commit": args.commit, "backend": args.backend,
            "model": args.model.name, "text": text_path.name, "tokens": len(ids), "host": platform.node(),
            "cpu": platform.processor() or platform.machine(), "precision": args.precision, "warmup": args.warmup,

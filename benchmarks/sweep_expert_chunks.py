@@ -46,10 +46,7 @@ def main() -> int:
     ap.add_argument("--out-dir", default=str(B.ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
     args.model = Path(args.model)
-    text = args.model / "heldout.txt" if (args.model / "heldout.txt").exists() else \
-        B.default_model_dir() / "heldout.txt"
-    tok = B.Tokenizer(args.model if (args.model / "tokenizer.json").exists() else B.default_model_dir())
-    ids = tok.encode(text.read_text())[: args.tokens]
+    _, ids = B.heldout_tokens(args.model, None, args.tokens)
 
     resident = B.runner_for(args, None)
     base = B.decode(resident, ids)

@@ -300,28 +300,26 @@ class DeepseekGraph:
         # streamed experts (model.expert_cache): one pause, after the shared experts, where the host
         # reads the routing, gets missing experts loaded and sends the layer's expert -> slot table,
         # which moe_experts reads on the device (none in a pause-free step: the table is in place)
-        if record is not None:
-            if w.shared is not None:
-                self.mlp(g, w.shared, x, T, out=out)
-            self.streamed_experts(g, s, x, ids, wts, out, record[1], accumulate=int(w.shared is not None))
-            return out
-        pred = None
-        if s.predict and resid is not None and next_layer is not None and next_layer.moe is not None:
-            # prefetch: the next layer's router on this layer's residual, normed as that layer norms it
-            pn = g.empty((T, c.hidden_size), self.dtype, "predict_norm")
-            g.rmsnorm(x=resid, weight=next_layer.ln2, out=pn, eps=c.rms_norm_eps)
-            pred, _ = self.route(g, next_layer.moe, pn, T, "predicted")
-        routing = dict(ids=ids, pred=pred)
-        if s.early_read:
-            # a device: the routing is sent to the host now and the shared experts run while the host
-            # decides; the step stops only before moe_experts (ExpertCache.on_ids)
-            g.pause(("expert_ids", s.pos), **routing)
-            routing = {}
+        routing = {}
+        if record is None:
+            pred = None
+            if s.predict and resid is not None and next_layer is not None and next_layer.moe is not None:
+                # prefetch: the next layer's router on this layer's residual, normed as that layer norms it
+                pn = g.empty((T, c.hidden_size), self.dtype, "predict_norm")
+                g.rmsnorm(x=resid, weight=next_layer.ln2, out=pn, eps=c.rms_norm_eps)
+                pred, _ = self.route(g, next_layer.moe, pn, T, "predicted")
+            routing = dict(ids=ids, pred=pred)
+            if s.early_read:
+                # a device: the routing is sent to the host now and the shared experts run while the
+                # host decides; the step stops only before moe_experts (ExpertCache.on_ids)
+                g.pause(("expert_ids", s.pos), **routing)
+                routing = {}
         if w.shared is not None:
             self.mlp(g, w.shared, x, T, out=out)
-        g.pause(("experts", s.pos), **routing)
-        self.streamed_experts(g, s, x, ids, wts, out, g.empty((T, K), "int32", "expert_misses"),
-                              accumulate=int(w.shared is not None))
+        if record is None:
+            g.pause(("experts", s.pos), **routing)
+        misses = record[1] if record is not None else g.empty((T, K), "int32", "expert_misses")
+        self.streamed_experts(g, s, x, ids, wts, out, misses, accumulate=int(w.shared is not None))
         return out
 
     @staticmethod

@@ -64,6 +64,7 @@ instead of waiting for it.
 """
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
@@ -991,9 +992,16 @@ class ExpertCache:
         self._step_loads = 0
 
     # ------------------------------------------------------------------ pause-free steps
-    def tracing(self, pause_free: bool) -> "_Tracing":
+    @contextlib.contextmanager
+    def tracing(self, pause_free: bool):
         """`with cache.tracing(True):` the runner traces a pause-free plan (StreamedLayer.pause_free)."""
-        return _Tracing(self._moe, pause_free)
+        for m in self._moe:
+            m.streamed.pause_free = pause_free
+        try:
+            yield
+        finally:
+            for m in self._moe:
+                m.streamed.pause_free = False
 
     def _record(self, T: int, pos: int) -> tuple:
         """(ids, misses) [T, K] int32: where layer pos of a pause-free T-row step writes its routing
@@ -1038,7 +1046,7 @@ class ExpertCache:
     def after_pause_free(self, T: int) -> bool:
         """After a pause-free step of T rows: False if some pair missed (the runner then runs the step
         again with pauses); else the policy learns the step's routing, as a paused step would."""
-        dev, host, copy = self._records[T]
+        _, host, copy = self._records[T]
         t0 = time.perf_counter()
         if copy is not None:
             copy()
@@ -1209,17 +1217,3 @@ def _done() -> Future:
     f.set_result(None)
     return f
 
-
-class _Tracing:
-    """Context manager of ExpertCache.tracing: the streamed layers trace pause-free while inside."""
-
-    def __init__(self, moe_layers: list, on: bool):
-        self._layers, self._on = moe_layers, on
-
-    def __enter__(self):
-        for m in self._layers:
-            m.streamed.pause_free = self._on
-
-    def __exit__(self, *exc):
-        for m in self._layers:
-            m.streamed.pause_free = False
