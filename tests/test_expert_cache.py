@@ -38,6 +38,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.engine import ModelRunner
 from deepinfer.engine.llm_engine import Engine, default_model_dir
 from deepinfer.errors import EXIT_USAGE, ConfigError
+from deepinfer.model import native_reader
 from deepinfer.model.expert_cache import ExpertCacheConfig
 from deepinfer.model.expert_policy import LayerSlots, make_policy
 from deepinfer.model.plan import Arena, Plan, Tracer
@@ -146,6 +147,10 @@ def _assert_bit_identical(bname, cpu_lib, path, precision, ec, vocab, *, raw=Non
         assert r.experts.host_memory is cfg.host_memory
     if cfg.prefetch is not None:
         assert r.experts.prefetch is cfg.prefetch
+    if cfg.native_readers is False or r.experts.host_memory or not r.experts.raw or r.experts.source != "disk":
+        assert r.experts.readers == "python"
+    elif bname == "cpu" and native_reader.load() is not None:
+        assert r.experts.readers == "native"       # device disk loads on the native readers
     got = _workload(r, vocab)
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(want, got)):
@@ -201,6 +206,7 @@ CPU_CASES = [
     _device(0.5, "disk"),
     _device(0.5, "host"),
     _device(0.25, "disk", policy="lru", prefetch=False),
+    _device(0.25, "disk", prefetch=True, native_readers=False),    # the Python readers' device path
 ]
 REFERENCE_CASES = [
     {"capacity": 0.25, "source": "disk", "prefetch": True},
@@ -214,7 +220,7 @@ def _id(ec) -> str:
     c = ExpertCacheConfig.parse(ec)
     pf = {None: "pf-default", True: "pf", False: "nopf"}[c.prefetch]
     return (f"{c.capacity}-{c.source or 'default'}-{c.policy}-{pf}"
-            + ("-device" if c.host_memory is False else ""))
+            + ("-device" if c.host_memory is False else "") + ("-python-readers" if c.native_readers is False else ""))
 
 
 @pytest.mark.parametrize("ec", CPU_CASES, ids=_id)
@@ -885,17 +891,46 @@ def _drain(ex) -> None:
     ex._pump()
 
 
-@pytest.mark.parametrize("host_memory", [None, False], ids=["host-path", "device-path"])
-def test_slow_reads_are_waited_for(host_memory, cpu_backend, monkeypatch):
+def _slow_native_reads(monkeypatch, seconds: float) -> None:
+    """The native readers wait `seconds` before every piece they read (a slow disk)."""
+    from deepinfer.model import expert_cache as EC
+
+    start = EC.ExpertCache._start_native
+
+    def slowed(self, required):
+        start(self, required)
+        self._native.delay(seconds)
+
+    monkeypatch.setattr(EC.ExpertCache, "_start_native", slowed)
+
+
+def _needs_native():
+    if native_reader.load() is None:
+        pytest.skip(f"native expert readers unavailable: {native_reader.unavailable_reason()}")
+
+
+# the three reader set-ups: host-memory backends' reader thread; a device's Python readers; its native ones
+READERS = [(None, False), (False, False), (False, None)]
+READER_IDS = ["host-path", "device-path-python-readers", "device-path-native-readers"]
+
+
+@pytest.mark.parametrize("host_memory, native", READERS, ids=READER_IDS)
+def test_slow_reads_are_waited_for(host_memory, native, cpu_backend, monkeypatch):
     """Reads on the reader thread(s) take milliseconds (a slow disk): a layer whose experts are
     still arriving waits for them, so the results stay bit-identical (a layer that ran on a slot
     before its bytes arrived would compute with another expert's weights)."""
     import time
 
-    _on_reader_reads(monkeypatch, lambda: time.sleep(0.003))
-    ec = ExpertCacheConfig(capacity=0.5, source="disk", prefetch=True, host_memory=host_memory)
+    if native is None:
+        _needs_native()
+        _slow_native_reads(monkeypatch, 0.003)
+    else:
+        _on_reader_reads(monkeypatch, lambda: time.sleep(0.003))
+    ec = ExpertCacheConfig(capacity=0.5, source="disk", prefetch=True, host_memory=host_memory,
+                           native_readers=native)
     r = _assert_bit_identical("cpu", cpu_backend, NANO, "bf16", ec, 4096, raw=True)
     assert r.expert_stats()["expert_prefetch_issued"] > 0
+    assert r.experts.readers == ("native" if native is None else "python")
 
 
 def test_few_bounce_buffers(cpu_backend, monkeypatch):
@@ -940,7 +975,8 @@ def test_pieces_cover_an_expert_image(cpu_backend):
     ex.close()
 
 
-def test_device_path_reads_in_pieces_on_many_threads(cpu_backend, monkeypatch):
+@pytest.mark.parametrize("native", [False, None], ids=["python-readers", "native-readers"])
+def test_device_path_reads_in_pieces_on_many_threads(native, cpu_backend, monkeypatch):
     """Small pieces (12 per expert), slow reads on 8 reader threads, prefetches given up when their
     slot goes to another expert: the logits stay bit-identical to the resident model's, and every
     bounce buffer comes back."""
@@ -948,10 +984,15 @@ def test_device_path_reads_in_pieces_on_many_threads(cpu_backend, monkeypatch):
 
     from deepinfer.model import expert_cache as EC
 
-    _on_reader_reads(monkeypatch, lambda: time.sleep(0.0005))
+    if native is None:
+        _needs_native()
+        _slow_native_reads(monkeypatch, 0.0005)
+    else:
+        _on_reader_reads(monkeypatch, lambda: time.sleep(0.0005))
     monkeypatch.setattr(EC, "CHUNK_BYTES", 16384)
     r = _with_watchdog(lambda: _assert_bit_identical("cpu", cpu_backend, NANO, "bf16",
-                                                     _device(0.25, "disk", prefetch=True), 4096, raw=True))
+                                                     _device(0.25, "disk", prefetch=True, native_readers=native),
+                                                     4096, raw=True))
     ex = r.experts
     assert ex.read_threads == EC.DEVICE_READ_THREADS
     assert all(len(v) == 12 for v in ex._chunks.values())
@@ -961,7 +1002,7 @@ def test_device_path_reads_in_pieces_on_many_threads(cpu_backend, monkeypatch):
     assert not ex._reading and not ex._copying and not ex._queued
 
 
-@pytest.mark.parametrize("host_memory", [None, False], ids=["host-path", "device-path"])
+@pytest.mark.parametrize("host_memory", [None, False], ids=["host-path", "device-path-python-readers"])
 def test_a_failed_read_is_an_error_not_a_hang(host_memory, cpu_backend, monkeypatch):
     """A checkpoint read that fails on a reader thread (a disk gone, a file truncated under us)
     reaches the step that needs the expert as that OSError, whichever piece failed; nothing waits
@@ -978,7 +1019,8 @@ def test_a_failed_read_is_an_error_not_a_hang(host_memory, cpu_backend, monkeypa
     _on_reader_reads(monkeypatch, failing)
     monkeypatch.setattr(EC, "CHUNK_BYTES", 65536)
     r = _runner(NANO, _backend("cpu", cpu_backend), "bf16",
-                ExpertCacheConfig(capacity=0.25, source="disk", prefetch=True, host_memory=host_memory))
+                ExpertCacheConfig(capacity=0.25, source="disk", prefetch=True, host_memory=host_memory,
+                                  native_readers=False))
     rng = np.random.default_rng(5)
 
     def run():
@@ -1012,6 +1054,125 @@ def test_readers_take_misses_before_prefetches():
     rd.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         rd.submit(0, print)
+
+
+def _native_pool(cpu_backend, threads: int):
+    """NativeReaders on a CPU backend context, copying on a stream of its own."""
+    _needs_native()
+    be = _backend("cpu", cpu_backend)
+    return be, native_reader.NativeReaders(be, be.create_stream(), threads)
+
+
+def _native_load(be, rd, fd: int, nbytes: int, chunk: int, priority: int):
+    """A load of a file's first nbytes into a fresh poisoned destination: (job, its destination, the event)."""
+    from deepinfer.model.expert_cache import _merged, _pieces
+
+    plan = native_reader.Plan(_pieces(_merged([(fd, 0, nbytes, 0)]), nbytes, chunk))
+    bounce, dst, ev = be.host_empty((nbytes,), "uint8"), be.empty((nbytes,), "uint8"), be.create_event()
+    be.copy_async(dst, _tensor(np.full(nbytes, 0xAB, np.uint8)))
+    be.synchronize()
+    return rd.submit(priority, plan, bounce, dst, ev), dst, ev
+
+
+def _tensor(a: np.ndarray):
+    from deepinfer.tensor import Tensor
+
+    return Tensor(a, a.shape, "uint8")
+
+
+def test_native_readers_order_cancel_and_bytes(cpu_backend, tmp_path):
+    """The native readers take loads by priority, in submission order within one (a miss passes
+    queued prefetches, the fill comes last); a load given up while queued issues no copy and leaves
+    its slot as it was; every other load's bytes arrive whole, in pieces, through the backend's copies."""
+    from deepinfer.model.expert_cache import PRIORITY
+
+    be, rd = _native_pool(cpu_backend, 1)
+    data = np.random.default_rng(7).integers(0, 256, 200_000, dtype=np.uint8)
+    path = tmp_path / "experts.bin"
+    data.tofile(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        rd.hold(True)                              # the one reader takes nothing while the queue fills
+        kinds = ["fill", "prefetch", "prefetch", "miss", "prefetch", "overflow"]
+        loads = [_native_load(be, rd, fd, 150_000 + 1000 * i, 7000, PRIORITY[k]) for i, k in enumerate(kinds)]
+        given_up = loads[4][0]
+        given_up.cancel()
+        rd.hold(False)
+        for job, _, _ in loads:
+            job.result(timeout=30)
+        order = sorted(range(len(kinds)), key=lambda i: loads[i][0].done_order())
+        assert [i for i in order if i != 4] == [3, 5, 1, 2, 0]
+        assert not given_up.copied()
+        for i, (job, dst, ev) in enumerate(loads):
+            n = 150_000 + 1000 * i
+            ev.synchronize()
+            got = be.to_numpy(dst)
+            if i == 4:
+                assert (got == 0xAB).all()           # never written
+            else:
+                assert job.copied() and job.error() is None
+                assert np.array_equal(got, data[:n])
+    finally:
+        rd.shutdown()
+        os.close(fd)
+
+
+def test_native_readers_report_a_short_read(cpu_backend, tmp_path):
+    """A file shorter than the load asks for (truncated under us) fails that load with an error
+    that says so: nothing hangs, nothing is copied from bytes never read."""
+    be, rd = _native_pool(cpu_backend, 2)
+    path = tmp_path / "short.bin"
+    np.zeros(1000, np.uint8).tofile(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        job, dst, _ = _native_load(be, rd, fd, 50_000, 8192, 0)
+        with pytest.raises(OSError, match="short read"):
+            job.result(timeout=30)
+        assert "truncated" in job.error()
+    finally:
+        rd.shutdown()
+        os.close(fd)
+    with pytest.raises(RuntimeError, match="shut down"):
+        _native_load(be, rd, fd, 10, 10, 0)
+
+
+def test_native_readers_shut_down_with_loads_queued(cpu_backend, tmp_path):
+    """Shutting the readers down gives up what is still queued: every load ends (done, no copy
+    for those never started) and the threads stop; nothing waits forever."""
+    be, rd = _native_pool(cpu_backend, 2)
+    path = tmp_path / "experts.bin"
+    np.ones(100_000, np.uint8).tofile(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        rd.hold(True)
+        jobs = [_native_load(be, rd, fd, 100_000, 4096, 1)[0] for _ in range(4)]
+        _with_watchdog(rd.shutdown, 60)
+        assert all(j.done() and not j.copied() for j in jobs)
+    finally:
+        os.close(fd)
+
+
+def test_native_read_errors_reach_the_step(cpu_backend, monkeypatch, tmp_path):
+    """A checkpoint read that fails on a native reader (here: every expert file is one that ends
+    early) reaches the step that needs the expert as an OSError; nothing waits forever."""
+    from deepinfer.model import expert_cache as EC
+
+    _needs_native()
+    short = tmp_path / "short.bin"
+    short.write_bytes(b"x" * 100)
+    monkeypatch.setattr(EC.ExpertCache, "_fd", lambda self, path: self._fds.setdefault(
+        "short", os.open(short, os.O_RDONLY)))
+    r = _runner(NANO, _backend("cpu", cpu_backend), "bf16", _device(0.25, "disk", prefetch=True))
+    assert r.experts.readers == "native"
+    rng = np.random.default_rng(5)
+
+    def run():
+        sid = r.new_sequence()
+        for i, t in enumerate(rng.integers(3, 4096, 16).tolist()):
+            r.forward([(sid, [t], i)])
+
+    with pytest.raises(OSError, match="short read"):
+        _with_watchdog(run)
 
 
 def test_chunked_prefill_and_score(cpu_backend):

@@ -147,6 +147,14 @@ class Backend:
     def device_count(self) -> int:
         return 1
 
+    def native_copy_entries(self, stream: Optional["Stream"]) -> Optional[dict]:
+        """What a native helper needs to issue asynchronous copies and record events itself, from
+        its own threads (the expert cache's disk readers): the library's context, its
+        mem_copy_async, event_record and last_error entries and `stream`'s handle, as integers,
+        plus the host-to-device copy kind. None where the backend is not an ABI library with
+        those entries (the helper is then not used)."""
+        return None
+
     # ------------------------------------------------------------------ communicators (ABI 1.4)
     # Several processes (one per GPU, or per CPU rank) run one model together: rank 0 makes an id,
     # the runtime hands it to every rank (deepinfer.parallel), each creates its Comm from it, and the
@@ -572,6 +580,18 @@ class NativeBackend(Backend):
         return entry, getattr(self._api, entry), (
             self._ctx, ffi.cast("void*", dst.data_ptr + dst.offset), ffi.cast("void*", src.data_ptr + src.offset),
             dst.nbytes, abi.const(kind), h)
+
+    def native_copy_entries(self, stream: Optional[Stream]) -> Optional[dict]:
+        if not all(self._has(e) for e in ("mem_copy_async", "event_record", "last_error")):
+            return None
+
+        def addr(x) -> int:
+            return int(ffi.cast("uintptr_t", x))
+
+        h = stream.handle if stream is not None and stream.handle is not None else ffi.NULL
+        return {"ctx": addr(self._ctx), "copy": addr(self._api.mem_copy_async), "record": addr(self._api.event_record),
+                "last_error": addr(self._api.last_error), "stream": addr(h),
+                "h2d": abi.const("DI_COPY_HOST_TO_DEVICE")}
 
     def copy_async(self, dst: Tensor, src: Tensor, stream: Optional[Stream] = None) -> None:
         entry, fn, args = self._copy_call(dst, src, stream)

@@ -145,6 +145,9 @@ class ExpertCacheConfig:
     # not a JSON key: False drives the device path (pinned bounce buffers, async copies on a copy
     # stream, events) on a host-memory backend, which is how tests cover it without a GPU
     host_memory: Optional[bool] = None
+    # not a JSON key: device disk loads on the native readers (model.native_reader) where the library
+    # is built and the backend an ABI library (None: yes), or False: the Python readers (benchmarks)
+    native_readers: Optional[bool] = None
 
     @classmethod
     def parse(cls, d) -> Optional["ExpertCacheConfig"]:
@@ -279,6 +282,7 @@ class _Load:
     event: object = None     # device: recorded after the load's copies (None until then)
     bounce: Optional[Tensor] = None
     ranges: Optional[list] = None    # device, disk: the file runs to read
+    plan: object = None              # native readers: the same, as they take it (native_reader.Plan)
     # device, disk: the readers' shared state (under lock): pieces still to read, whether any copy
     # went out, whether the load was given up (its slot went to another expert), the first error
     lock: Optional[threading.Lock] = None
@@ -286,6 +290,9 @@ class _Load:
     copied: bool = False
     cancelled: bool = False
     error: Optional[BaseException] = None
+    # native readers: the event they record after the load's copies, ld.event once read is done
+    # and a copy went out (_read_done)
+    native_event: object = None
 
 
 @dataclass
@@ -407,8 +414,9 @@ class ExpertCache:
         self._fds: dict = {}
         self.read_threads = READ_THREADS if self.host_memory else DEVICE_READ_THREADS
         self._reader = _Readers(self.read_threads, "deepinfer-experts")
-        # the readers and the open files go with the cache (weakref.finalize: nothing they run holds it)
-        self._closer = weakref.finalize(self, _close, self._reader, self._fds)
+        self._native = None              # device, disk: the native readers (set below where they run)
+        self._plans: dict = {}           # (layer pos, expert) -> its pieces for them (native_reader.Plan)
+        self.readers = "python"
         self._images: Optional[list] = None
         self._bounce_free: list = []     # device, disk: pinned buffers the readers read into
         self._queued: list = []          # loads waiting for a bounce buffer (misses first)
@@ -425,6 +433,10 @@ class ExpertCache:
             if self.source == "disk":
                 nb = max(2, min(64, BOUNCE_BYTES // per_expert))
                 self._bounce_free = [self._host_buffer(per_expert) for _ in range(nb)]
+                if self.raw and cfg.native_readers is not False:
+                    self._start_native(cfg.native_readers)
+        # the readers and the open files go with the cache (weakref.finalize: nothing they run holds it)
+        self._closer = weakref.finalize(self, _close, self._reader, self._native, self._fds)
         if self.source == "host":
             self._build_images()
         self.setup_seconds = time.perf_counter() - t0
@@ -449,6 +461,20 @@ class ExpertCache:
         self._pf_after = PAUSE_FREE_AFTER
         self._step_loads = 0
         self.stats.update(expert_pause_free_steps=0, expert_pause_free_retries=0)
+
+    def _start_native(self, required: Optional[bool]) -> None:
+        """Device disk loads on native reader threads (model.native_reader): they pread and issue
+        the copies without the GIL. Where they cannot run, the Python readers do the same work
+        (an error instead if they were asked for explicitly)."""
+        from . import native_reader
+
+        try:
+            self._native = native_reader.NativeReaders(self.backend, self.copy_stream, DEVICE_READ_THREADS)
+            self.readers = "native"
+        except Exception as e:
+            if required:
+                raise ConfigError(f"expert_cache: the native readers cannot run ({e})")
+            log.info("expert cache: Python readers for disk loads (native readers unavailable: %s)", e)
 
     def _default_source(self, lazy: bool, total: int) -> str:
         """disk on host-memory backends (their slots are host memory already) and for lazy loading
@@ -618,6 +644,11 @@ class ExpertCache:
             ld.ranges = self._chunks.get(key)
             if ld.ranges is None:
                 ld.ranges = self._chunks[key] = _pieces(self._expert_ranges(L, e), nb, CHUNK_BYTES)
+                if self._native is not None:
+                    from .native_reader import Plan
+
+                    self._plans[key] = Plan(ld.ranges)
+            ld.plan = self._plans.get(key)
             # a reader takes it once a bounce buffer is free (_feed); misses go before queued prefetches
             p = PRIORITY[kind]
             at = next((i for i, q in enumerate(self._queued) if PRIORITY[q.kind] > p), len(self._queued))
@@ -638,6 +669,11 @@ class ExpertCache:
         while self._queued and self._bounce_free:
             ld = self._queued.pop(0)
             ld.bounce = self._bounce_free.pop()
+            if self._native is not None:
+                ld.native_event = self.backend.create_event()
+                ld.read = self._native.submit(PRIORITY[ld.kind], ld.plan, ld.bounce, ld.dst, ld.native_event)
+                self._reading.append(ld)
+                continue
             ld.lock, ld.left, ld.read = threading.Lock(), len(ld.ranges), Future()
             # every piece in one hand-off: each submit took the queue's lock and woke a reader, and
             # the GIL traffic of that was a third of a pause's host time (sweep_expert_chunks.py)
@@ -697,6 +733,10 @@ class ExpertCache:
         if ld in self._queued:
             self._queued.remove(ld)
             return
+        if ld.lock is None:            # the native readers' load
+            ld.read.cancel()           # no copy of it is issued once this returns
+            ld.cancelled = True
+            return
         with ld.lock:
             ld.cancelled = True
 
@@ -720,7 +760,7 @@ class ExpertCache:
         load that failed raises here (or where it is waited for)."""
         if self.host_memory:
             return
-        done = [x for x in self._reading if x.read.done()]
+        done = [x for x in self._reading if self._read_done(x)]
         for ld in done:
             self._reading.remove(ld)
             if ld.event is not None:
@@ -752,10 +792,20 @@ class ExpertCache:
                 ld.read.result(timeout=0.0005)
             except FutureTimeout:      # not the builtin TimeoutError before Python 3.11
                 continue
+            self._read_done(ld)
             return
 
-    def _complete(self, ld: _Load) -> bool:
+    def _read_done(self, ld: _Load) -> bool:
+        """Whether ld's reads are done (device: their copies issued); a native load's event
+        becomes ld.event then, if a copy went out."""
         if ld.read is None or not ld.read.done():
+            return False
+        if ld.native_event is not None:
+            ld.event, ld.native_event = (ld.native_event if ld.read.copied() else None), None
+        return True
+
+    def _complete(self, ld: _Load) -> bool:
+        if not self._read_done(ld):
             return False
         return self.host_memory or (ld.event is not None and ld.event.query())
 
@@ -795,7 +845,7 @@ class ExpertCache:
                     self.stats["expert_fill_loads"] += 1
             return False
         self._pump()     # device: every read that is done has its copy issued after this
-        if not all(ld.read is not None and ld.read.done() for L in self.layers for ld in L.pending.values()):
+        if not all(self._read_done(ld) for L in self.layers for ld in L.pending.values()):
             return False
         for L in self.layers:
             for slot in list(L.pending):
@@ -1096,7 +1146,8 @@ class ExpertCache:
                  expert_cache_bytes=self.slot_bytes, expert_total_bytes=self.total_expert_bytes,
                  expert_bytes=self.layout.nbytes, expert_source=self.source, expert_policy=self.cfg.policy,
                  expert_prefetch=self.prefetch, expert_setup_seconds=self.setup_seconds,
-                 expert_fill=self.fill, expert_direct=self.direct, expert_pause_free=self.pause_free)
+                 expert_fill=self.fill, expert_direct=self.direct, expert_pause_free=self.pause_free,
+                 expert_readers=self.readers)
         return S
 
 
@@ -1189,8 +1240,10 @@ def _pieces(runs: list, nbytes: int, chunk: int) -> list:
     return out
 
 
-def _close(reader: "_Readers", fds: dict) -> None:
+def _close(reader: "_Readers", native, fds: dict) -> None:
     reader.shutdown(wait=True)
+    if native is not None:
+        native.shutdown()
     for fd in fds.values():
         try:
             os.close(fd)
