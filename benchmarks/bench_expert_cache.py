@@ -57,7 +57,7 @@ CONFIGS = {    # the streamed runs of each capacity
 # ---------------------------------------------------------------------------------------- the runs
 def runner_for(args, expert_cache):
     be = get_backend(args.backend, num_threads=args.threads)
-    if expert_cache is not None and args.source:
+    if isinstance(expert_cache, dict) and args.source:     # (an ExpertCacheConfig is taken as it is)
         expert_cache = {**expert_cache, "source": args.source}
     # the activations the engine picks for this backend (bf16 on a device: a runner's own default is f32)
     return ModelRunner(args.model, be, max_batch=1, precision=args.precision, expert_cache=expert_cache,

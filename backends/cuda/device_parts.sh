@@ -38,6 +38,11 @@ elif [[ ! -f "$LIB" ]]; then
   echo "== built sources $SRC_HASH in $((SECONDS - t0)) s"
   mkdir -p "$OUT/lib" && gzip -c "$LIB" > "$OUT/lib/libdeepinfer_cuda.so.gz" && echo "$SRC_HASH" > "$OUT/lib/srchash"
 fi
+# the expert cache's native disk readers (a second of cc; the runtime finds them through this variable)
+if [[ -z "${DEEPINFER_READER_LIB:-}" ]]; then
+  cc -O2 -shared -fPIC -pthread -o /tmp/di_cuda/libdi_expert_reader.so runtime/native/expert_reader.c \
+    && export DEEPINFER_READER_LIB=/tmp/di_cuda/libdi_expert_reader.so || echo "== native expert readers: build failed"
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/   GPU: /'
 
 cli_part() {   # deepinfer run on cuda: resident, expert cache (disk and host), speculative decoding
