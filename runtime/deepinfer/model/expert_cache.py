@@ -60,7 +60,10 @@ layer's moe_experts, so the host never waits for a transfer. A disk expert is re
 pieces by DEVICE_READ_THREADS readers, each of which sends its piece on the copy stream as soon as
 it is read, so one miss arrives at the threads' aggregate rate; the readers take misses before
 queued prefetches, and a slot that goes to another expert gives up the load in flight into it
-instead of waiting for it.
+instead of waiting for it. The readers are native threads (model.native_reader) that call the
+backend's mem_copy_async and event_record themselves, so no piece takes the GIL the main thread
+needs for the next pause; Python threads do the same where that library is not built or the
+backend is not an ABI library.
 """
 from __future__ import annotations
 
