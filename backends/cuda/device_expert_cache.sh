@@ -45,6 +45,7 @@ case "$PART" in
   v2lite)
     echo "== a random V2-Lite shape, 27 layers"
     python3 benchmarks/_v2lite_random.py /tmp/v2lite27 --layers 27 --jobs 0 > /dev/null || exit 1
+    sync     # the checkpoint's write-back would otherwise compete with the reads the benchmark times
     echo "== benchmark: V2-Lite shape"
     timeout "${EC_TIMEOUT:-480}" python3 benchmarks/bench_expert_cache.py --backend "$LIB" --model /tmp/v2lite27 \
       --commit "$COMMIT" --out-dir "$OUT" --tokens "${EC_TOKENS:-64}" --warmup 16 --cold-repeats "${EC_COLD:-2}" \

@@ -76,7 +76,7 @@ for part in "$@"; do
     speculative)  OUT="$dir" timeout "$tmo" bash "$HERE/device_speculative.sh" ;;
     cache_nano)   OUT="$dir" timeout "$tmo" bash "$HERE/device_expert_cache.sh" "$COMMIT" nano ;;
     cache_v2lite) OUT="$dir" timeout "$tmo" bash "$HERE/device_expert_cache.sh" "$COMMIT" v2lite ;;
-    chunks)       python3 benchmarks/_v2lite_random.py /tmp/v2lite27 --layers 27 --jobs 0 > /dev/null \
+    chunks)       python3 benchmarks/_v2lite_random.py /tmp/v2lite27 --layers 27 --jobs 0 > /dev/null && sync \
                     && timeout "$tmo" python3 benchmarks/sweep_expert_chunks.py --backend "$LIB" --model /tmp/v2lite27 \
                          --commit "$COMMIT" --out-dir "$dir" ${EC_CHUNK_ARGS:-} 2>&1 | tee "$dir/sweep.log" | tail -12
                   ( exit "${PIPESTATUS[0]}" ) ;;

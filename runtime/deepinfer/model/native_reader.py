@@ -171,14 +171,15 @@ class NativeReaders:
         # the context and the stream must outlive the readers (shutdown runs first)
         self._backend, self._stream = backend, stream
 
-    def submit(self, priority: int, plan: Plan, bounce, dst, event) -> Job:
+    def submit(self, priority: int, plan: Plan, bounce, dst=None, event=None) -> Job:
         """Read `plan` into the pinned tensor `bounce` and copy each piece into the device tensor
-        `dst`; record `event` (a backend Event) on the stream after the last copy."""
+        `dst`; record `event` (a backend Event) on the stream after the last copy. dst None: read
+        only (the bytes stay in `bounce`)."""
         if self._pool is None:
             raise RuntimeError("expert cache: the readers were shut down (the cache is closed)")
         b = ffi.cast("uint8_t*", bounce.data_ptr + bounce.offset)
-        d = ffi.cast("uint8_t*", dst.data_ptr + dst.offset)
-        ev = ffi.cast("void*", int(_addr(event.handle)))
+        d = ffi.NULL if dst is None else ffi.cast("uint8_t*", dst.data_ptr + dst.offset)
+        ev = ffi.NULL if event is None else ffi.cast("void*", int(_addr(event.handle)))
         h = _lib.er_submit(self._pool, priority, plan.segs, plan.first, plan.at, plan.len, plan.n, b, d, ev)
         if h == ffi.NULL:
             raise RuntimeError("expert cache: the native readers refused a load (shut down, or out of memory)")
