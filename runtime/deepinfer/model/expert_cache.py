@@ -440,6 +440,12 @@ class ExpertCache:
                 self._bounce_free = [self._host_buffer(per_expert) for _ in range(nb)]
                 if self.raw and cfg.native_readers is not False:
                     self._start_native(cfg.native_readers)
+                if self.raw:
+                    # every expert's pieces now (~0.1 ms each, 0.2 s for V2-Lite): planned at its
+                    # first load instead, that time fell on the pause that waits for it
+                    for L in self.layers:
+                        for e in range(E):
+                            self._plan_reads(L, e)
         # the readers and the open files go with the cache (weakref.finalize: nothing they run holds it)
         self._closer = weakref.finalize(self, _close, self._reader, self._native, self._fds)
         if self.source == "host":
@@ -648,11 +654,8 @@ class ExpertCache:
             key = (L.pos, e)
             ld.ranges = self._chunks.get(key)
             if ld.ranges is None:
-                ld.ranges = self._chunks[key] = _pieces(self._expert_ranges(L, e), nb, CHUNK_BYTES)
-                if self._native is not None:
-                    from .native_reader import Plan
-
-                    self._plans[key] = Plan(ld.ranges)
+                self._plan_reads(L, e)
+                ld.ranges = self._chunks[key]
             ld.plan = self._plans.get(key)
             # a reader takes it once a bounce buffer is free (_feed); misses go before queued prefetches
             p = PRIORITY[kind]
@@ -666,6 +669,15 @@ class ExpertCache:
             ld.event = ev
             ld.read = _done()
         return ld
+
+    def _plan_reads(self, L: _Layer, e: int) -> None:
+        """Expert e of layer L's disk pieces (and the native readers' form of them)."""
+        key = (L.pos, e)
+        self._chunks[key] = _pieces(self._expert_ranges(L, e), self.layout.nbytes, CHUNK_BYTES)
+        if self._native is not None:
+            from .native_reader import Plan
+
+            self._plans[key] = Plan(self._chunks[key])
 
     def _feed(self) -> None:
         """Device, disk: hand queued loads to the readers while bounce buffers are free. Buffers are
