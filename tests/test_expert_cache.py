@@ -1056,6 +1056,19 @@ def test_readers_take_misses_before_prefetches():
         rd.submit(0, print)
 
 
+def test_an_installed_build_bundles_the_native_readers():
+    """Wherever pip installed the CPU backend, the expert cache's native readers are installed
+    beside it (CMake builds both), and the runtime finds them there."""
+    from deepinfer.loader import bundled_lib_dirs
+
+    dirs = [d for d in bundled_lib_dirs() if (d / "libdeepinfer_cpu.so").is_file()]
+    if not dirs:
+        pytest.skip("no installed build of the CPU backend (run from a source tree)")
+    assert any((d / native_reader.LIB_NAME).is_file() for d in dirs), dirs
+    if not os.environ.get(native_reader.ENV_LIB):
+        assert native_reader.load() is not None, native_reader.unavailable_reason()
+
+
 def _native_pool(cpu_backend, threads: int):
     """NativeReaders on a CPU backend context, copying on a stream of its own."""
     _needs_native()
