@@ -63,7 +63,6 @@ struct er_job {
     uint32_t left;             /* pieces not yet finished */
     char msg[ER_MSG];
     /* immutable after submit */
-    er_pool* pool;
     int32_t priority;
     uint32_t n_pieces;
     uint32_t next_piece;       /* under the pool's lock: the next piece a reader takes */
@@ -315,7 +314,6 @@ ER_EXPORT er_job* er_submit(er_pool* pool, int32_t priority, const er_seg* segs,
     j->refs = 2;
     j->left = n_pieces;
     j->n_pieces = n_pieces;
-    j->pool = pool;
     j->priority = priority < 0 ? 0 : priority >= ER_LEVELS ? ER_LEVELS - 1 : priority;
     j->bounce = bounce;
     j->dst = dst;

@@ -15,6 +15,8 @@ from typing import Optional
 
 import cffi
 
+from ..abi import ffi as abi_ffi
+
 LIB_NAME = "libdi_expert_reader.so"
 ENV_LIB = "DEEPINFER_READER_LIB"      # a path to the library, or "off": the Python readers
 
@@ -179,7 +181,7 @@ class NativeReaders:
             raise RuntimeError("expert cache: the readers were shut down (the cache is closed)")
         b = ffi.cast("uint8_t*", bounce.data_ptr + bounce.offset)
         d = ffi.NULL if dst is None else ffi.cast("uint8_t*", dst.data_ptr + dst.offset)
-        ev = ffi.NULL if event is None else ffi.cast("void*", int(_addr(event.handle)))
+        ev = ffi.NULL if event is None else ffi.cast("void*", int(abi_ffi.cast("uintptr_t", event.handle)))
         h = _lib.er_submit(self._pool, priority, plan.segs, plan.first, plan.at, plan.len, plan.n, b, d, ev)
         if h == ffi.NULL:
             raise RuntimeError("expert cache: the native readers refused a load (shut down, or out of memory)")
@@ -198,9 +200,3 @@ class NativeReaders:
         if self._pool is not None:
             pool, self._pool = self._pool, None
             _lib.er_pool_destroy(pool)
-
-
-def _addr(handle) -> int:
-    from ..abi import ffi as abi_ffi
-
-    return int(abi_ffi.cast("uintptr_t", handle))
