@@ -422,6 +422,10 @@ class ExpertCache:
         self._native = None              # device, disk: the native readers (set below where they run)
         self._plans: dict = {}           # (layer pos, expert) -> its pieces for them (native_reader.Plan)
         self.readers = "python"
+        # the readers and the open files go with the cache (weakref.finalize: nothing they run holds
+        # it), also when the rest of this constructor fails; the native readers join the list later
+        self._natives: list = []
+        self._closer = weakref.finalize(self, _close, self._reader, self._natives, self._fds)
         self._images: Optional[list] = None
         self._bounce_free: list = []     # device, disk: pinned buffers the readers read into
         self._queued: list = []          # loads waiting for a bounce buffer (misses first)
@@ -446,8 +450,6 @@ class ExpertCache:
                     for L in self.layers:
                         for e in range(E):
                             self._plan_reads(L, e)
-        # the readers and the open files go with the cache (weakref.finalize: nothing they run holds it)
-        self._closer = weakref.finalize(self, _close, self._reader, self._native, self._fds)
         if self.source == "host":
             self._build_images()
         self.setup_seconds = time.perf_counter() - t0
@@ -481,6 +483,7 @@ class ExpertCache:
 
         try:
             self._native = native_reader.NativeReaders(self.backend, self.copy_stream, DEVICE_READ_THREADS)
+            self._natives.append(self._native)
             self.readers = "native"
         except Exception as e:
             if required:
@@ -1257,9 +1260,9 @@ def _pieces(runs: list, nbytes: int, chunk: int) -> list:
     return out
 
 
-def _close(reader: "_Readers", native, fds: dict) -> None:
+def _close(reader: "_Readers", natives: list, fds: dict) -> None:
     reader.shutdown(wait=True)
-    if native is not None:
+    for native in natives:
         native.shutdown()
     for fd in fds.values():
         try:
