@@ -1097,6 +1097,8 @@ def test_native_readers_order_cancel_and_bytes(cpu_backend, tmp_path):
     """The native readers take loads by priority, in submission order within one (a miss passes
     queued prefetches, the fill comes last); a load given up while queued issues no copy and leaves
     its slot as it was; every other load's bytes arrive whole, in pieces, through the backend's copies."""
+    import time
+
     from deepinfer.model.expert_cache import PRIORITY
 
     be, rd = _native_pool(cpu_backend, 1)
@@ -1110,6 +1112,9 @@ def test_native_readers_order_cancel_and_bytes(cpu_backend, tmp_path):
         loads = [_native_load(be, rd, fd, 150_000 + 1000 * i, 7000, PRIORITY[k]) for i, k in enumerate(kinds)]
         given_up = loads[4][0]
         given_up.cancel()
+        t0 = time.perf_counter()
+        assert not loads[3][0].wait(0.02) and not loads[3][0].done()     # held: the wait times out
+        assert time.perf_counter() - t0 >= 0.015
         rd.hold(False)
         for job, _, _ in loads:
             job.result(timeout=30)

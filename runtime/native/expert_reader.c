@@ -310,7 +310,11 @@ ER_EXPORT er_job* er_submit(er_pool* pool, int32_t priority, const er_seg* segs,
     memcpy(j->piece_len, piece_len, n_pieces * sizeof(uint64_t));
     memcpy(j->piece_first, piece_first, (n_pieces + 1) * sizeof(uint32_t));
     pthread_mutex_init(&j->mu, NULL);
-    pthread_cond_init(&j->cv, NULL);
+    pthread_condattr_t ca;     /* er_wait's deadline on the monotonic clock: a clock change moves no wait */
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&j->cv, &ca);
+    pthread_condattr_destroy(&ca);
     j->refs = 2;
     j->left = n_pieces;
     j->n_pieces = n_pieces;
@@ -354,7 +358,7 @@ ER_EXPORT int32_t er_wait(er_job* j, int64_t timeout_us) {
             while (!j->done) pthread_cond_wait(&j->cv, &j->mu);
         } else {
             struct timespec until;
-            clock_gettime(CLOCK_REALTIME, &until);
+            clock_gettime(CLOCK_MONOTONIC, &until);
             until.tv_sec += (time_t)(timeout_us / 1000000);
             until.tv_nsec += (long)(timeout_us % 1000000) * 1000;
             if (until.tv_nsec >= 1000000000L) {
