@@ -249,21 +249,28 @@ def test_a_1_1_build_of_the_tiny_plugin_loads_and_passes_under_1_2(plugin_factor
         be.close()
 
 
-def test_the_runtime_refuses_a_1_2_field_for_a_1_1_table(cpu_lib):
-    """The CPU library's table presented as a 1.1 library's (abi_minor 1, the 1.1 struct_size): the
-    runtime refuses sample's `probs` with a message that says why, and still runs sample without it."""
+def _cpu_presented_as(cpu_lib, minor: int, struct_size: int):
+    """The CPU library bound as a 1.<minor> library would present itself: a copy of its table with
+    that abi_minor and struct_size (the entries past it count as absent)."""
     from deepinfer.backend import BackendInfo, NativeBackend
-    from deepinfer.errors import UnsupportedOpError
-    from deepinfer.tensor import Tensor
 
     ffi = abi.ffi
     lib = ffi.dlopen(str(cpu_lib))
     real = lib.deepinfer_plugin_info().get_api(1)
     api = ffi.new("DI_Api*")
-    ffi.memmove(api, real, ffi.sizeof("DI_Api"))
-    api.abi_minor = 1
-    api.struct_size = ffi.offsetof("DI_Api", "spec_verify")
-    be = NativeBackend(lib, api, BackendInfo("cpu11", "test", "cpu", str(cpu_lib), "1.1"))
+    ffi.memmove(api, real, min(real.struct_size, ffi.sizeof("DI_Api")))
+    api.abi_minor = minor
+    api.struct_size = struct_size
+    return NativeBackend(lib, api, BackendInfo(f"cpu1{minor}", "test", "cpu", str(cpu_lib), f"1.{minor}"))
+
+
+def test_the_runtime_refuses_a_1_2_field_for_a_1_1_table(cpu_lib):
+    """The CPU library's table presented as a 1.1 library's (abi_minor 1, the 1.1 struct_size): the
+    runtime refuses sample's `probs` with a message that says why, and still runs sample without it."""
+    from deepinfer.errors import UnsupportedOpError
+    from deepinfer.tensor import Tensor
+
+    be = _cpu_presented_as(cpu_lib, 1, abi.ffi.offsetof("DI_Api", "spec_verify"))
     try:
         assert "spec_verify" not in be.ops() and "sample" in be.ops()
         logits = np.array([[0.0, 2.0, 1.0, -1.0]], np.float32)
@@ -402,19 +409,11 @@ def test_a_current_build_of_the_tiny_plugin_clips_silu_mul(plugin_factory):
 def test_the_runtime_refuses_1_3_fields_for_a_1_2_table(cpu_lib):
     """The CPU library's table presented as a 1.2 library's: every 1.3 field of an older op is refused
     with a message that says why (a scalar only when it is not zero), and the 1.3 ops are not offered."""
-    from deepinfer.backend import BackendInfo, NativeBackend
     from deepinfer.conformance import cases as C
     from deepinfer.conformance.harness import Materialized
     from deepinfer.errors import UnsupportedOpError
 
-    ffi = abi.ffi
-    lib = ffi.dlopen(str(cpu_lib))
-    real = lib.deepinfer_plugin_info().get_api(1)
-    api = ffi.new("DI_Api*")
-    ffi.memmove(api, real, ffi.sizeof("DI_Api"))
-    api.abi_minor = 2
-    api.struct_size = ffi.offsetof("DI_Api", "hc_pre")
-    be = NativeBackend(lib, api, BackendInfo("cpu12", "test", "cpu", str(cpu_lib), "1.2"))
+    be = _cpu_presented_as(cpu_lib, 2, abi.ffi.offsetof("DI_Api", "hc_pre"))
     try:
         assert not set(abi.API_V1_3_FIELDS) & set(be.ops()) and "spec_verify" in be.ops()
         for op, fields in (("mla_decode", ["indices"]), ("moe_router", ["token_ids", "hash_table"]),
@@ -508,17 +507,9 @@ def test_a_1_3_build_of_the_tiny_plugin_loads_and_passes_under_1_4(plugin_factor
 def test_the_runtime_offers_no_communicator_for_a_1_3_table(cpu_lib):
     """The CPU library's table presented as a 1.3 library's (abi_minor 3, the 1.3 struct_size): the 1.4
     ops are not offered and neither are communicators, whatever lies past the table's end."""
-    from deepinfer.backend import BackendInfo, NativeBackend
     from deepinfer.errors import UnsupportedOpError
 
-    ffi = abi.ffi
-    lib = ffi.dlopen(str(cpu_lib))
-    real = lib.deepinfer_plugin_info().get_api(1)
-    api = ffi.new("DI_Api*")
-    ffi.memmove(api, real, min(real.struct_size, ffi.sizeof("DI_Api")))
-    api.abi_minor = 3
-    api.struct_size = ffi.offsetof("DI_Api", "all_reduce")
-    be = NativeBackend(lib, api, BackendInfo("cpu13", "test", "cpu", str(cpu_lib), "1.3"))
+    be = _cpu_presented_as(cpu_lib, 3, abi.ffi.offsetof("DI_Api", "all_reduce"))
     try:
         assert not set(API_V1_4_FIELDS) & set(be.ops()) and "layernorm" in be.ops()
         assert not be.supports_comm
@@ -710,20 +701,12 @@ def test_the_runtime_refuses_1_5_fields_for_a_1_4_table(cpu_lib):
     appended no entry): moe_experts' expert_map (read) and misses (written) are refused with a message that
     says why, through call and prepare, and the suite calls a mapped case "unsupported"; the same call
     without them runs (1.3's swiglu_limit included)."""
-    from deepinfer.backend import BackendInfo, NativeBackend
     from deepinfer.conformance import cases as C
     from deepinfer.conformance.harness import Materialized, ReferenceCache, check_case
     from deepinfer.errors import UnsupportedOpError
     from deepinfer.reference import ReferenceBackend
 
-    ffi = abi.ffi
-    lib = ffi.dlopen(str(cpu_lib))
-    real = lib.deepinfer_plugin_info().get_api(1)
-    api = ffi.new("DI_Api*")
-    ffi.memmove(api, real, ffi.sizeof("DI_Api"))
-    api.abi_minor = 4
-    api.struct_size = _ffi(V1_4_TEXT).sizeof("DI_Api")
-    be = NativeBackend(lib, api, BackendInfo("cpu14", "test", "cpu", str(cpu_lib), "1.4"))
+    be = _cpu_presented_as(cpu_lib, 4, _ffi(V1_4_TEXT).sizeof("DI_Api"))
     try:
         assert be.abi_minor == 4 and be.ops() == abi.OP_NAMES
         case = C.a_full_case("moe_experts")
