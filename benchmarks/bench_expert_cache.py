@@ -204,7 +204,7 @@ def source_bandwidth(r: ModelRunner) -> dict:
                 best = min(best, time.perf_counter() - t0)
             out["read"] = len(jobs) * nb / best
         if ex._native is not None:
-            out.update(native_bandwidth(r, jobs))
+            out.update(native_bandwidth(r, len(jobs)))
     if not ex.host_memory:
         be = r.backend
         host = be.host_empty((nb * 8,), "uint8")
@@ -226,17 +226,15 @@ def source_bandwidth(r: ModelRunner) -> dict:
     return out
 
 
-def native_bandwidth(r: ModelRunner, jobs: list) -> dict:
-    """The cache's native readers (model.native_reader) on the expert byte ranges `jobs`: reads only
-    into its pinned bounce buffers ("read_native"), and reads with each piece's copy to the device
-    ("pipeline_native"), as many loads in flight as the cache has bounce buffers."""
-    from deepinfer.model import expert_cache as EC
-    from deepinfer.model.native_reader import Plan
-
+def native_bandwidth(r: ModelRunner, count: int) -> dict:
+    """The cache's native readers (model.native_reader) on its first `count` experts, with the read
+    plans the cache made for them: reads only into its pinned bounce buffers ("read_native"), and
+    reads with each piece's copy to the device ("pipeline_native"), as many loads in flight as the
+    cache has bounce buffers."""
     ex = r.experts
     nb = ex.layout.nbytes
     bounces = list(ex._bounce_free)
-    plans = [Plan(EC._pieces(j, nb, EC.CHUNK_BYTES)) for j in jobs]
+    plans = [ex._plans[(L.pos, e)] for L in ex.layers for e in range(ex.E)][:count]
     dev = [r.backend.empty((nb,), "uint8") for _ in range(min(8, len(bounces)))]
 
     def run(copy: bool) -> float:

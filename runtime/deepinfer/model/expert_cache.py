@@ -654,12 +654,8 @@ class ExpertCache:
             self._issue_copy(ld, Tensor(src, (nb,), "uint8"))
             ld.read = _done()
         elif self.raw:
-            key = (L.pos, e)
-            ld.ranges = self._chunks.get(key)
-            if ld.ranges is None:
-                self._plan_reads(L, e)
-                ld.ranges = self._chunks[key]
-            ld.plan = self._plans.get(key)
+            ld.ranges = self._chunks[(L.pos, e)]       # planned when the cache was built
+            ld.plan = self._plans.get((L.pos, e))
             # a reader takes it once a bounce buffer is free (_feed); misses go before queued prefetches
             p = PRIORITY[kind]
             at = next((i for i, q in enumerate(self._queued) if PRIORITY[q.kind] > p), len(self._queued))

@@ -169,7 +169,6 @@ class NativeReaders:
         if h == ffi.NULL:
             raise RuntimeError(f"could not start {n} native expert readers")
         self._pool = h
-        self._kind = ent["h2d"]
         # the context and the stream must outlive the readers (shutdown runs first)
         self._backend, self._stream = backend, stream
 
@@ -195,7 +194,7 @@ class NativeReaders:
         """Every piece's read waits this long first: a slow disk (tests)."""
         _lib.er_pool_delay(self._pool, int(seconds * 1e6))
 
-    def shutdown(self, wait: bool = True) -> None:
+    def shutdown(self) -> None:
         """Give up what is queued, finish the pieces being read, stop the threads."""
         if self._pool is not None:
             pool, self._pool = self._pool, None
