@@ -69,7 +69,7 @@ def test_bit_identical(bname, layout, precision, ec, raw, v4_dir, cpu_backend):
     r = _assert_bit_identical(bname, cpu_backend, v4_dir(layout), precision, ec, vocab, raw=raw, **KW)
     mtp = r.weights.mtp is not None
     assert mtp == (layout == "mtp")
-    assert r.v4 and len(r.experts.layers) == r.cfg.num_hidden_layers + mtp    # every V4 layer is MoE
+    assert r.family.name == "DeepSeek V4" and len(r.experts.layers) == r.cfg.num_hidden_layers + mtp    # every V4 layer is MoE
 
 
 def test_hash_layers_are_prefetched_exactly(v4_dir, cpu_backend):

@@ -93,10 +93,11 @@ def main() -> int:
     if not args.compare:
         return 0
     before = json.loads(Path(args.compare).read_text())
-    bad = [k for k in sorted(set(before) | set(snap)) if before.get(k) != snap.get(k)]
+    names = sorted(set(snap) if args.only else set(before) | set(snap))
+    bad = [k for k in names if before.get(k) != snap.get(k)]
     for k in bad:
         print(f"DIFFERS: {k}", file=sys.stderr)
-    print(f"{len(snap) - len(bad)} of {len(set(before) | set(snap))} cases identical", file=sys.stderr)
+    print(f"{len(names) - len(bad)} of {len(names)} cases identical", file=sys.stderr)
     return 1 if bad else 0
 
 

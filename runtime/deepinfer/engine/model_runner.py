@@ -33,13 +33,12 @@ import numpy as np
 from .. import quant_formats as QF
 from ..errors import ConfigError
 from ..model.checkpoint import Checkpoint
-from ..model.deepseek import DeepseekGraph, StepInputs, dsa_cache_pools
+from ..model.deepseek import StepInputs
 from ..model.expert_cache import ExpertCache, ExpertCacheConfig
-from ..model import deepseek_v4 as V4
+from ..model.family import family_of
 from ..model.kv_cache import PagedKVCache, PagedPools, block_bytes, pools_block_bytes
 from ..model.plan import Arena, Plan, Tracer
-from ..model.weights import WeightLoader, is_mtp_layer
-from ..model.weights_v4 import V4WeightLoader
+from ..model.weights import is_mtp_layer
 from ..tensor import Tensor
 from .block_manager import BlockManager
 from .sequence import Sequence
@@ -103,12 +102,11 @@ class ModelRunner:
             backend.set_stream(self.stream)
         # the MTP layer is a block of the model's own kind (V3.2: with its indexer; V4: sliding window)
         self.has_mtp = bool(load_mtp and c.has_mtp and self.group is None and is_mtp_layer(ckpt, c.num_hidden_layers))
-        self.v4 = c.v4 is not None
-        # what the MTP layer reads of the main model's last step: the final-normed hidden state [T, H],
-        # or V4's residual streams before its hyper-connection head [T, hc_mult * H]
-        self.hidden_width = c.hidden_size * (c.v4.hc_mult if self.v4 else 1)
-        if self.v4 and self.block_size & (self.block_size - 1):
-            raise ConfigError(f"DeepSeek V4 needs a power-of-two KV block size (compressed entries of 4 and 128 "
+        self.family = fam = family_of(c)
+        # what the MTP layer reads of the main model's last step (model.family)
+        self.hidden_width = fam.hidden_width(c)
+        if fam.pow2_blocks and self.block_size & (self.block_size - 1):
+            raise ConfigError(f"{fam.name} needs a power-of-two KV block size (compressed entries of 4 and 128 "
                               f"tokens map onto blocks); {self.block_size} is not: set kv_block_size to 16, 32 or 64")
         if quantize_lm_head and QF.weight_format_of(precision) not in ("int8", "int4"):
             raise ConfigError(f"quantize_lm_head needs an int8, int4, w8a8 or w4a8 precision; this model runs "
@@ -123,7 +121,7 @@ class ModelRunner:
             self.group.connect(backend)     # before loading: a backend without collectives fails fast
         if ec is not None and not c.n_routed_experts:
             raise ConfigError("expert_cache: this model has no routed experts (n_routed_experts is 0); drop the option")
-        loader = (V4WeightLoader if self.v4 else WeightLoader)(
+        loader = fam.weight_loader(
             ckpt, backend, dtype, precision, group_size, quantize_lm_head=quantize_lm_head,
             stream_experts=ec is not None, **({"shard": self.group.shard} if self.group is not None else {}))
         self.weights = loader.load(self.has_mtp)
@@ -141,7 +139,7 @@ class ModelRunner:
             self.experts = ExpertCache(backend, loader, moe, ec, top_k=c.num_experts_per_tok,
                                        max_tokens=max(self.max_num_batched_tokens, self.max_batch, 256),
                                        main_layers=c.num_hidden_layers)
-        self.graph = (V4.DeepseekV4Graph if self.v4 else DeepseekGraph)(c, self.weights, [], dtype, self.act_quant)
+        self.graph = fam.graph(c, self.weights, [], dtype, self.act_quant)
         self.graph.block_size = self.block_size
         self.graph.par = self.group       # the collectives of a split model (model.deepseek)
         self.arena = Arena(backend)
@@ -174,15 +172,14 @@ class ModelRunner:
             (", int8 lm_head" if quantize_lm_head else "")
 
     def _check_family_ops(self, backend) -> None:
-        """V4 and V3.2 need ABI 1.3's ops and fields: say so before loading anything."""
-        c = self.cfg
-        if c.v4 is None and c.dsa is None:
+        """A family that needs newer ops and fields (V4 and V3.2: ABI 1.3's) says so before loading anything."""
+        fam = self.family
+        if not fam.required_ops and not fam.min_abi_minor:
             return
-        name = "DeepSeek V4" if c.v4 is not None else "DeepSeek V3.2"
-        need = V4.REQUIRED_OPS if c.v4 is not None else ("indexer_topk", "layernorm")
-        missing = [op for op in need if not backend.has_op(op)]
-        if missing or backend.abi_minor < 3:
-            raise ConfigError(f"{name} needs ABI 1.3 ({', '.join(missing) or 'its new op fields'}); backend "
+        name = fam.name
+        missing = [op for op in fam.required_ops if not backend.has_op(op)]
+        if missing or backend.abi_minor < fam.min_abi_minor:
+            raise ConfigError(f"{name} needs ABI 1.{fam.min_abi_minor} ({', '.join(missing) or 'its new op fields'}); backend "
                               f"{backend.name} implements ABI 1.{backend.abi_minor}{' without them' if missing else ''}:"
                               f" update that library, or set fallback: true to run the missing ops on the reference")
 
@@ -190,11 +187,8 @@ class ModelRunner:
     def _pool_layout(self) -> Optional[list]:
         """Per layer {pool: (entries per block, width)} for models whose cache is several pools (V4,
         V3.2), None for the one latent tensor per layer of V2 / V3."""
-        if self.v4:
-            return V4.cache_pools(self.cfg, self.block_size, self.num_cache_layers)
-        if self.cfg.dsa is not None:
-            return dsa_cache_pools(self.cfg, self.block_size, self.num_cache_layers)
-        return None
+        pools = self.family.cache_pools
+        return None if pools is None else pools(self.cfg, self.block_size, self.num_cache_layers)
 
     def _new_cache(self, num_blocks: int):
         layout = self._pool_layout()
@@ -313,19 +307,9 @@ class ModelRunner:
         return getattr(self.graph, "prefill_mode", True)
 
     def _fill_extra(self, p: Plan, pos, slots) -> None:
-        """The inputs a V4 step derives from positions and slots (model.deepseek_v4): -position, and
-        per compression ratio r the entry slot and first position of the window each token closes."""
-        if "neg_positions" not in p.inputs:
-            return
-        pos = np.asarray(pos, np.int64)
-        slots = np.asarray(slots, np.int64)
-        p.host_input("neg_positions")[:] = -pos
-        bs = self.block_size
-        for r in V4.step_ratios(self.cfg):
-            per = max(1, bs // r)
-            closes = ((pos + 1) % r == 0) & (slots >= 0)
-            p.host_input(f"comp_slots_{r}")[:] = np.where(closes, (slots // bs) * per + (pos % bs) // r, -1)
-            p.host_input(f"comp_pos_{r}")[:] = np.where(closes, pos + 1 - r, 0)
+        """The inputs a family derives from positions and slots (V4's: model.family)."""
+        if self.family.fill_inputs is not None:
+            self.family.fill_inputs(p, self.cfg, self.block_size, pos, slots)
 
     def _hidden_store(self, T: int) -> Tensor:
         """The persistent hidden-state stores (main model's and the MTP layer's) for T rows."""
