@@ -56,7 +56,7 @@ fail=0
 for p in "${pids[@]}"; do wait "$p" || fail=1; done
 (( fail == 0 )) || { echo "build.sh: compilation failed" >&2; exit 1; }
 
-# -ldl: RCCL is dlopen'ed at run time (ops_dist.cu), never linked; glibc before 2.34 keeps dlopen in libdl
+# -ldl: RCCL is dlopen'ed at run time (backends/cuda/src/dist.cu), never linked; glibc before 2.34 keeps dlopen in libdl
 "$HIPCC" -shared -fPIC "${OFFLOAD[@]}" -Wno-unused-command-line-argument -o "$OUT/libdeepinfer_hip.so" \
     "$OUT"/obj/*.o -Wl,--no-undefined -ldl
 echo "built $OUT/libdeepinfer_hip.so"

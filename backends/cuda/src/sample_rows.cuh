@@ -1,5 +1,5 @@
 // The per-row algorithms of sample and spec_verify (abi/README.md section 8), one thread block per
-// row, shared by both ops so they can never disagree about a row's distribution. ops_route.cu wraps
+// row, shared by both ops so they can never disagree about a row's distribution. sampling.cu wraps
 // them in kernels; tests/gpu_emu runs them on the CPU (host_emu.h), where the GPU cannot be.
 //
 // The pipeline of a row with temperature > 0: row_softmax writes p = softmax(logits / T) and the
