@@ -20,7 +20,7 @@
 
 #include "device.cuh"
 #include "moe_mma_api.cuh"
-#include "sample_rows.cuh"   // better, block_best: the (value, index) order moe_router shares with sample
+#include "block_best.cuh"
 #include "tile_mm.cuh"
 
 using namespace di;
