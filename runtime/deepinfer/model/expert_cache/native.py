@@ -4,18 +4,21 @@ On a device, a disk expert load is read in pieces into a pinned bounce buffer an
 to its slot with an asynchronous copy on the cache's copy stream. NativeReaders runs that on native
 threads, which call the backend's ABI entries (mem_copy_async, event_record) themselves: no piece
 touches the Python interpreter, so the main thread -- deciding the next loads on the device's
-critical path -- no longer shares the GIL with the readers. ExpertCache falls back to its Python
-readers where the library is missing or the backend has no such entries (reference backend).
+critical path -- no longer shares the GIL with the readers. The cache falls back to its Python
+readers (model.expert_cache.readers) where the library is missing or the backend has no such
+entries (reference backend).
 """
 from __future__ import annotations
 
 import os
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Optional
 
 import cffi
 
-from ..abi import ffi as abi_ffi
+from ...abi import ffi as abi_ffi
+from ...loader import bundled_lib_dirs
 
 LIB_NAME = "libdi_expert_reader.so"
 ENV_LIB = "DEEPINFER_READER_LIB"      # a path to the library, or "off": the Python readers
@@ -52,8 +55,6 @@ def library_path() -> Optional[Path]:
     env = os.environ.get(ENV_LIB)
     if env:
         return None if env.lower() == "off" else Path(env)
-    from ..loader import bundled_lib_dirs
-
     for d in bundled_lib_dirs():
         if (d / LIB_NAME).is_file():
             return d / LIB_NAME
@@ -84,7 +85,7 @@ def unavailable_reason() -> Optional[str]:
 class Plan:
     """One expert's pieces as the library takes them (built once per expert, reused by every load):
     pieces is [(runs, image offset, bytes)] with runs [(fd, file offset, [(image offset, bytes)])]
-    (expert_cache._pieces)."""
+    (sources.pieces)."""
 
     __slots__ = ("segs", "first", "at", "len", "n")
 
@@ -128,8 +129,6 @@ class Job:
         return bool(_lib.er_wait(self._h, us))
 
     def result(self, timeout: Optional[float] = None) -> None:
-        from concurrent.futures import TimeoutError as FutureTimeout
-
         if not self.wait(timeout):
             raise FutureTimeout()
         err = self.error()
