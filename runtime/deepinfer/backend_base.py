@@ -19,6 +19,7 @@ import numpy as np
 
 from . import abi
 from .errors import UnsupportedOpError
+from .host_memory import read_meminfo
 from .tensor import Tensor
 
 
@@ -189,15 +190,7 @@ class Backend:
 
     def memory_info(self) -> tuple[int, int]:
         """(free, total) bytes of the memory this backend allocates from (host: MemAvailable, MemTotal)."""
-        found = {}
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    key, _, rest = line.partition(":")
-                    if key in ("MemAvailable", "MemTotal"):
-                        found[key] = int(rest.split()[0]) * 1024
-        except (OSError, ValueError, IndexError):
-            pass
+        found = read_meminfo(("MemAvailable", "MemTotal"))
         total = found.get("MemTotal", 0)
         return found.get("MemAvailable", total), total
 
