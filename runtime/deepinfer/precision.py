@@ -42,6 +42,7 @@ import numpy as np
 from . import abi
 from . import quant_formats as QF
 from .errors import ConfigError
+from .host_memory import meminfo_available
 from .tensor import Quant, Tensor
 
 SPEED_ORDER = {
@@ -199,18 +200,6 @@ def memory_budget(backend=None, configured: Optional[int] = None, meminfo_path: 
                 pass
     raise ConfigError(f"cannot tell how much memory backend {getattr(backend, 'name', '?')!r} has; "
                       f"set memory_budget_bytes in the engine config")
-
-
-def meminfo_available(path: str = "/proc/meminfo") -> Optional[int]:
-    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read)."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def weight_bytes(shapes: Mapping[str, tuple], precision: str, group_size: int = 64, symmetric: bool = True,
