@@ -43,6 +43,7 @@ from . import abi
 from . import quant_formats as QF
 from .errors import ConfigError
 from .host_memory import meminfo_available
+from .model.expert_cache import ExpertCacheConfig
 from .tensor import Quant, Tensor
 
 SPEED_ORDER = {
@@ -226,8 +227,6 @@ def resident_weight_bytes(shapes: Mapping[str, tuple], precision: str, expert_ca
     experts plus the shared overflow, at most experts - slots of one layer; a byte capacity as given).
     What must fit the memory budget when the experts stream, so that `auto` keeps the checkpoint's
     precision for a model whose experts do not fit."""
-    from .model.expert_cache import ExpertCacheConfig
-
     ec = ExpertCacheConfig.parse(expert_cache)
     experts = {n: sh for n, sh in shapes.items() if ".mlp.experts." in n}
     rest = {n: sh for n, sh in shapes.items() if n not in experts}

@@ -8,7 +8,7 @@ from typing import Optional
 
 from ... import validate as V
 from ...errors import ConfigError
-from ...precision import meminfo_available
+from ...host_memory import meminfo_available
 from .policy import POLICIES
 
 log = logging.getLogger("deepinfer")
