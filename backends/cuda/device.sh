@@ -50,7 +50,12 @@ RECIPES=(
 # ---------------------------------------------------------------------------------------------------
 # running commands
 
-quote() { printf '%q ' "$@"; }
+quote() {      # the words of a command as a shell would read them back (plain words stay plain)
+  local w
+  for w in "$@"; do
+    if [[ "$w" =~ ^[A-Za-z0-9_./=:,+@%-]+$ ]]; then printf '%s ' "$w"; else printf '%q ' "$w"; fi
+  done
+}
 run() {        # run CMD...: print it, run it (not in a dry run); its failure fails the recipe
   echo "+ $(quote "$@")"
   [[ "$DRY_RUN" == 1 ]] && return 0
@@ -95,7 +100,8 @@ LIB_BUILT=0
 
 build_lib() {      # build_lib NAME [VAR=value...]: LIB = a build of these sources (reused when present)
   local name="$1"; shift
-  local dir="/tmp/di_cuda_${name}_$SRC_HASH"
+  local archs="${DI_CUDA_ARCHS:-90a}"
+  local dir="/tmp/di_cuda_${name}_${SRC_HASH}_sm${archs// /_}"
   LIB="$dir/libdeepinfer_cuda.so"
   if [[ -f "$LIB" && "$DRY_RUN" != 1 ]]; then say "reusing $LIB"; return 0; fi
   say "building $dir (log: $OUT/build.log)"
