@@ -103,7 +103,8 @@ build_lib() {      # build_lib NAME [VAR=value...]: LIB = a build of these sourc
   local archs="${DI_CUDA_ARCHS:-90a}"
   local dir="/tmp/di_cuda_${name}_${SRC_HASH}_sm${archs// /_}"
   LIB="$dir/libdeepinfer_cuda.so"
-  if [[ -f "$LIB" && "$DRY_RUN" != 1 ]]; then say "reusing $LIB"; return 0; fi
+  # .built marks a build that finished: a call cut short mid-build leaves none, and the next one rebuilds
+  if [[ -f "$dir/.built" && -f "$LIB" && "$DRY_RUN" != 1 ]]; then say "reusing $LIB"; return 0; fi
   say "building $dir (log: $OUT/build.log)"
   echo "+ $(quote env DI_CUDA_ARCHS="${DI_CUDA_ARCHS:-90a}" JOBS="${JOBS:-16}" "$@" "$HERE/build.sh" "$dir")>> $OUT/build.log"
   [[ "$DRY_RUN" == 1 ]] && return 0
@@ -111,6 +112,7 @@ build_lib() {      # build_lib NAME [VAR=value...]: LIB = a build of these sourc
   echo "######## $name build of sources $SRC_HASH" >> "$OUT/build.log"
   env DI_CUDA_ARCHS="${DI_CUDA_ARCHS:-90a}" JOBS="${JOBS:-16}" "$@" "$HERE/build.sh" "$dir" >> "$OUT/build.log" 2>&1 \
     || { tail -60 "$OUT/build.log"; rm -f "$LIB"; return 1; }
+  touch "$dir/.built"
   grep "build.sh:" "$OUT/build.log" | tail -1
   echo "   built in $((SECONDS - t0)) s"
   LIB_BUILT=1
