@@ -192,7 +192,6 @@ recipe_certify() {   # was device_certify.sh (and the body of certify.sh)
       *) echo "certify: unknown argument $a" >&2; exit 2 ;;
     esac
   done
-  gpu_info
   say "the library needs nothing but the driver and the C/C++ runtime"
   echo "+ ldd $LIB | grep -E -i 'torch|python|libcudart'   (must find nothing)"
   if [[ "$DRY_RUN" != 1 ]] && ldd "$LIB" | grep -E -i "torch|python|libcudart"; then
