@@ -1341,7 +1341,7 @@ def test_dry_steps_load_nothing_and_route_nowhere(cpu_backend):
 
 
 # ============================================================================ a device library
-# DEEPINFER_CUDA_LIB=... (backends/cuda/device_expert_cache.sh on the GPU machine): the same
+# DEEPINFER_CUDA_LIB=... (backends/cuda/device.sh expert-cache on the GPU machine): the same
 # bit-identity on the device, where the copy stream, events and pinned buffers are real
 DEVICE_LIB = os.environ.get("DEEPINFER_CUDA_LIB")
 DEVICE_CASES = [

@@ -24,7 +24,7 @@ def _backends():
     out = [pytest.param("reference", id="reference")]
     cpu = [c for c in deepinfer.candidates() if c.ok and c.name == "cpu"]
     out.append(pytest.param("cpu", id="cpu", marks=pytest.mark.skipif(not cpu, reason="libdeepinfer_cpu.so not built")))
-    if os.environ.get("DEEPINFER_CUDA_LIB"):           # backends/cuda/device_speculative.sh on the GPU
+    if os.environ.get("DEEPINFER_CUDA_LIB"):           # backends/cuda/device.sh speculative on the GPU
         out.append(pytest.param("cuda", id="cuda"))
     return out
 
