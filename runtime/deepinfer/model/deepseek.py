@@ -1,8 +1,9 @@
 """The DeepSeek V2 / V3 model graph, every computation an op of the Backend.
 
 This module only describes the model: it traces one step onto a Tracer (model.plan) and owns no
-state. Weights come typed from model.weights; the runner (engine.model_runner) owns the KV cache,
-the plans, the arena and the inputs.
+state. Weights come typed from model.weights; the pieces every family shares (linear, MLP, router,
+MoE, head, the speculative step) are model.graph's; the runner (engine.model_runner) owns the KV
+cache, the plans, the arena and the inputs.
 
 Shape of one step (T tokens of S sequences, hidden H, heads NH):
 
@@ -18,12 +19,10 @@ any other batch (decode, chunked prefill, speculative verification) runs mla_dec
 kv_b into the query and reads the latent cache directly.
 
 MoE: router logits in f32, moe_router (softmax greedy / group_limited_greedy / noaux_tc sigmoid
-with e_score_correction_bias), shared experts first, then routed experts accumulated on top. With
-an expert cache (model.expert_cache) the routed experts run over cache slots through the cache's
-expert -> slot table on the device: the step pauses before moe_experts (the host reads the routing,
-gets what is missing loaded and sends the layer's table), and the next layer's router may run
-early, on this layer's residual, to predict what to pre-load while this layer computes; a
-pause-free step (every expert expected in place) records its routing and misses instead.
+with e_score_correction_bias), shared experts first, then routed experts accumulated on top; how
+the routed experts run (resident, through an expert cache with its pauses, or spread over the
+ranks) is the layer's strategy in model.moe_strategy. With an expert cache the next layer's router
+may run early, on this layer's residual, to predict what to pre-load while this layer computes.
 
 DSA (V3.2): every layer's lightning indexer keeps one key per token in its own cache pool (wk, LayerNorm,
 rope on its first Dr dims, pairs (i, i + Dr/2)); indexer_topk scores the cached tokens with the
@@ -147,28 +146,18 @@ class DeepseekGraph(ModelGraph):
               next_layer: Optional[LayerWeights] = None) -> Tensor:
         """One decoder layer; `resid` is updated in place, the layer's MLP output is returned.
         `next_layer`: the following layer, whose router may predict its experts (streamed experts)."""
-        c, T = self.cfg, meta.T
-        n = g.empty((T, c.hidden_size), self.dtype, "norm")
-        if delta is None:
-            g.rmsnorm(x=resid, weight=w.ln1, out=n, eps=c.rms_norm_eps)
-        else:
-            g.rmsnorm(x=delta, residual=resid, residual_out=resid, weight=w.ln1, out=n, eps=c.rms_norm_eps)
+        # the previous sublayer's output is added to the residual by this layer's first norm
+        n = self.norm(g, resid, w.ln1) if delta is None else self.norm(g, delta, w.ln1, residual=resid)
         a = self.attention(g, w.attn, self.caches[w.index], n, meta)
-        n2 = g.empty((T, c.hidden_size), self.dtype, "norm")
-        g.rmsnorm(x=a, residual=resid, residual_out=resid, weight=w.ln2, out=n2, eps=c.rms_norm_eps)
+        n2 = self.norm(g, a, w.ln2, residual=resid)
         if w.moe is None:
-            return self.mlp(g, w.mlp, n2, T)
-        predict = None
-        if next_layer is not None and next_layer.moe is not None:
-            def predict():
-                return self.predict(g, resid, next_layer, meta)
-        return self.moe(g, w.moe, n2, meta, predict)
+            return self.mlp(g, w.mlp, n2, meta.T)
+        guess = next_layer is not None and next_layer.moe is not None
+        return self.moe(g, w.moe, n2, meta, (lambda: self.predict(g, resid, next_layer, meta)) if guess else None)
 
     def head(self, g, norm_w, resid, delta, head_w, meta: StepInputs, hidden_out=None, name: str = "logits"):
         """Final norm of (resid + delta), then f32 logits of the wanted rows (plan output `name`)."""
-        c, T = self.cfg, meta.T
-        n = hidden_out if hidden_out is not None else g.empty((T, c.hidden_size), self.dtype, "final_norm")
-        g.rmsnorm(x=delta, residual=resid, residual_out=resid, weight=norm_w, out=n, eps=c.rms_norm_eps)
+        n = self.norm(g, delta, norm_w, "final_norm", residual=resid, out=hidden_out)
         return self.logits(g, n, head_w, meta, name)
 
     def forward(self, g, meta: StepInputs, hidden_out: Optional[Tensor] = None) -> Tensor:
@@ -188,9 +177,9 @@ class DeepseekGraph(ModelGraph):
         draft the MTP layer's own) and the next tokens (meta.ids). `hidden_out` [T, H] receives
         its final-normed output (shared_head.norm), which feeds the next recursive draft, as
         SGLang's NextN steps do. May alias `hidden`: that is read first and written last."""
-        c, m, T, H = self.cfg, self.w.mtp, meta.T, self.cfg.hidden_size
+        m, T, H = self.w.mtp, meta.T, self.cfg.hidden_size
         e = self.embed(g, meta.ids, m.embed, "mtp_embed")
-        g.rmsnorm(x=e, weight=m.enorm, out=e, eps=c.rms_norm_eps)
+        self.norm(g, e, m.enorm, out=e)
         hn = self.norm(g, hidden, m.hnorm, "mtp_hnorm")
         cat = g.empty((T, 2 * H), self.dtype, "mtp_cat")
         g.concat(a=e, b=hn, out=cat)

@@ -1,6 +1,6 @@
 """The DeepSeek V4 model graph (V4-Flash, V4-Pro), every computation an op of the Backend.
 
-Like model.deepseek, this module only describes one step: T tokens of S sequences traced onto a
+Like model.deepseek (and on the same base, model.graph), this module only describes one step: T tokens of S sequences traced onto a
 Tracer. Every step reads the paged caches (prefill and decode alike): attention sees a sliding
 window of the layer's per-token KV plus compressed entries, which only exist in the cache.
 
@@ -22,9 +22,9 @@ Attention (one shared key = value head of dim D, rope on its last Dr dims):
     then the grouped low-rank projection: o_groups linears o_a, one o_b.
 MoE: router logits in f32, sqrtsoftplus scores, top-k of score + bias (hash layers: the experts
 of the token id from the table), weights normalized and scaled; clipped SwiGLU in the shared and
-routed experts. With an expert cache (model.expert_cache) the routed experts run over cache slots
-and the step pauses before moe_experts, as in model.deepseek; the next layer's experts are guessed
-for prefetch from this layer's streams (exactly, for a hash-routed next layer).
+routed experts, which run by the layer's strategy (model.moe_strategy) as in model.deepseek. With
+an expert cache the next layer's experts are guessed for prefetch from this layer's streams
+(exactly, for a hash-routed next layer).
 
 Per-step inputs besides model.deepseek's decode inputs (engine.model_runner fills them):
 neg_positions [T] (-position), and per compression ratio r in use comp_slots_r [T] (the cache
@@ -132,7 +132,7 @@ class DeepseekV4Graph(ModelGraph):
         e = g.empty((T, D), self.dtype, "entry")
         g.kv_compress(staged=stage, position_bias=cw.position_bias, block_table=meta.block_table,
                       token_seq=meta.token_seq, positions=meta.positions, out=e, ratio=r, overlap=int(cw.overlap))
-        g.rmsnorm(x=e, weight=cw.norm, out=e, eps=self.cfg.rms_norm_eps)
+        self.norm(g, e, cw.norm, out=e)
         Dr = self.cfg.qk_rope_head_dim
         comp_pos, comp_slots = self.extra[f"comp_pos_{r}"], self.extra[f"comp_slots_{r}"]
         self.rope(g, e.narrow(1, D - Dr, Dr), comp_pos, rope)
@@ -145,14 +145,14 @@ class DeepseekV4Graph(ModelGraph):
         NH, D, Dr = c.num_attention_heads, v.head_dim, c.qk_rope_head_dim
         pools, rope, r = self.caches[i], v.rope(i), v.ratio(i)
         qa = self.proj(g, x, w.q_a, "q_a")
-        g.rmsnorm(x=qa, weight=w.q_a_norm, out=qa, eps=c.rms_norm_eps)
+        self.norm(g, qa, w.q_a_norm, out=qa)
         q = self.proj(g, qa, w.q_b, "q")
         # each head RMS-normed without a weight (transformers' q_b_norm)
-        g.rmsnorm(x=q.view(T * NH, D), weight=self.w.ones, out=q.view(T * NH, D), eps=c.rms_norm_eps)
+        self.norm(g, q.view(T * NH, D), self.w.ones, out=q.view(T * NH, D))
         q3 = q.view(T, NH, D)
         self.rope(g, q3.narrow(2, D - Dr, Dr), meta.positions, rope)
         kv = self.proj(g, x, w.kv, "kv")
-        g.rmsnorm(x=kv, weight=w.kv_norm, out=kv, eps=c.rms_norm_eps)
+        self.norm(g, kv, w.kv_norm, out=kv)
         self.rope(g, kv.narrow(1, D - Dr, Dr), meta.positions, rope)
         g.mla_cache_write(latent=kv.narrow(1, 0, D - Dr), k_pe=kv.narrow(1, D - Dr, Dr), slots=meta.slots,
                           cache=pools["kv"])
@@ -199,7 +199,7 @@ class DeepseekV4Graph(ModelGraph):
         next layer's MoE input as if its attention added nothing (its ffn hyper-connection and norm
         applied to Y), routed by its router. Exact for a hash-routed next layer (token ids only)."""
         _, _, m = self.hc_pre(g, Y, nxt.ffn_hc)
-        g.rmsnorm(x=m, weight=nxt.ln2, out=m, eps=self.cfg.rms_norm_eps)
+        self.norm(g, m, nxt.ln2, out=m)
         ids, _ = self.route(g, nxt.moe, m, meta, "predicted")
         return ids
 
@@ -214,15 +214,14 @@ class DeepseekV4Graph(ModelGraph):
               out: Optional[Tensor] = None):
         """One block; `nxt`: the following layer, whose experts this one may guess (streamed experts);
         `out` [T, N, H]: where the output streams go (default: a new tensor)."""
-        c = self.cfg
         post, comb, a = self.hc_pre(g, X, w.attn_hc)
-        g.rmsnorm(x=a, weight=w.ln1, out=a, eps=c.rms_norm_eps)
+        self.norm(g, a, w.ln1, out=a)
         Y = self.hc_post(g, X, self.attention(g, w.index, w.attn, a, meta), post, comb)
         # the next layer's experts are guessed from Y, before this layer's MoE input is made
         experts = experts_for(self, w.moe)
         pred = self.predict(g, Y, nxt, meta) if nxt is not None and experts.predicts() else None
         post, comb, m = self.hc_pre(g, Y, w.ffn_hc)
-        g.rmsnorm(x=m, weight=w.ln2, out=m, eps=c.rms_norm_eps)
+        self.norm(g, m, w.ln2, out=m)
         y = self.moe(g, w.moe, m, meta, (lambda: pred) if pred is not None else None, experts)
         return self.hc_post(g, Y, y, post, comb, out)
 
@@ -263,7 +262,7 @@ class DeepseekV4Graph(ModelGraph):
         N, H = c.v4.hc_mult, c.hidden_size
         self.declare_inputs(g, meta)
         e = self.embed(g, meta.ids, m.embed, "mtp_embed")
-        g.rmsnorm(x=e, weight=m.enorm, out=e, eps=c.rms_norm_eps)
+        self.norm(g, e, m.enorm, out=e)
         ep = self.proj(g, e, m.e_proj, "mtp_e_proj")
         hn = self.norm(g, hidden.view(T * N, H), m.hnorm, "mtp_hnorm")
         X = g.empty((T, N, H), self.dtype, "streams")

@@ -124,10 +124,13 @@ class ModelGraph:
         self.linear(g, x, w, out, bias)
         return out
 
-    def norm(self, g, x, weight, name: str) -> Tensor:
-        """rmsnorm(x) * weight into a new activation `name`."""
-        out = g.empty(x.shape, self.dtype, name)
-        g.rmsnorm(x=x, weight=weight, out=out, eps=self.cfg.rms_norm_eps)
+    def norm(self, g, x, weight, name: str = "norm", residual=None, out=None) -> Tensor:
+        """rmsnorm(x) * weight into a new activation `name` (or into `out`, which may be x). With
+        `residual`: residual += x first, in place, and the sum is normed (a pre-norm block's
+        residual add, fused)."""
+        out = g.empty(x.shape, self.dtype, name) if out is None else out
+        add = {} if residual is None else dict(residual=residual, residual_out=residual)
+        g.rmsnorm(x=x, weight=weight, out=out, eps=self.cfg.rms_norm_eps, **add)
         return out
 
     def embed(self, g, ids, table, name: str, dtype: Optional[str] = None) -> Tensor:
