@@ -27,12 +27,13 @@ from ..tensor import Tensor
 from .weights import MoEWeights
 
 
-class ResidentExperts:
-    """Routed experts whose weights are all in place: the shared experts, then moe_experts on top."""
+class RoutedExperts:
+    """A strategy: `strategy(g, x, ids, wts, out, predict)` emits the layer's expert ops after the
+    router and returns the layer's output (`out`, the [T, H] tensor the graph allocated for it,
+    unless the strategy says otherwise)."""
 
-    def __init__(self, graph, w: MoEWeights, weights: tuple):
+    def __init__(self, graph, w: MoEWeights):
         self.graph, self.w = graph, w
-        self.gate, self.up, self.down = weights
 
     def route_into(self, T: int) -> Optional[Tensor]:
         """Where the router writes the ids (None: a new tensor)."""
@@ -41,6 +42,14 @@ class ResidentExperts:
     def predicts(self) -> bool:
         """Whether this layer's step guesses the next layer's experts (prefetch)."""
         return False
+
+
+class ResidentExperts(RoutedExperts):
+    """Routed experts whose weights are all in place: the shared experts, then moe_experts on top."""
+
+    def __init__(self, graph, w: MoEWeights, weights: tuple):
+        super().__init__(graph, w)
+        self.gate, self.up, self.down = weights
 
     def __call__(self, g, x, ids, wts, out, predict: Optional[Callable] = None) -> Tensor:
         gr, w = self.graph, self.w
@@ -54,7 +63,7 @@ class ResidentExperts:
         return out
 
 
-class CachedExperts:
+class CachedExperts(RoutedExperts):
     """Routed experts streamed through an expert cache (StreamedLayer `s`, model.expert_cache).
 
     One pause, after the shared experts, where the host reads the routing (and the next layer's
@@ -64,7 +73,8 @@ class CachedExperts:
     step (every expert expected in place) records its routing and misses for the host instead."""
 
     def __init__(self, graph, w: MoEWeights):
-        self.graph, self.w, self.s = graph, w, w.streamed
+        super().__init__(graph, w)
+        self.s = w.streamed
         self.record = None       # (ids, misses) [T, K] of a pause-free step
 
     def route_into(self, T: int) -> Optional[Tensor]:
@@ -101,7 +111,7 @@ class CachedExperts:
         return out
 
 
-class ExpertParallel:
+class ExpertParallel(RoutedExperts):
     """The routed experts spread over the ranks (rank r holds experts [r * Er, (r + 1) * Er)).
 
     Every rank holds all T tokens (attention is replicated or all-reduced), so each sends only its
@@ -113,13 +123,8 @@ class ExpertParallel:
     (replicated attention, or no shared experts)."""
 
     def __init__(self, graph, w: MoEWeights):
-        self.graph, self.w, self.par = graph, w, graph.par
-
-    def route_into(self, T: int) -> Optional[Tensor]:
-        return None
-
-    def predicts(self) -> bool:
-        return False
+        super().__init__(graph, w)
+        self.par = graph.par
 
     def __call__(self, g, x, ids, wts, out, predict: Optional[Callable] = None) -> Tensor:
         gr, w, N = self.graph, self.w, self.par.world
