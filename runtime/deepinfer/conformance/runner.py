@@ -1,7 +1,7 @@
 """run_conformance: the levels, the certificate, the summary.
 
   L0  ABI behaviour through cffi directly (abi_checks.py)
-  L1  every claimed op and format against the reference on generated shapes (cases.py)
+  L1  every claimed op and format against the reference on generated shapes (cases/)
   L2  bit-exact dequantization of every quantized format
   L3  streams and graph capture, for libraries that have them (device_checks.py)
   L4  the collectives across N ranks, asked for with ranks=N (multi_rank.py, an mpirun job of its own)
@@ -34,7 +34,7 @@ from ..errors import InputError
 from ..loader import child_env, file_sha256, kill_process_group
 from . import tolerances as TOL
 
-# cases.py and harness.py import numpy and ml_dtypes (0.5-1.6 s): they are imported where checks are
+# cases/ and harness.py import numpy and ml_dtypes (0.5-1.6 s): they are imported where checks are
 # built or run, because `deepinfer --help` and `deepinfer backends` import this module to build the
 # parser of `deepinfer conformance`
 if TYPE_CHECKING:
