@@ -19,7 +19,8 @@ from ..backend import BackendInfo, NativeBackend
 from ..errors import BackendCallError, UnsupportedOpError
 from ..loader import open_library, probe
 from . import cases as C
-from .harness import Materialized, Outcome, Recorder, comm_unavailable, release_comm
+from .harness import Outcome, Recorder
+from .materialize import Materialized, comm_unavailable, release_comm
 
 ffi = abi.ffi
 S = abi.STATUS_NAMES

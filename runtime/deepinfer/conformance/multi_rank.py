@@ -64,7 +64,8 @@ from .. import dtypes as D
 from ..errors import BackendCallError
 from . import tolerances as TOL
 from .cases import COMM_DTYPES, FLOATS, comm_values
-from .harness import Outcome, compare_close, compare_exact
+from .compare import compare_close, compare_exact
+from .harness import Outcome
 
 LEVEL = "L4"
 STALL_TIMEOUT = 60.0      # seconds a rank waits for its peers after a check before it ends the job

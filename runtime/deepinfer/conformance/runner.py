@@ -101,7 +101,8 @@ def _unclaimed(target, only_ops: Optional[Iterable[str]], rec: Recorder) -> list
 
 
 def _run_cases(target, cs, rec: Recorder) -> list[Outcome]:
-    from .harness import Recorder, ReferenceCache, check_case, release_comm
+    from .harness import Recorder, ReferenceCache, check_case
+    from .materialize import release_comm
 
     ref = ReferenceCache(reference_backend())
     out = []
@@ -179,7 +180,7 @@ def run_level(level: str, lib_path: str, profile: str = "default", seed: int = 0
         return [o.as_dict() for o in run_l3(lib_path, rec)]
     if level == MULTI_RANK:
         raise ValueError(f"{MULTI_RANK} runs as an mpirun job of several processes: run_conformance(..., ranks=N)")
-    from .harness import release_comm
+    from .materialize import release_comm
 
     target = open_target(lib_path)
     try:
