@@ -419,7 +419,7 @@ def _run_multi_rank(lib_path: str, facts: dict, ranks: int, seed: int, progress:
                     check_timeout: Optional[float]) -> list[dict]:
     """L4: the checks of multi_rank.py as an mpirun job of `ranks` processes."""
     from .harness import Outcome
-    from .multi_rank import run_l4
+    from .multi_rank_launch import run_l4
 
     progress(f"== {MULTI_RANK} ({ranks} ranks under mpirun)")
     comm_entries = ("comm_unique_id", "comm_create", "comm_destroy")
