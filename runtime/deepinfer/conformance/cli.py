@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if args.check_timeout is not None and args.in_process:
         return _usage_error("--check-timeout needs the isolated mode: --in-process has no per-check timeout")
     if args.ranks is not None:
-        from .multi_rank import unavailable
+        from .multi_rank_launch import unavailable
 
         why = unavailable()
         if why:

@@ -1,7 +1,7 @@
 """run_conformance: the levels, the certificate, the summary.
 
   L0  ABI behaviour through cffi directly (abi_checks.py)
-  L1  every claimed op and format against the reference on generated shapes (cases.py)
+  L1  every claimed op and format against the reference on generated shapes (cases/)
   L2  bit-exact dequantization of every quantized format
   L3  streams and graph capture, for libraries that have them (device_checks.py)
   L4  the collectives across N ranks, asked for with ranks=N (multi_rank.py, an mpirun job of its own)
@@ -34,7 +34,7 @@ from ..errors import InputError
 from ..loader import child_env, file_sha256, kill_process_group
 from . import tolerances as TOL
 
-# cases.py and harness.py import numpy and ml_dtypes (0.5-1.6 s): they are imported where checks are
+# cases/ and harness.py import numpy and ml_dtypes (0.5-1.6 s): they are imported where checks are
 # built or run, because `deepinfer --help` and `deepinfer backends` import this module to build the
 # parser of `deepinfer conformance`
 if TYPE_CHECKING:
@@ -101,7 +101,8 @@ def _unclaimed(target, only_ops: Optional[Iterable[str]], rec: Recorder) -> list
 
 
 def _run_cases(target, cs, rec: Recorder) -> list[Outcome]:
-    from .harness import Recorder, ReferenceCache, check_case, release_comm
+    from .harness import Recorder, ReferenceCache, check_case
+    from .materialize import release_comm
 
     ref = ReferenceCache(reference_backend())
     out = []
@@ -179,7 +180,7 @@ def run_level(level: str, lib_path: str, profile: str = "default", seed: int = 0
         return [o.as_dict() for o in run_l3(lib_path, rec)]
     if level == MULTI_RANK:
         raise ValueError(f"{MULTI_RANK} runs as an mpirun job of several processes: run_conformance(..., ranks=N)")
-    from .harness import release_comm
+    from .materialize import release_comm
 
     target = open_target(lib_path)
     try:
@@ -418,7 +419,7 @@ def _run_multi_rank(lib_path: str, facts: dict, ranks: int, seed: int, progress:
                     check_timeout: Optional[float]) -> list[dict]:
     """L4: the checks of multi_rank.py as an mpirun job of `ranks` processes."""
     from .harness import Outcome
-    from .multi_rank import run_l4
+    from .multi_rank_launch import run_l4
 
     progress(f"== {MULTI_RANK} ({ranks} ranks under mpirun)")
     comm_entries = ("comm_unique_id", "comm_create", "comm_destroy")

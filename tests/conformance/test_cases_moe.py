@@ -1,11 +1,16 @@
-"""The conformance suite's 1.5 cases: moe_experts with an expert cache's table (expert_map) and its
+"""The conformance cases of the moe family (moe_router, moe_experts).
+
+1.5: moe_experts with an expert cache's table (expert_map) and its
 misses. They cover what the spec names (a permuting map over more model experts than descriptors,
 entries -1, E and far past it, a descriptor the map names that is not resident, ids outside [0, M)
 that are skipped but not flagged, a map under which every pair is resident, f32 and bf16 x, quantized
 weights, accumulate, the SwiGLU limit, no tokens), misses are compared exactly, and they fail a library
 that gets any of it wrong (a reference with one rule broken, "a mutant", fails at least one case of the
 quick profile), while a library that reaches the same descriptors another way (rewriting topk_ids
-itself) passes bit for bit. A library older than 1.5 is not held to them."""
+itself) passes bit for bit. A library older than 1.5 is not held to them.
+
+1.3: hash routing and sqrtsoftplus scores (moe_router) and the SwiGLU limit (moe_experts): a mutant that
+ignores one fails, hash routing's ids are compared exactly, and an output element left unwritten fails."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,9 +19,10 @@ import pytest
 from deepinfer import abi
 from deepinfer.conformance import cases as C
 from deepinfer.conformance import tolerances as TOL
-from deepinfer.conformance.harness import Materialized, ReferenceCache, check_case
+from deepinfer.conformance.harness import Materialized, ReferenceCache, _cmp_router, check_case
 from deepinfer.reference import ReferenceBackend
 from deepinfer.tensor import Tensor
+import mutant_backends as MB
 
 NEW_FIELDS = [("expert_map", 5), ("misses", 5)]
 
@@ -318,3 +324,45 @@ def test_a_1_4_library_is_not_held_to_1_5_fields():
                 (name, o.status, o.message)
         else:
             assert o.status == "pass", (name, o.message)
+
+
+# ---------------------------------------------------------------------------- 1.3: routing and the SwiGLU limit
+
+
+MUTANTS_1_3 = {
+    "moe_router ignores hash routing": ("moe_router", MB._drop("token_ids", "hash_table")),
+    "moe_router scores sqrtsoftplus as sigmoid": ("moe_router", lambda kw: MB._set(scoring=1)(kw) if kw["scoring"] == 2 else kw),
+    "moe_experts ignores swiglu_limit": ("moe_experts", MB._drop("swiglu_limit")),
+}
+
+
+@pytest.mark.parametrize("what", sorted(MUTANTS_1_3))
+def test_a_library_breaking_one_1_3_rule_fails(what):
+    op, change = MUTANTS_1_3[what]
+    ref = ReferenceCache(ReferenceBackend())
+    outcomes = [check_case(MB.Mutant(op, change), c, ref) for c in quick(op)]
+    assert not [o for o in outcomes if o.status == "error"], [o.message for o in outcomes if o.status == "error"]
+    assert any(o.status == "fail" for o in outcomes), f"{what}: every case passed"
+
+
+@pytest.mark.parametrize("op", ["moe_router", "moe_experts"])
+def test_an_element_left_unwritten_fails(op):
+    out = C.a_valid_case(op).check[0]
+    ref = ReferenceCache(ReferenceBackend())
+    # outputs that start poisoned (not accumulate's initial values) and have an element
+    cases = [c for c in quick(op) if c.tensors[out].values is None and np.prod(c.tensors[out].shape)]
+    outcomes = [check_case(MB.Lazy(op, out), c, ref) for c in cases]
+    assert outcomes and all(o.status == "fail" for o in outcomes), [(o.case, o.status) for o in outcomes]
+
+
+def test_hash_routing_ids_must_be_exact():
+    case = C.moe_router(3, 4, "v4-hash")
+    ref = ReferenceBackend()
+    from deepinfer.conformance.harness import Materialized
+    m = Materialized(ref, case)
+    ref.call("moe_router", **m.kwargs)
+    want = {n: m.read(n) for n in case.check}
+    got = {n: v.copy() for n, v in want.items()}
+    assert _cmp_router(case, got, want)[0] is None
+    got["topk_ids"][1] = got["topk_ids"][1][::-1]          # the same experts, not in table order
+    assert "table order" in _cmp_router(case, got, want)[0]

@@ -1,4 +1,4 @@
-"""The conformance suite's 1.4 cases: they cover what the spec asks for (moe_dispatch with no tokens, one
+"""The conformance cases of the dist family (1.4): they cover what the spec asks for (moe_dispatch with no tokens, one
 to four ranks, one or several experts a rank, ids -1, past the last expert and below -1, a token with no
 expert anywhere, a full slot and spare rows; moe_combine accumulating or not, routes as moe_dispatch
 writes them and scattered ones, rows no token routes to holding NaN, f32 and bf16 on either side; the
