@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..errors import BackendCallError
+from ..loader import get_backend
 # the checks, also for callers that import them from here (bench_comm.py, tests/dist_scripts)
 from .multi_rank_checks import CHECK_OPS, CHECKS, Check, Ranks, Skip, _describe
 
@@ -137,8 +138,6 @@ class LocalChannel:
 def open_backend(spec: str, local_rank: int, threads: int = 1):
     """The backend under test on this rank: a device library on device `local_rank`, a host library
     (one device, shared by the ranks) with `threads` threads a rank."""
-    from ..loader import get_backend
-
     return get_backend(spec, local_rank=local_rank, num_threads=threads)
 
 
