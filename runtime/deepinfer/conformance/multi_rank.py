@@ -58,7 +58,7 @@ from .multi_rank_checks import CHECK_OPS, CHECKS, Check, Ranks, Skip, _describe
 
 LEVEL = "L4"
 STALL_TIMEOUT = 60.0      # seconds a rank waits for its peers after a check before it ends the job
-JOB_TIMEOUT = 300.0       # seconds the whole job may take (runner.CHECK_BUDGETS["L4"])
+JOB_TIMEOUT = 300.0       # seconds the whole job may take (levels.CHECK_BUDGETS["L4"])
 MAX_MESSAGES = 12         # failures kept per rank and check
 
 # the lines the ranks print for the parent (run_l4), each a JSON object after the prefix
