@@ -174,8 +174,10 @@ def test_usage_errors(tiny_lib, capsys, argv, says):
 
 
 def test_missing_mpi_is_a_usage_error(tiny_lib, capsys, monkeypatch):
-    monkeypatch.setattr(multi_rank_launch, "unavailable", lambda: "several ranks need Open MPI's mpirun, which is "
-                                                                  "not installed: pip install 'deepinfer[mpi]'")
+    # the command line's check lives in levels.py (light, for the parser); patched where cli.py looks it up
+    monkeypatch.setattr("deepinfer.conformance.cli.unavailable", lambda: "several ranks need Open MPI's mpirun, "
+                                                                         "which is not installed: pip install "
+                                                                         "'deepinfer[mpi]'")
     rc, text = _conformance(capsys, tiny_lib, "--no-out", "--ranks", "2")
     assert rc == 2 and "--ranks 2: several ranks need Open MPI's mpirun" in text, text
 

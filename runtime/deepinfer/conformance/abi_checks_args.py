@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import abi
+from .. import dtypes as D
 from . import cases as C
 from .abi_checks_base import INVALID, UNIMPL, CheckFailed, L0Base, _name, ffi
 from .materialize import Materialized
@@ -203,7 +204,6 @@ class ArgumentChecks(L0Base):
     def _wrong_dtype(name: str, output: bool):
         """A dtype the argument never takes; for outputs one no wider than the right one, so that a
         library that fails to check it cannot be led into writing past the buffer."""
-        from .. import dtypes as D
         if D.get(name).is_float:
             w = D.get("int8") if output else D.get("int32")
         else:

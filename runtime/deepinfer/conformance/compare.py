@@ -9,6 +9,9 @@ from typing import Optional
 
 import numpy as np
 
+from ..reference.moe import router_scores
+from ..reference.sampling import SPEC_SEED_STEP, distribution
+from ..reference.sparse import entry_rows
 from . import tolerances as TOL
 from .cases import Case
 
@@ -80,8 +83,6 @@ def counted_rows(counts: np.ndarray, shape: tuple) -> np.ndarray:
 
 def _router_select_scores(case: Case) -> np.ndarray:
     """sel = scores + bias in f64, as the spec defines it (used only to recognise ties)."""
-    from ..reference.moe import router_scores
-
     scores = router_scores(np.asarray(case.tensors["logits"].values, np.float64), case.scalars["scoring"])
     b = case.tensors.get("bias")
     return scores + (np.asarray(b.values, np.float64) if b is not None else 0.0)
@@ -122,8 +123,6 @@ def _indexer_scores(case: Case, t: int) -> tuple[np.ndarray, np.ndarray]:
     """(scores, magnitudes) of every visible entry of row t, recomputed in f64 from the case: the score
     as the spec defines it, and scale * sum_h |w_h| * sum_i |q_hi * k_i|, the sum of the magnitudes of
     its terms, which scales what accumulating the dots and the head sum in f32 can change it by."""
-    from ..reference.sparse import entry_rows
-
     tn, sc = case.tensors, case.scalars
     ratio, BS = int(sc["ratio"]), int(sc["block_size"])
     n = int(tn["kv_len"].values[t]) // ratio
@@ -253,8 +252,6 @@ def _verify_row_ambiguous(case: Case, t: int, d: int, temp: float, k: int, top_p
     """Whether a sampled row with a draft is within SAMPLE_BOUNDARY_EPS (recomputed in f64) of one of
     spec_verify's decisions: the kept sets of p and q, the acceptance test u * q(d) < p(d), which
     tokens have p > q, and the residual draw's boundaries."""
-    from ..reference.sampling import SPEC_SEED_STEP, distribution
-
     eps = TOL.SAMPLE_BOUNDARY_EPS
     x = np.asarray(case.tensors["logits"].values[t], np.float64)
     dl = case.tensors.get("draft_logits")

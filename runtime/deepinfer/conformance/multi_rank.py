@@ -52,12 +52,13 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..errors import BackendCallError
+from ..loader import get_backend
 # the checks, also for callers that import them from here (bench_comm.py, tests/dist_scripts)
 from .multi_rank_checks import CHECK_OPS, CHECKS, Check, Ranks, Skip, _describe
 
 LEVEL = "L4"
 STALL_TIMEOUT = 60.0      # seconds a rank waits for its peers after a check before it ends the job
-JOB_TIMEOUT = 300.0       # seconds the whole job may take (runner.CHECK_BUDGETS["L4"])
+JOB_TIMEOUT = 300.0       # seconds the whole job may take (levels.CHECK_BUDGETS["L4"])
 MAX_MESSAGES = 12         # failures kept per rank and check
 
 # the lines the ranks print for the parent (run_l4), each a JSON object after the prefix
@@ -137,8 +138,6 @@ class LocalChannel:
 def open_backend(spec: str, local_rank: int, threads: int = 1):
     """The backend under test on this rank: a device library on device `local_rank`, a host library
     (one device, shared by the ranks) with `threads` threads a rank."""
-    from ..loader import get_backend
-
     return get_backend(spec, local_rank=local_rank, num_threads=threads)
 
 

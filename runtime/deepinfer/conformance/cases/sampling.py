@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...reference.sampling import distribution   # the spec's q, to draw drafts that get accepted
 from .common import Case, OpCases, TSpec, ints, out
 
 
@@ -40,8 +41,6 @@ def spec_verify(seed, T, V, mode="mixed", draft="logits", ties=False) -> Case:
     draft: logits (draft_logits given: the target's logits plus noise, drafts drawn from that q) |
     greedy (no draft_logits: q is one-hot at the draft). Rows mix bonus rows (draft -1), drafts drawn
     from q, the target's own argmax and arbitrary ids (a draft id >= V is L0's business: abi_checks)."""
-    from ...reference.sampling import distribution   # the spec's q, to draw drafts that get accepted
-
     rng = np.random.default_rng(seed)
     logits = (rng.standard_normal((T, V)) * 3).astype(np.float32)
     if ties and V > 3:
