@@ -368,12 +368,12 @@ class Speculator:
         rows_logits = logits if len(want) == logits.shape[0] else None
         if rows_logits is None:
             rows_logits = r.backend.empty((len(want), logits.shape[1]), "f32")
-            r.gather_rows(logits, want, rows_logits)
-        toks, probs = r.sample(rows_logits, *self._draft_params(seqs, 0), with_probs=True)
+            r.spec_store.gather_rows(logits, want, rows_logits)
+        toks, probs = r.sampler.sample(rows_logits, *self._draft_params(seqs, 0), with_probs=True)
         sampled = [seq.params.temperature > 0 for seq in seqs]
         if any(sampled):
             sel = [i for i, sm in enumerate(sampled) if sm]
-            r.scatter_draft_rows(rows_logits, sel, [self._slot(seqs[i]) for i in sel], 0)
+            r.spec_store.scatter_draft_rows(rows_logits, sel, [self._slot(seqs[i]) for i in sel], 0)
         # the MTP hidden state of each sequence's last row, for deeper drafts
         ends = np.cumsum([s.num_tokens for s in batch]) - 1
         last_row = [int(ends[i]) for i in want]
@@ -399,23 +399,22 @@ class Speculator:
             for i in keep:
                 bm.grow(pool[i], len(pool[i]) + depth)
             if live is None:
-                r.keep_draft_hidden([mtp_rows[i] for i in keep])
+                r.spec_store.keep_draft_hidden([mtp_rows[i] for i in keep])
             elif len(keep) != len(live):
                 # compact the rows still drafting (through a second store: no gather in place)
-                r.gather_rows(r._draft_hidden, keep, r._mtp_hidden)
-                r.gather_rows(r._mtp_hidden, list(range(len(keep))), r._draft_hidden)
+                r.spec_store.compact_drafting(keep)
             live = [pool[i] for i in keep]
             steps = [(seq, len(seq) - 1 + depth - 1, 1) for seq in live]
             with Timer() as tm:
                 logits = r.run(steps, kind="draft", tokens=[[seq.drafts[-1]] for seq in live])
-                dt, dp = r.sample(logits, *self._draft_params(live, depth), with_probs=True)
+                dt, dp = r.sampler.sample(logits, *self._draft_params(live, depth), with_probs=True)
             if r.last_plan.runs > 2:
                 self.costs.observe("draft", self._bucket(len(live)), tm.seconds)
             self.stats.draft_runs += 1
             self.stats.seconds["draft"] += tm.seconds
             sel = [j for j, seq in enumerate(live) if seq.draft_q]
             if sel:
-                r.scatter_draft_rows(logits, sel, [self._slot(live[j]) for j in sel], depth)
+                r.spec_store.scatter_draft_rows(logits, sel, [self._slot(live[j]) for j in sel], depth)
             for seq, tok, pr in zip(live, dt, dp):
                 seq.drafts.append(tok)
                 seq.draft_probs.append(pr)
@@ -522,7 +521,7 @@ class Speculator:
                   "seeds": (seeds, 0), "draft_seeds": (dseeds, 0)}
         if with_q:
             inputs["draft_src"] = (src, 0)
-            r.draft_store()
+            r.spec_store.draft_logits()
         logits = r.run(steps, all_logits=True, keep_hidden=with_q, kind="spec", tokens=tokens, inputs=inputs)
         be = self.backend
         verified = be.to_numpy(r.output("verified")).tolist()
@@ -551,7 +550,7 @@ class Speculator:
             new = d[:a] + [verified[row + a]]
             emitted = 0
             for j, tok in enumerate(new):
-                o = eng._advance(seq, tok, host[row + j] if host is not None and seq.params.logprobs is not None
+                o = eng.advance(seq, tok, host[row + j] if host is not None and seq.params.logprobs is not None
                                  else None, now)
                 emitted += 1
                 outs.append(o)
@@ -570,7 +569,7 @@ class Speculator:
         outs = _merge(outs)
         sampled = [i for i, seq in enumerate(keep_seqs) if seq.draft_q]
         if sampled:
-            r.scatter_draft_rows(r.output("draft_logits"), [keep_rows[i] for i in sampled],
+            r.spec_store.scatter_draft_rows(r.output("draft_logits"), [keep_rows[i] for i in sampled],
                                  [self._slot(keep_seqs[i]) for i in sampled], 0)
         spent = time.perf_counter() - t_entry
         if not traced:
@@ -656,12 +655,12 @@ class Speculator:
 
                 def plain():
                     lg = r.run([(q, ctx, 1) for q in sub])
-                    r.sample(lg, temperature=[0.0] * S)
+                    r.sampler.sample(lg, temperature=[0.0] * S)
                 self.costs.observe("plain", S, timed(plain))
 
                 def draft():
                     lg = r.run([(q, ctx, 1) for q in sub], kind="draft", tokens=[[5]] * S)
-                    r.sample(lg, [0.0] * S, [0] * S, [1.0] * S, [0] * S, with_probs=True)
+                    r.sampler.sample(lg, [0.0] * S, [0] * S, [1.0] * S, [0] * S, with_probs=True)
                 self.costs.observe("draft", S, timed(draft))
             spec_sizes = sorted({bucket(t) for t in range(1, maxS * (self.K + 1) + 1)})
             for T in spec_sizes:
