@@ -297,6 +297,9 @@ class Engine:
         return outs
 
     def advance(self, seq: Sequence, tok: int, row, now: float) -> RequestOutput:
+        """Take one sampled token for `seq`: finish it on eos / a stop token / a stop string / its
+        length, else append it; its RequestOutput. row: its logits row (None without logprobs).
+        Plain steps and the speculator (engine.speculative.SpecEngine) both emit through here."""
         p = seq.params
         if seq.first_token_time is None:
             seq.first_token_time = now
