@@ -130,9 +130,8 @@ class Engine:
                          self.spec.costs.describe())
         log.info("engine: %s on %s (%s); KV cache %d blocks x %d tokens", self.model_dir.name, self.backend.name,
                  self.runner.precision_note, self.block_manager.num_blocks, self.block_manager.block_size)
-        reason = getattr(self.runner, "precision_reason", "")
-        self.precision_warned = bool(getattr(self.runner, "precision_lossy", False)
-                                     and config.precision in ("auto", "fastest"))
+        reason = self.runner.precision_reason
+        self.precision_warned = bool(self.runner.precision_lossy and config.precision in ("auto", "fastest"))
         if self.precision_warned:
             # a default that changes what the checkpoint computes is never silent
             log.warning("%s", reason)
