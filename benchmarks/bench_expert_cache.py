@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT / "runtime"))
 
 from deepinfer.engine.llm_engine import default_model_dir  # noqa: E402
 from deepinfer.engine.model_runner import ModelRunner  # noqa: E402
+from deepinfer.engine.runner_config import RunnerConfig  # noqa: E402
 from deepinfer.engine.tokenizer import Tokenizer  # noqa: E402
 from deepinfer.loader import get_backend  # noqa: E402
 from deepinfer.model.expert_cache.policy import LayerSlots  # noqa: E402
@@ -60,8 +61,8 @@ def runner_for(args, expert_cache):
     if isinstance(expert_cache, dict) and args.source:     # (an ExpertCacheConfig is taken as it is)
         expert_cache = {**expert_cache, "source": args.source}
     # the activations the engine picks for this backend (bf16 on a device: a runner's own default is f32)
-    return ModelRunner(args.model, be, max_batch=1, precision=args.precision, expert_cache=expert_cache,
-                       max_seq_len=args.tokens + 8, dtype=default_activation_dtype(be))
+    return ModelRunner(args.model, be, RunnerConfig(max_batch=1, precision=args.precision, expert_cache=expert_cache,
+                                                    max_seq_len=args.tokens + 8, dtype=default_activation_dtype(be)))
 
 
 def decode(r: ModelRunner, tokens: list) -> dict:

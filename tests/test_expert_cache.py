@@ -35,7 +35,7 @@ import pytest
 import deepinfer
 from deepinfer import cli
 from deepinfer.config import EngineConfig
-from deepinfer.engine import ModelRunner
+from deepinfer.engine import ModelRunner, RunnerConfig
 from deepinfer.engine.llm_engine import Engine, default_model_dir
 from deepinfer.errors import EXIT_USAGE, ConfigError
 from deepinfer.model.expert_cache import ExpertCacheConfig
@@ -78,7 +78,7 @@ def _workload(r: ModelRunner, vocab: int) -> list:
 
 
 def _runner(path, backend, precision, expert_cache=None, **kw) -> ModelRunner:
-    return ModelRunner(path, backend, precision=precision, expert_cache=expert_cache, **{**RUNNER, **kw})
+    return ModelRunner(path, backend, RunnerConfig(precision=precision, expert_cache=expert_cache, **{**RUNNER, **kw}))
 
 
 def _layers_and_experts(r: ModelRunner) -> tuple:
@@ -567,18 +567,18 @@ def test_model_without_routed_experts_rejects_the_cache(dense_dir, tmp_path):
     cfg["n_routed_experts"] = 0
     (zero / "config.json").write_text(json.dumps(cfg))
     be = deepinfer.get_backend("reference")
-    ModelRunner(zero, be, max_batch=2, max_seq_len=32)                      # loads without the cache
+    ModelRunner(zero, be, RunnerConfig(max_batch=2, max_seq_len=32))        # loads without the cache
     with pytest.raises(ConfigError, match="no routed experts"):
-        ModelRunner(zero, be, max_batch=2, max_seq_len=32, expert_cache={"capacity": 0.5})
+        ModelRunner(zero, be, RunnerConfig(max_batch=2, max_seq_len=32, expert_cache={"capacity": 0.5}))
 
 
 def test_model_with_no_moe_layer_rejects_the_cache(dense_dir):
     """Routed experts in the config but no MoE layer at all (first_k_dense_replace covers every layer):
     there is nothing to cache, which must be the same clear ConfigError, not a crash."""
     be = deepinfer.get_backend("reference")
-    ModelRunner(dense_dir, be, max_batch=2, max_seq_len=32)                 # a valid dense model
+    ModelRunner(dense_dir, be, RunnerConfig(max_batch=2, max_seq_len=32))   # a valid dense model
     with pytest.raises(ConfigError, match="expert_cache"):
-        ModelRunner(dense_dir, be, max_batch=2, max_seq_len=32, expert_cache={"capacity": 0.5})
+        ModelRunner(dense_dir, be, RunnerConfig(max_batch=2, max_seq_len=32, expert_cache={"capacity": 0.5}))
 
 
 # ============================================================================ 5. LayerSlots and the policies
@@ -849,7 +849,7 @@ def test_runner_captures_each_segment_of_a_cached_decode_plan(device_path, cpu_b
     r = _runner(NANO, _backend("cpu", cpu_backend), "bf16", ec)
     assert r.use_graphs
     _workload(r, 4096)
-    decode = [(k, p) for k, p in r.plans.items() if k[1] == "decode" and p.runs > 1]
+    decode = [(k, p) for k, p in r.plans.items() if k.mode == "decode" and p.runs > 1]
     assert {k[0] for k, _ in decode} == {"main", "mtp"}
     for k, p in decode:
         segs = p.prepared(r.backend)
@@ -1495,7 +1495,7 @@ def test_pause_free_steps_once_every_expert_is_in_place(bname, ec, cpu_backend):
     assert rep["expert_pause_free_steps"] >= 3 and rep["expert_pause_free_retries"] == 0
     # the pause-free steps' routing reached the policy: every expert they needed counted as a hit
     assert rep["expert_hits"] + rep["expert_misses"] == rep["expert_needed"]
-    assert any(k[-1] for k in r.plans)               # a pause-free plan was traced and kept
+    assert any(k.pause_free for k in r.plans)               # a pause-free plan was traced and kept
 
 
 RETRY_CASES = [  # (backend, model, cache)
@@ -1528,7 +1528,7 @@ def test_pause_free_off_pauses_every_step(cpu_backend):
                                                                   "pause_free": False}, 4096)
     rep = r.expert_stats()
     assert rep["expert_pause_free"] is False and rep["expert_pause_free_steps"] == 0
-    assert not any(k[-1] for k in r.plans)
+    assert not any(k.pause_free for k in r.plans)
 
 
 def test_pause_free_backs_off_after_misses():

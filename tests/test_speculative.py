@@ -230,7 +230,7 @@ def _check_rollback(backend, model, prompt: list, steps: int, **cfg) -> None:
     sid = pr.new_sequence()
     pr.forward([(sid, toks[:n], 0)], keep_hidden=True)
     pr.mtp_logits([(sid, toks[1:n + 1], 0)])
-    want = _cached_rows(pr, np.array(pr.block_manager.slots(pr._offline[sid], 0, n)), n)
+    want = _cached_rows(pr, np.array(pr.block_manager.slots(pr.offline.seqs[sid], 0, n)), n)
     L = pr.cfg.num_hidden_layers
     assert {w.split()[1] for w, _ in want} == set(map(str, range(L + 1)))     # the MTP layer's pools too
     # f32 caches: the same arithmetic, every element within 1e-4 of the largest. bf16 caches (a
@@ -248,7 +248,7 @@ def _check_rollback(backend, model, prompt: list, steps: int, **cfg) -> None:
         sa = pa.new_sequence()
         pa.forward([(sa, alt[:n], 0)], keep_hidden=True)
         pa.mtp_logits([(sa, alt[1:n + 1], 0)])
-        stale = dict(_cached_rows(pa, np.array(pa.block_manager.slots(pa._offline[sa], 0, n)), n))
+        stale = dict(_cached_rows(pa, np.array(pa.block_manager.slots(pa.offline.seqs[sa], 0, n)), n))
 
     def row_err(x, ref):
         x2, r2 = (v.reshape(v.shape[0], -1).astype(np.float64) for v in (x, ref))
