@@ -13,7 +13,7 @@
     multi_rank.py    the runner's side of a multi-rank job: rank 0 announces steps, others replay
     offline.py       forward / free / score / mtp_logits by caller-chosen sequence ids
     sampling.py      SamplingParams, per-token seeds, the Sampler over the backend's sample op
-    speculative.py   MTP speculative decoding: drafting and verification (spec_config.py, spec_schedule.py)
+    speculative.py   MTP speculative decoding: drafting and verification (spec_schedule.py: the scheduler; the option is config.SpecConfig)
     tokenizer.py     tokenizer, chat template, incremental detokenizer
 """
 from .block_manager import BlockManager

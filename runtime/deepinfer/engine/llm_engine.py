@@ -23,6 +23,9 @@ import numpy as np
 
 from ..config import EngineConfig
 from ..errors import CheckpointError, ConfigError, DeepinferError, InputTypeError
+from ..loader import get_backend
+from ..model.hub import resolve_model
+from ..parallel.group import ParallelGroup
 from .. import validate as V
 from .runner_factory import load_runner
 from .sampling import SamplingParams, step_seed
@@ -46,8 +49,6 @@ def default_model_dir() -> Path:
 def resolve_model_dir(model=None, revision: Optional[str] = None) -> Path:
     """The directory of a model argument: a directory as is, a hub id's snapshot in the Hugging
     Face cache (model.hub, at `revision`), or the embedded model for None."""
-    from ..model.hub import resolve_model
-
     if model:
         return resolve_model(model, revision)
     if revision:
@@ -73,8 +74,6 @@ class RequestOutput:
 def load_backend_and_runner(model_dir: Path, config: EngineConfig, group=None):
     """The backend and the loaded model of one process (of one rank, with a ParallelGroup: rank r
     uses device device_id + its local rank)."""
-    from ..loader import get_backend
-
     threads = config.num_threads
     if group is not None and not threads:
         # CPU ranks share the machine's cores: each takes its part rather than all of them
@@ -103,8 +102,6 @@ class Engine:
         # parallel.worker.run_worker with the same config and execute the steps it sends
         self.group = None
         if config.world_size > 1:
-            from ..parallel.group import ParallelGroup
-
             self.group = ParallelGroup(config.tensor_parallel, config.expert_parallel)
             if not self.group.is_driver:
                 raise ConfigError(f"rank {self.group.rank}: only rank 0 runs an Engine; the other ranks run "

@@ -1,7 +1,7 @@
 """MTP speculative decoding with confidence-scheduled, variable-length verification.
 
 The engine's `speculative` config: {"method": "mtp", "num_draft": K, "confidence": "auto" | p}
-(parsed in engine.spec_config). This module drafts and verifies; the scheduler that chooses how
+(parsed by deepinfer.config.SpecConfig). This module drafts and verifies; the scheduler that chooses how
 many drafts to verify, and its tables, are engine.spec_schedule. The Speculator talks to the
 engine through SpecEngine (below) and to the runner through its public step API and its stores
 (engine.spec_store); a sequence's drafts are fields of engine.sequence.Sequence.
@@ -55,7 +55,7 @@ from .plan_key import bucket
 from .sampling import step_seed
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .spec_config import MAX_DRAFT, SpecConfig
+from ..config import MAX_DRAFT, SpecConfig
 from .spec_schedule import Admission, Calibration, StepCosts, admit, survival
 
 __all__ = ["MAX_DRAFT", "SpecConfig", "Admission", "Calibration", "StepCosts", "admit", "survival", "SpecEngine",
