@@ -42,12 +42,12 @@ def bench_ours(model_dir, lib, batch, prompt_len, steps, threads, precision=None
     import numpy as np
 
     import deepinfer
-    from deepinfer.engine import ModelRunner
+    from deepinfer.engine import ModelRunner, PlanKey, RunnerConfig
 
     be = deepinfer.loader.load_library(lib, num_threads=threads) if lib else deepinfer.get_backend("cpu",
                                                                                                   num_threads=threads)
-    m = ModelRunner(model_dir, be, max_batch=batch, max_seq_len=prompt_len + steps + 8, dtype="f32",
-                      precision=precision)
+    m = ModelRunner(model_dir, be, RunnerConfig(max_batch=batch, max_seq_len=prompt_len + steps + 8, dtype="f32",
+                                                precision=precision))
     V = m.cfg.vocab_size
     prompts = [[(7 * r + 13 * i) % V for i in range(prompt_len)] for r in range(batch)]
     sids = [m.new_sequence() for _ in range(batch)]
@@ -64,8 +64,8 @@ def bench_ours(model_dir, lib, batch, prompt_len, steps, threads, precision=None
         logits = m.forward(sids, [[t] for t in toks], [prompt_len + s] * batch)
         toks = m.sample(logits, temperature=[0.0] * batch)
     t3 = time.perf_counter()
-    plan = m.plans[("main", "decode", batch, batch, False, False)]
-    pre = m.plans[("main", "prefill", batch * prompt_len, batch, False, False)]
+    plan = m.plans[PlanKey("main", "decode", batch, batch)]
+    pre = m.plans[PlanKey("main", "prefill", batch * prompt_len, batch)]
     return {
         "prefill_s": t1 - t0, "decode_tok_s": batch * (steps - 1) / (t3 - t2),
         "decode_arena_bytes": plan.arena_bytes, "decode_total_activation_bytes": plan.total_activation_bytes,

@@ -1,4 +1,4 @@
-"""The expert cache (runtime/deepinfer/model/expert_cache.py) against the resident model and its bounds.
+"""The expert cache (runtime/deepinfer/model/expert_cache/) against the resident model and its bounds.
 
     python benchmarks/bench_expert_cache.py [--backend cpu] [--model DIR] [--tokens 384] [--commit SHA]
 
@@ -6,7 +6,7 @@ What it measures, on one model and one backend, in one process:
   1. Real routing: a teacher-forced decode of the model's held-out text (the embedded model's
      heldout.txt: Python files it never trained on), one token per step, recording every MoE layer's
      experts and the experts the next layer's router predicts from this layer's residual.
-  2. Policies on that trace (model.expert_policy, the code the engine runs, replayed): hit rate,
+  2. Policies on that trace (model.expert_cache.policy, the code the engine runs, replayed): hit rate,
      prefetch recall and precision, expert bytes moved per token, for capacities 25/50/75/100% of
      the routed experts, LRU vs LFRU, prefetch off vs on.
   3. Real decode of the same tokens: resident (every expert loaded at start) and streamed at each
@@ -40,9 +40,10 @@ sys.path.insert(0, str(ROOT / "runtime"))
 
 from deepinfer.engine.llm_engine import default_model_dir  # noqa: E402
 from deepinfer.engine.model_runner import ModelRunner  # noqa: E402
+from deepinfer.engine.runner_config import RunnerConfig  # noqa: E402
 from deepinfer.engine.tokenizer import Tokenizer  # noqa: E402
 from deepinfer.loader import get_backend  # noqa: E402
-from deepinfer.model.expert_policy import LayerSlots  # noqa: E402
+from deepinfer.model.expert_cache.policy import LayerSlots  # noqa: E402
 from deepinfer.precision import default_activation_dtype  # noqa: E402
 
 CAPACITIES = (0.25, 0.5, 0.75, 1.0)
@@ -60,8 +61,8 @@ def runner_for(args, expert_cache):
     if isinstance(expert_cache, dict) and args.source:     # (an ExpertCacheConfig is taken as it is)
         expert_cache = {**expert_cache, "source": args.source}
     # the activations the engine picks for this backend (bf16 on a device: a runner's own default is f32)
-    return ModelRunner(args.model, be, max_batch=1, precision=args.precision, expert_cache=expert_cache,
-                       max_seq_len=args.tokens + 8, dtype=default_activation_dtype(be))
+    return ModelRunner(args.model, be, RunnerConfig(max_batch=1, precision=args.precision, expert_cache=expert_cache,
+                                                    max_seq_len=args.tokens + 8, dtype=default_activation_dtype(be)))
 
 
 def decode(r: ModelRunner, tokens: list) -> dict:
@@ -177,7 +178,7 @@ def source_bandwidth(r: ModelRunner) -> dict:
     out = {}
     if ex.source == "host" and ex.host_memory:
         buf = np.empty(nb, np.uint8)
-        imgs = [img[e * nb:(e + 1) * nb] for img in ex._images for e in range(ex.E)]
+        imgs = [img[e * nb:(e + 1) * nb] for img in ex.sources.images for e in range(ex.E)]
         for src in imgs:
             np.copyto(buf, src)
         best = float("inf")
@@ -188,12 +189,12 @@ def source_bandwidth(r: ModelRunner) -> dict:
             best = min(best, time.perf_counter() - t0)
         out["memcpy"] = len(imgs) * nb / best
     elif ex.source == "disk" and ex.raw:
-        jobs = [ex._expert_ranges(L, e) for L in ex.layers for e in range(ex.E)][:256]
+        jobs = [ex.sources.expert_ranges(L, e) for L in ex.layers for e in range(ex.E)][:256]
         threads = ex.read_threads         # as many readers as the cache runs
         bufs = [np.empty(nb, np.uint8) for _ in range(threads)]
 
         def read(i):
-            ex._pread(jobs[i], bufs[i % threads])
+            ex.sources.pread(jobs[i], bufs[i % threads])
 
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(read, range(len(jobs))))
@@ -203,7 +204,7 @@ def source_bandwidth(r: ModelRunner) -> dict:
                 list(pool.map(read, range(len(jobs))))
                 best = min(best, time.perf_counter() - t0)
             out["read"] = len(jobs) * nb / best
-        if ex._native is not None:
+        if ex.loads.native is not None:
             out.update(native_bandwidth(r, len(jobs)))
     if not ex.host_memory:
         be = r.backend
@@ -227,14 +228,14 @@ def source_bandwidth(r: ModelRunner) -> dict:
 
 
 def native_bandwidth(r: ModelRunner, count: int) -> dict:
-    """The cache's native readers (model.native_reader) on its first `count` experts, with the read
+    """The cache's native readers (model.expert_cache.native) on its first `count` experts, with the read
     plans the cache made for them: reads only into its pinned bounce buffers ("read_native"), and
     reads with each piece's copy to the device ("pipeline_native"), as many loads in flight as the
     cache has bounce buffers."""
     ex = r.experts
     nb = ex.layout.nbytes
-    bounces = list(ex._bounce_free)
-    plans = [ex._plans[(L.pos, e)] for L in ex.layers for e in range(ex.E)][:count]
+    bounces = list(ex.loads.bounce_free)
+    plans = [ex.loads.plans[(L.pos, e)] for L in ex.layers for e in range(ex.E)][:count]
     dev = [r.backend.empty((nb,), "uint8") for _ in range(min(8, len(bounces)))]
 
     def run(copy: bool) -> float:
@@ -247,7 +248,7 @@ def native_bandwidth(r: ModelRunner, count: int) -> dict:
                 if ev is not None:
                     ev.synchronize()
             ev = r.backend.create_event() if copy else None
-            inflight.append((ex._native.submit(0, plan, bounces[i % len(bounces)],
+            inflight.append((ex.loads.native.submit(0, plan, bounces[i % len(bounces)],
                                                dev[i % len(dev)] if copy else None, ev), ev))
         for job, _ in inflight:
             job.result()

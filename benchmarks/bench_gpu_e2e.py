@@ -50,6 +50,7 @@ from _decode_bytes import step_bytes as _step_bytes  # noqa: E402
 
 from deepinfer.loader import load_library  # noqa: E402
 from deepinfer.engine.model_runner import ModelRunner  # noqa: E402
+from deepinfer.engine.runner_config import RunnerConfig  # noqa: E402
 from deepinfer.model import Checkpoint  # noqa: E402
 
 DEVICE = "cuda"   # the smoke test of this script sets "cpu"
@@ -445,10 +446,11 @@ def main() -> int:
             for prec in a.precisions.split(",") if li == 0 else ["bf16"]:
                 t0 = time.perf_counter()
                 ctx = max(max(ttft_prompts), a.prompt + a.new + 8)
-                runner = ModelRunner(Checkpoint(tmp), be, max_batch=max(bl), max_seq_len=ctx + 16, dtype="bf16",
-                                     precision=PRECISION_ARG[prec], load_mtp=False, enforce_eager=a.eager,
-                                     num_cache_blocks=max(bl) * (-(-(a.prompt + a.new + 16) // 16)) + 2 * (-(-ctx // 16)),
-                                     max_num_batched_tokens=max(ttft_prompts))
+                runner = ModelRunner(Checkpoint(tmp), be, RunnerConfig(
+                    max_batch=max(bl), max_seq_len=ctx + 16, dtype="bf16",
+                    precision=PRECISION_ARG[prec], load_mtp=False, enforce_eager=a.eager,
+                    num_cache_blocks=max(bl) * (-(-(a.prompt + a.new + 16) // 16)) + 2 * (-(-ctx // 16)),
+                    max_num_batched_tokens=max(ttft_prompts)))
                 print(f"[{L}] deepinfer {prec} loaded in {time.perf_counter() - t0:.0f} s", flush=True)
                 for B in (bl if prec == "bf16" else [b for b in bl if b in qbatches]):
                     r = di_decode(runner, prompts[:B], a.new)

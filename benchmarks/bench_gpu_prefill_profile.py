@@ -55,7 +55,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 import tiny_checkpoints  # noqa: E402  (the published configs and the weight re-draw of the tests)
 
 from deepinfer.loader import load_library  # noqa: E402
-from deepinfer.engine.model_runner import ModelRunner, bucket  # noqa: E402
+from deepinfer.engine.model_runner import ModelRunner  # noqa: E402
+from deepinfer.engine.plan_key import PlanKey, bucket  # noqa: E402
+from deepinfer.engine.runner_config import RunnerConfig  # noqa: E402
 from deepinfer.model import Checkpoint  # noqa: E402
 from deepinfer.tensor import Tensor  # noqa: E402
 
@@ -206,7 +208,7 @@ def bench_batch(model: ModelRunner, prompts: list, repeats: int) -> dict:
     linears = {k: {"ms": s / n * 1e3, "calls": c // n, "shape": shape} for k, (s, c, shape) in
                sorted(prof.linears.items(), key=lambda kv: -kv[1][0])}
     T = sum(len(p) for p in prompts)
-    plan = model.plans[("main", "prefill", bucket(T), bucket(len(prompts)), False, False)]
+    plan = model.plans[PlanKey("main", "prefill", bucket(T), bucket(len(prompts)))]
     return {"batch": len(prompts), "tokens": T, "wall_ms": wall * 1e3, "tokens_per_s": T / wall,
             "profiled_wall_ms": prof_wall * 1e3, "ops_ms": sum(r["ms"] for r in ops.values()),
             "unattributed_ms": prof_wall * 1e3 - sum(r["ms"] for r in ops.values()),
@@ -285,7 +287,8 @@ def main() -> int:
         t_make = time.perf_counter() - t0
         be = load_library(a.lib)
         t0 = time.perf_counter()
-        model = ModelRunner(Checkpoint(work / "model"), be, max_batch=max(batches), max_seq_len=T, dtype=a.dtype)
+        model = ModelRunner(Checkpoint(work / "model"), be,
+                            RunnerConfig(max_batch=max(batches), max_seq_len=T, dtype=a.dtype))
         be.synchronize()
         t_load = time.perf_counter() - t0
         c = model.cfg

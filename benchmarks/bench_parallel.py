@@ -12,7 +12,7 @@ for the routed experts over all ranks (tensor_parallel = expert_parallel = ranks
 times --new decode steps; it reports output tokens/s in total and per GPU and the time per output
 token of one sequence (TPOT), the figures SGLang publishes for R1 on 8 GPUs. Rank 0 writes JSON and
 a markdown table to --out-dir. The collectives' own bandwidth, beside NCCL's, is
-benchmarks/bench_comm.py's job (device_dist.sh runs both in one session).
+benchmarks/bench_comm.py's job (backends/cuda/device.sh dist and parallel run both in one session).
 """
 from __future__ import annotations
 

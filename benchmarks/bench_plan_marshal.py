@@ -30,9 +30,9 @@ NANO = ROOT / "runtime/deepinfer/assets/deepseek-v3-nano"
 
 def nano_plans(be, shapes):
     from deepinfer.model import Checkpoint
-    from deepinfer.engine import ModelRunner
+    from deepinfer.engine import ModelRunner, RunnerConfig
 
-    model = ModelRunner(Checkpoint(NANO), be, max_batch=max(shapes))
+    model = ModelRunner(Checkpoint(NANO), be, RunnerConfig(max_batch=max(shapes)))
     # count the DI_Tensor descriptors actually filled (1.0: every one, every plan; 1.1: _fill_new runs
     # only for tensors never marshalled before, and copies cover the rest)
     name = "_fill_new" if hasattr(be, "_fill_new") else "_fill_tensor"

@@ -3,14 +3,14 @@
     python benchmarks/sweep_expert_chunks.py --backend LIB --model DIR [--chunks-mib 1 2 4] [--capacities 0.5 0.75]
         [--readers native python]
 
-On a device a disk expert is read in pieces (model.expert_cache.CHUNK_BYTES) by DEVICE_READ_THREADS
+On a device a disk expert is read in pieces (model.expert_cache.loads.CHUNK_BYTES) by DEVICE_READ_THREADS
 readers, each piece sent to its slot as soon as it is read. The piece size trades how many readers
 one miss keeps busy (an expert of 17 MB in 4 MiB pieces keeps 5 of 8 busy) against the per-piece
 cost (a reader hand-off and a copy call each). For every piece size and capacity this decodes the
 same teacher-forced tokens as bench_expert_cache.py (LFRU + prefetch by default) and reports the
 step time against the transfer bound measured in the same run (resident step + bytes moved per
 token / the slowest source stage), and whether the logits equal the resident model's. --readers
-compares the native readers (model.native_reader: pread and copies on native threads) with the
+compares the native readers (model.expert_cache.native: pread and copies on native threads) with the
 Python ones (every piece a GIL hand-off) on the same tokens.
 Results: <out-dir>/expert_chunks_<backend>_<date>_<commit>.{json,md}.
 """
@@ -27,7 +27,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_expert_cache as B  # noqa: E402
-from deepinfer.model import expert_cache as EC  # noqa: E402
+from deepinfer.model.expert_cache import ExpertCacheConfig  # noqa: E402
+from deepinfer.model.expert_cache import loads as EC  # noqa: E402
 
 
 def main() -> int:
@@ -63,7 +64,7 @@ def main() -> int:
     try:
         for mib, c, readers in ((m, c, k) for m in args.chunks_mib for c in args.capacities for k in args.readers):
             EC.CHUNK_BYTES = int(mib * (1 << 20))
-            ec = EC.ExpertCacheConfig.parse({"capacity": c, **opts, "source": args.source})
+            ec = ExpertCacheConfig.parse({"capacity": c, **opts, "source": args.source})
             ec.native_readers = readers == "native"
             r = B.runner_for(args, ec)
             if bw is None:

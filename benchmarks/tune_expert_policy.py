@@ -1,4 +1,4 @@
-"""Pick the LFRU decay of model/expert_policy.py on text the embedded model trained on (never the
+"""Pick the LFRU decay of model/expert_cache/policy.py on text the embedded model trained on (never the
 held-out text the benchmark reports on): record the real routing of a teacher-forced decode of the
 first 6000 characters of some training files, replay it through LayerSlots for a range of decays.
 
@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_expert_cache import simulate, trace_routing  # noqa: E402
 from deepinfer.engine.llm_engine import default_model_dir  # noqa: E402
 from deepinfer.engine.tokenizer import Tokenizer  # noqa: E402
-from deepinfer.model import expert_policy  # noqa: E402
+from deepinfer.model.expert_cache import policy as expert_policy  # noqa: E402
 
 
 def main() -> int:

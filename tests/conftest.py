@@ -73,7 +73,7 @@ def torch_one_thread():
 
 
 # DEEPINFER_TEST_BACKENDS=cuda DEEPINFER_CUDA_LIB=... runs the model tests on a device library
-# (backends/cuda/device_certify.sh does this on the GPU machine)
+# (backends/cuda/device.sh certify does this on the GPU machine)
 MODEL_BACKENDS = os.environ.get("DEEPINFER_TEST_BACKENDS", "reference,cpu").split(",")
 
 

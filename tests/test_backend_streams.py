@@ -87,7 +87,7 @@ def test_device_fill_stages_through_a_bounded_host_chunk(cpu_backend, monkeypatc
     doubles the filled part on the device: the KV cache is most of a GPU's memory. Run on the CPU
     library's memory through the same mem_copy calls, with a chunk a few elements long so the
     doubling and the last partial copy both happen."""
-    import deepinfer.backend as B
+    import deepinfer.native_backend as B
     from deepinfer import dtypes as D
 
     monkeypatch.setattr(B, "FILL_CHUNK", 40)

@@ -20,7 +20,7 @@ import torch
 import tiny_checkpoints
 from deepinfer.errors import CheckpointError
 from deepinfer.model import Checkpoint, TensorStore
-from deepinfer.engine import ModelRunner
+from deepinfer.engine import ModelRunner, RunnerConfig
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -43,7 +43,7 @@ def layouts(tmp_path_factory):
 
 
 def _logits(path, be, mtp=False):
-    model = ModelRunner(path, be, max_batch=2, max_seq_len=32, block_size=4)
+    model = ModelRunner(path, be, RunnerConfig(max_batch=2, max_seq_len=32, block_size=4))
     out = be.to_numpy(model.forward([(0, PROMPT, 0)], all_logits=True, keep_hidden=mtp)).copy()
     if not mtp:
         return out, None

@@ -152,7 +152,7 @@ def test_engine_greedy_same_with_and_without_graphs(cpu_backend, precision):
         prompts = [list(map(int, rng.integers(3, 4096, n))) for n in (5, 17, 33, 9, 60, 2)]
         outs[eager] = eng.generate_ids(prompts, max_new_tokens=24, temperature=0.0, ignore_eos=True)
         if not eager:
-            decode = [p for k, p in eng.runner.plans.items() if k[1] == "decode"]
+            decode = [p for k, p in eng.runner.plans.items() if k.mode == "decode"]
             assert any(p.graph is not None for p in decode)
             assert all(p.graph is not None for p in decode if p.runs > 1)
         else:

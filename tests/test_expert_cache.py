@@ -1,4 +1,4 @@
-"""The expert cache (model.expert_cache, model.expert_policy): routed MoE experts in bounded per-layer
+"""The expert cache (model.expert_cache, its policy model.expert_cache.policy): routed MoE experts in bounded per-layer
 slots, loaded on demand from the checkpoint files (source "disk") or from host images (source
 "host"), with the next layer's experts prefetched.
 
@@ -35,12 +35,12 @@ import pytest
 import deepinfer
 from deepinfer import cli
 from deepinfer.config import EngineConfig
-from deepinfer.engine import ModelRunner
+from deepinfer.engine import ModelRunner, RunnerConfig
 from deepinfer.engine.llm_engine import Engine, default_model_dir
 from deepinfer.errors import EXIT_USAGE, ConfigError
-from deepinfer.model import native_reader
 from deepinfer.model.expert_cache import ExpertCacheConfig
-from deepinfer.model.expert_policy import LayerSlots, make_policy
+from deepinfer.model.expert_cache import native as native_reader
+from deepinfer.model.expert_cache.policy import LayerSlots, make_policy
 from deepinfer.model.plan import Arena, Plan, Tracer
 
 NANO = default_model_dir()          # deepseek-v3-nano: 5 layers (first dense), 16 routed experts top-4, MTP
@@ -78,7 +78,7 @@ def _workload(r: ModelRunner, vocab: int) -> list:
 
 
 def _runner(path, backend, precision, expert_cache=None, **kw) -> ModelRunner:
-    return ModelRunner(path, backend, precision=precision, expert_cache=expert_cache, **{**RUNNER, **kw})
+    return ModelRunner(path, backend, RunnerConfig(precision=precision, expert_cache=expert_cache, **{**RUNNER, **kw}))
 
 
 def _layers_and_experts(r: ModelRunner) -> tuple:
@@ -391,7 +391,7 @@ def test_defaults_per_backend(cpu_backend):
     lazy = _runner(NANO, _backend("cpu", cpu_backend), "bf16", ExpertCacheConfig(capacity=1.0, host_memory=False))
     assert lazy.experts.source == "disk"         # lazy loading reads nothing up front
     # the same model with f32 experts (384 KiB) prefetches on a host backend once the threshold is below that
-    from deepinfer.model import expert_cache as X
+    from deepinfer.model.expert_cache import config as X
 
     old = X.HOST_PREFETCH_MIN_BYTES
     X.HOST_PREFETCH_MIN_BYTES = 300 << 10
@@ -567,18 +567,18 @@ def test_model_without_routed_experts_rejects_the_cache(dense_dir, tmp_path):
     cfg["n_routed_experts"] = 0
     (zero / "config.json").write_text(json.dumps(cfg))
     be = deepinfer.get_backend("reference")
-    ModelRunner(zero, be, max_batch=2, max_seq_len=32)                      # loads without the cache
+    ModelRunner(zero, be, RunnerConfig(max_batch=2, max_seq_len=32))        # loads without the cache
     with pytest.raises(ConfigError, match="no routed experts"):
-        ModelRunner(zero, be, max_batch=2, max_seq_len=32, expert_cache={"capacity": 0.5})
+        ModelRunner(zero, be, RunnerConfig(max_batch=2, max_seq_len=32, expert_cache={"capacity": 0.5}))
 
 
 def test_model_with_no_moe_layer_rejects_the_cache(dense_dir):
     """Routed experts in the config but no MoE layer at all (first_k_dense_replace covers every layer):
     there is nothing to cache, which must be the same clear ConfigError, not a crash."""
     be = deepinfer.get_backend("reference")
-    ModelRunner(dense_dir, be, max_batch=2, max_seq_len=32)                 # a valid dense model
+    ModelRunner(dense_dir, be, RunnerConfig(max_batch=2, max_seq_len=32))   # a valid dense model
     with pytest.raises(ConfigError, match="expert_cache"):
-        ModelRunner(dense_dir, be, max_batch=2, max_seq_len=32, expert_cache={"capacity": 0.5})
+        ModelRunner(dense_dir, be, RunnerConfig(max_batch=2, max_seq_len=32, expert_cache={"capacity": 0.5}))
 
 
 # ============================================================================ 5. LayerSlots and the policies
@@ -849,7 +849,7 @@ def test_runner_captures_each_segment_of_a_cached_decode_plan(device_path, cpu_b
     r = _runner(NANO, _backend("cpu", cpu_backend), "bf16", ec)
     assert r.use_graphs
     _workload(r, 4096)
-    decode = [(k, p) for k, p in r.plans.items() if k[1] == "decode" and p.runs > 1]
+    decode = [(k, p) for k, p in r.plans.items() if k.mode == "decode" and p.runs > 1]
     assert {k[0] for k, _ in decode} == {"main", "mtp"}
     for k, p in decode:
         segs = p.prepared(r.backend)
@@ -867,16 +867,16 @@ def _on_reader_reads(monkeypatch, before) -> None:
     one); reads on other threads go straight through."""
     import threading
 
-    from deepinfer.model import expert_cache as EC
+    from deepinfer.model.expert_cache.sources import ExpertSources
 
-    pread = EC.ExpertCache._pread
+    pread = ExpertSources.pread
 
     def wrapped(ranges, dst):
         if threading.current_thread().name.startswith("deepinfer-experts"):
             before()
         pread(ranges, dst)
 
-    monkeypatch.setattr(EC.ExpertCache, "_pread", staticmethod(wrapped))
+    monkeypatch.setattr(ExpertSources, "pread", staticmethod(wrapped))
 
 
 def _drain(ex) -> None:
@@ -884,24 +884,24 @@ def _drain(ex) -> None:
     back their bounce buffers."""
     for L in ex.layers:
         for slot in list(L.pending):
-            ex._finish(L, slot, compute_waits=False)
-    for ld in ex._reading:          # loads given up when their slot went to another expert
+            ex.loads.finish(L, slot, compute_waits=False)
+    for ld in ex.loads.reading:     # loads given up when their slot went to another expert
         ld.read.exception(timeout=30)
-    ex._pump()
-    ex._pump()
+    ex.loads.pump()
+    ex.loads.pump()
 
 
 def _slow_native_reads(monkeypatch, seconds: float) -> None:
     """The native readers wait `seconds` before every piece they read (a slow disk)."""
-    from deepinfer.model import expert_cache as EC
+    from deepinfer.model.expert_cache.loads import Loads
 
-    start = EC.ExpertCache._start_native
+    start = Loads.start_native
 
     def slowed(self, required):
         start(self, required)
-        self._native.delay(seconds)
+        self.native.delay(seconds)
 
-    monkeypatch.setattr(EC.ExpertCache, "_start_native", slowed)
+    monkeypatch.setattr(Loads, "start_native", slowed)
 
 
 def _needs_native():
@@ -937,7 +937,7 @@ def test_few_bounce_buffers(cpu_backend, monkeypatch):
     """The device path reads disk experts through a bounded set of pinned bounce buffers (here the
     minimum, 2) while many loads are in flight: loads queue for a buffer on the main thread, nothing
     deadlocks."""
-    from deepinfer.model import expert_cache as EC
+    from deepinfer.model.expert_cache import loads as EC
 
     monkeypatch.setattr(EC, "BOUNCE_BYTES", 1)
     # a deadlock would hang the suite: the run gets a (generous) watchdog that turns it into a failure
@@ -947,22 +947,22 @@ def test_few_bounce_buffers(cpu_backend, monkeypatch):
     # once the loads still in flight (prefetches nobody waited for yet) are done, every buffer is back
     ex = r.experts
     _drain(ex)
-    assert len(ex._bounce_free) == 2
+    assert len(ex.loads.bounce_free) == 2
 
 
 def test_pieces_cover_an_expert_image(cpu_backend):
     """A device disk load is read in pieces of CHUNK_BYTES of the image (each sent to the slot as soon
     as it is read): the pieces together read exactly the bytes one read of the whole expert does,
     whatever the piece size, and each piece's runs lie inside its own image range."""
-    from deepinfer.model.expert_cache import _pieces
+    from deepinfer.model.expert_cache.sources import pieces as _pieces
 
     r = _runner(NANO, _backend("cpu", cpu_backend), "bf16", _device(0.5, "disk"))
     ex = r.experts
     nb = ex.layout.nbytes
     for L, e in ((ex.layers[0], 0), (ex.layers[-1], ex.E - 1)):
-        runs = ex._expert_ranges(L, e)
+        runs = ex.sources.expert_ranges(L, e)
         want = np.zeros(nb, np.uint8)
-        ex._pread(runs, want)
+        ex.sources.pread(runs, want)
         for chunk in (4096, 10_000, 65536, nb, 4 * nb):
             pieces = _pieces(runs, nb, chunk)
             assert len(pieces) == -(-nb // chunk) and all(n <= chunk for _, _, n in pieces)
@@ -970,7 +970,7 @@ def test_pieces_cover_an_expert_image(cpu_backend):
             for prs, at, n in pieces:
                 for _, _, parts in prs:
                     assert all(at <= a and a + k <= at + n for a, k in parts)
-                ex._pread(prs, got)
+                ex.sources.pread(prs, got)
             assert np.array_equal(got, want), chunk
     ex.close()
 
@@ -982,7 +982,7 @@ def test_device_path_reads_in_pieces_on_many_threads(native, cpu_backend, monkey
     bounce buffer comes back."""
     import time
 
-    from deepinfer.model import expert_cache as EC
+    from deepinfer.model.expert_cache import loads as EC
 
     if native is None:
         _needs_native()
@@ -995,11 +995,11 @@ def test_device_path_reads_in_pieces_on_many_threads(native, cpu_backend, monkey
                                                      4096, raw=True))
     ex = r.experts
     assert ex.read_threads == EC.DEVICE_READ_THREADS
-    assert all(len(v) == 12 for v in ex._chunks.values())
+    assert all(len(v) == 12 for v in ex.loads.chunks.values())
     st = r.expert_stats()
     assert st["expert_prefetch_issued"] > 0 and st["expert_misses"] > 0 and st["expert_loads_given_up"] > 0
     _drain(ex)
-    assert not ex._reading and not ex._copying and not ex._queued
+    assert not ex.loads.reading and not ex.loads.copying and not ex.loads.queued
 
 
 @pytest.mark.parametrize("host_memory", [None, False], ids=["host-path", "device-path-python-readers"])
@@ -1007,7 +1007,7 @@ def test_a_failed_read_is_an_error_not_a_hang(host_memory, cpu_backend, monkeypa
     """A checkpoint read that fails on a reader thread (a disk gone, a file truncated under us)
     reaches the step that needs the expert as that OSError, whichever piece failed; nothing waits
     forever for a load that will not come."""
-    from deepinfer.model import expert_cache as EC
+    from deepinfer.model.expert_cache import loads as EC
 
     calls = {"n": 0}
 
@@ -1037,7 +1037,8 @@ def test_readers_take_misses_before_prefetches():
     after queued prefetches is read before them, and the background fill comes last."""
     import threading
 
-    from deepinfer.model.expert_cache import PRIORITY, _Readers
+    from deepinfer.model.expert_cache.loads import PRIORITY
+    from deepinfer.model.expert_cache.readers import ReaderThreads as _Readers
 
     rd = _Readers(1, "deepinfer-experts-test")
     gate, order = threading.Event(), []
@@ -1078,7 +1079,7 @@ def _native_pool(cpu_backend, threads: int):
 
 def _native_load(be, rd, fd: int, nbytes: int, chunk: int, priority: int):
     """A load of a file's first nbytes into a fresh poisoned destination: (job, its destination, the event)."""
-    from deepinfer.model.expert_cache import _merged, _pieces
+    from deepinfer.model.expert_cache.sources import merged as _merged, pieces as _pieces
 
     plan = native_reader.Plan(_pieces(_merged([(fd, 0, nbytes, 0)]), nbytes, chunk))
     bounce, dst, ev = be.host_empty((nbytes,), "uint8"), be.empty((nbytes,), "uint8"), be.create_event()
@@ -1099,7 +1100,7 @@ def test_native_readers_order_cancel_and_bytes(cpu_backend, tmp_path):
     its slot as it was; every other load's bytes arrive whole, in pieces, through the backend's copies."""
     import time
 
-    from deepinfer.model.expert_cache import PRIORITY
+    from deepinfer.model.expert_cache.loads import PRIORITY
 
     be, rd = _native_pool(cpu_backend, 1)
     data = np.random.default_rng(7).integers(0, 256, 200_000, dtype=np.uint8)
@@ -1173,12 +1174,12 @@ def test_native_readers_shut_down_with_loads_queued(cpu_backend, tmp_path):
 def test_native_read_errors_reach_the_step(cpu_backend, monkeypatch, tmp_path):
     """A checkpoint read that fails on a native reader (here: every expert file is one that ends
     early) reaches the step that needs the expert as an OSError; nothing waits forever."""
-    from deepinfer.model import expert_cache as EC
+    from deepinfer.model.expert_cache.sources import ExpertSources
 
     _needs_native()
     short = tmp_path / "short.bin"
     short.write_bytes(b"x" * 100)
-    monkeypatch.setattr(EC.ExpertCache, "_fd", lambda self, path: self._fds.setdefault(
+    monkeypatch.setattr(ExpertSources, "fd", lambda self, path: self.fds.setdefault(
         "short", os.open(short, os.O_RDONLY)))
     r = _runner(NANO, _backend("cpu", cpu_backend), "bf16", _device(0.25, "disk", prefetch=True))
     assert r.experts.readers == "native"
@@ -1340,7 +1341,7 @@ def test_dry_steps_load_nothing_and_route_nowhere(cpu_backend):
 
 
 # ============================================================================ a device library
-# DEEPINFER_CUDA_LIB=... (backends/cuda/device_expert_cache.sh on the GPU machine): the same
+# DEEPINFER_CUDA_LIB=... (backends/cuda/device.sh expert-cache on the GPU machine): the same
 # bit-identity on the device, where the copy stream, events and pinned buffers are real
 DEVICE_LIB = os.environ.get("DEEPINFER_CUDA_LIB")
 DEVICE_CASES = [
@@ -1467,7 +1468,7 @@ def _pause_free_workload(bname, cpu_lib, path, precision, ec, vocab, *, always=F
         _workload(_runner(path, lib(), precision, **kw), vocab)
     r = _runner(path, _backend(bname, cpu_lib) if lib is None else lib(), precision, ec, **kw)
     if always:
-        r.experts._pf_after = 0       # stays 0: doubling 0 is 0, and a clean count of 0 reaches it
+        r.experts.pause_free_steps.after = 0       # stays 0: doubling 0 is 0, and a clean count of 0 reaches it
     got = _workload(r, vocab)
     for i, (a, b) in enumerate(zip(want, got)):
         assert np.array_equal(a, b), f"step {i}: the cached model differs by {float(np.abs(a - b).max())}"
@@ -1494,7 +1495,7 @@ def test_pause_free_steps_once_every_expert_is_in_place(bname, ec, cpu_backend):
     assert rep["expert_pause_free_steps"] >= 3 and rep["expert_pause_free_retries"] == 0
     # the pause-free steps' routing reached the policy: every expert they needed counted as a hit
     assert rep["expert_hits"] + rep["expert_misses"] == rep["expert_needed"]
-    assert any(k[-1] for k in r.plans)               # a pause-free plan was traced and kept
+    assert any(k.pause_free for k in r.plans)               # a pause-free plan was traced and kept
 
 
 RETRY_CASES = [  # (backend, model, cache)
@@ -1527,27 +1528,29 @@ def test_pause_free_off_pauses_every_step(cpu_backend):
                                                                   "pause_free": False}, 4096)
     rep = r.expert_stats()
     assert rep["expert_pause_free"] is False and rep["expert_pause_free_steps"] == 0
-    assert not any(k[-1] for k in r.plans)
+    assert not any(k.pause_free for k in r.plans)
 
 
 def test_pause_free_backs_off_after_misses():
     """The back-off on the bookkeeping alone: a miss doubles the clean paused steps the next try
     waits for, a clean pause-free step halves it again (never below the start)."""
-    from deepinfer.model import expert_cache as EC
+    from deepinfer.model.expert_cache import ExpertCache
+    from deepinfer.model.expert_cache import pause_free as EC
 
     class Fake:
         pass
     ec = Fake()
-    ec._pf_after, ec._clean = EC.PAUSE_FREE_AFTER, 5
     ec.stats = {"expert_pause_free_retries": 0}
-    ec._records = {1: (None, np.array([[[[0]]], [[[1]]]], np.int32), None)}
-    ec._recorded = {1: {0}}
+    pf = ec.pause_free_steps = EC.PauseFreeSteps(None, True, [], 1, ec.stats)
+    pf.after, pf.clean = EC.PAUSE_FREE_AFTER, 5
+    pf.records = {1: (None, np.array([[[[0]]], [[[1]]]], np.int32), None)}
+    pf.recorded = {1: {0}}
     ec.route_seconds = 0.0
     for want in (4, 8, 16):
-        assert EC.ExpertCache.after_pause_free(ec, 1) is False
-        assert ec._pf_after == want and ec._clean == 0
-    ec._pf_after = EC.PAUSE_FREE_AFTER_MAX
-    assert EC.ExpertCache.after_pause_free(ec, 1) is False and ec._pf_after == EC.PAUSE_FREE_AFTER_MAX
+        assert ExpertCache.after_pause_free(ec, 1) is False
+        assert pf.after == want and pf.clean == 0
+    pf.after = EC.PAUSE_FREE_AFTER_MAX
+    assert ExpertCache.after_pause_free(ec, 1) is False and pf.after == EC.PAUSE_FREE_AFTER_MAX
     assert ec.stats["expert_pause_free_retries"] == 4
 
 

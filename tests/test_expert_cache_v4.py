@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer.engine import ModelRunner
+from deepinfer.engine import ModelRunner, RunnerConfig
 
 import tiny_v4
 from test_expert_cache import (DEVICE_LIB, _assert_bit_identical, _backend, _check_counters, _device, _id, _workload,
@@ -77,8 +77,9 @@ def test_hash_layers_are_prefetched_exactly(v4_dir, cpu_backend):
     before each step starts, layer 1's are predicted at layer 0's pause; both are the truth at every
     step. The top-k layers' guesses are real predictions: right more often than not, never told the
     answer."""
-    r = ModelRunner(v4_dir("hf"), _backend("cpu", cpu_backend), expert_cache={"capacity": 0.5, "prefetch": True},
-                    max_batch=4, max_seq_len=128, max_num_batched_tokens=64, **KW)
+    r = ModelRunner(v4_dir("hf"), _backend("cpu", cpu_backend),
+                    RunnerConfig(expert_cache={"capacity": 0.5, "prefetch": True}, max_batch=4, max_seq_len=128,
+                                 max_num_batched_tokens=64, **KW))
     assert r.cfg.v4.mlp_layer_types[:3] == ["hash_moe", "hash_moe", "moe"]
     r.experts.trace = []
     _workload(r, 256)

@@ -4,7 +4,7 @@ compiles them against tests/gpu_emu/host_emu.h and launches them block by block 
 The first test is its self-check (strided views, every row-copy width, scans over several chunks);
 the second feeds random cases through it and judges them against the reference backend
 (backends/reference/dist.py). The collectives themselves are NCCL's and run only on a GPU
-(backends/cuda/device_dist.sh). Needs a C++17 compiler; skips without one."""
+(backends/cuda/device.sh dist). Needs a C++17 compiler; skips without one."""
 from __future__ import annotations
 
 import subprocess

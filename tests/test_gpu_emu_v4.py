@@ -3,7 +3,7 @@ kv_compress, indexer_topk's scores and top-k selection, sparse_attention and the
 `indices`) run on the CPU: tests/gpu_emu/test_v4_ops.cpp compiles them against tests/gpu_emu/host_emu.h
 (one emulated thread block at a time), launches them block by block as hyper.cu, norm.cu and sparse.cu do and compares
 them with serial float64 transcriptions of abi/README.md section 8. It is where those kernels run
-without a GPU (the HIP build shares them); the device run (backends/cuda/device_v4.sh) checks them
+without a GPU (the HIP build shares them); the device run (backends/cuda/device.sh v4) checks them
 against the reference backend. Needs a C++17 compiler; skips without one."""
 from __future__ import annotations
 

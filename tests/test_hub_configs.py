@@ -12,7 +12,7 @@ import torch
 import tiny_checkpoints
 from deepinfer.errors import CheckpointError
 from deepinfer.model import ModelConfig
-from deepinfer.engine import ModelRunner
+from deepinfer.engine import ModelRunner, RunnerConfig
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -31,7 +31,7 @@ PROMPT = [5, 17, 200, 3, 99, 42, 7, 130]
 
 def _assert_prefill_matches(path, hf, backend) -> None:
     """Our prefill logits of PROMPT against the transformers oracle's."""
-    model = ModelRunner(path, backend, max_batch=1, max_seq_len=16, block_size=4)
+    model = ModelRunner(path, backend, RunnerConfig(max_batch=1, max_seq_len=16, block_size=4))
     got = backend.to_numpy(model.forward([(0, PROMPT, 0)], all_logits=True))
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPT])).logits[0].float().numpy()

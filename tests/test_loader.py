@@ -20,7 +20,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "conformance"))
 from plugin_build import ABI_DIR, PLUGINS, compile_shared  # noqa: E402  (tests/conformance/)
 
-from deepinfer import abi, loader  # noqa: E402
+from deepinfer import abi, discovery, loader  # noqa: E402
 from deepinfer.backend import FallbackBackend, NativeBackend  # noqa: E402
 from deepinfer.errors import BackendLoadError, UnsupportedOpError  # noqa: E402
 from deepinfer.tensor import Tensor  # noqa: E402
@@ -67,7 +67,7 @@ class _EP:
 def isolated(monkeypatch):
     """No env var, no entry points, no bundled libraries unless a test adds them."""
     monkeypatch.delenv(loader.ENV_PATH, raising=False)
-    monkeypatch.setattr(loader, "bundled_lib_dirs", lambda: [])
+    monkeypatch.setattr(discovery, "bundled_lib_dirs", lambda: [])
     eps: list = []
     import importlib.metadata as md
 
@@ -85,7 +85,7 @@ def test_discovery_order_explicit_env_entry_point_bundled(build, isolated, monke
     d = build("bundled", "delta")
     monkeypatch.setenv(loader.ENV_PATH, str(b.parent))             # a folder: every libdeepinfer_*.so in it
     isolated.append(_EP("gamma-pkg", lambda: str(c)))                 # an entry point returning a path
-    monkeypatch.setattr(loader, "bundled_lib_dirs", lambda: [d.parent])
+    monkeypatch.setattr(discovery, "bundled_lib_dirs", lambda: [d.parent])
     found = loader.discover([a])
     assert [(p.name, src) for p, src in found] == [
         (a.name, "explicit"), (b.name, "env"), (c.name, "entry-point"), (d.name, "bundled")]

@@ -14,7 +14,7 @@ import pytest
 import safetensors_edit
 from deepinfer.errors import CheckpointError
 from deepinfer.model import Checkpoint, ModelConfig
-from deepinfer.engine import ModelRunner
+from deepinfer.engine import ModelRunner, RunnerConfig
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -97,7 +97,7 @@ def test_loading_never_writes(v2lite_copy):
     import deepinfer
 
     before = _hashes(v2lite_copy)
-    m = ModelRunner(v2lite_copy, deepinfer.get_backend("reference"), max_batch=1, max_seq_len=16)
+    m = ModelRunner(v2lite_copy, deepinfer.get_backend("reference"), RunnerConfig(max_batch=1, max_seq_len=16))
     m.forward([(0, [1, 2, 3], 0)])
     assert _hashes(v2lite_copy) == before
 
@@ -124,7 +124,7 @@ def test_missing_tensor(v2lite_copy):
     name = "model.layers.1.mlp.experts.3.up_proj.weight"
     safetensors_edit.edit(v2lite_copy / "model.safetensors", lambda h: h.pop(name))
     with pytest.raises(CheckpointError) as e:
-        ModelRunner(v2lite_copy, deepinfer.get_backend("reference"), max_batch=1, max_seq_len=16)
+        ModelRunner(v2lite_copy, deepinfer.get_backend("reference"), RunnerConfig(max_batch=1, max_seq_len=16))
     assert name in str(e.value) and "missing" in str(e.value)
 
 
@@ -137,7 +137,7 @@ def test_shape_mismatch(v2lite_copy):
         h[name]["shape"] = list(reversed(h[name]["shape"]))
     safetensors_edit.edit(v2lite_copy / "model.safetensors", swap)
     with pytest.raises(CheckpointError) as e:
-        ModelRunner(v2lite_copy, deepinfer.get_backend("reference"), max_batch=1, max_seq_len=16)
+        ModelRunner(v2lite_copy, deepinfer.get_backend("reference"), RunnerConfig(max_batch=1, max_seq_len=16))
     msg = str(e.value)
     assert name in msg and "model.safetensors" in msg and "shape" in msg
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from deepinfer.engine import ModelRunner
+from deepinfer.engine import ModelRunner, RunnerConfig
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -32,7 +32,7 @@ def make_model(path, be, **kw):
     kw.setdefault("max_batch", 4)
     kw.setdefault("max_seq_len", 64)
     kw.setdefault("block_size", 4)   # small blocks: every sequence spans several, out of order
-    return ModelRunner(path, be, **kw)
+    return ModelRunner(path, be, RunnerConfig(**kw))
 
 
 @pytest.mark.parametrize("family", F32_FAMILIES)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import deepinfer
-from deepinfer.engine import ModelRunner
+from deepinfer.engine import ModelRunner, RunnerConfig
 from deepinfer.errors import CacheFullError
 from deepinfer.model.plan import SymBuf, Tracer, place
 from deepinfer.tensor import Tensor
@@ -17,7 +17,8 @@ pytestmark = pytest.mark.usefixtures("torch_one_thread")
 @pytest.fixture
 def v3_model(tiny_checkpoint):
     path, _, _ = tiny_checkpoint("v3")
-    return ModelRunner(path, deepinfer.get_backend("reference"), max_batch=4, max_seq_len=64, block_size=4)
+    return ModelRunner(path, deepinfer.get_backend("reference"),
+                       RunnerConfig(max_batch=4, max_seq_len=64, block_size=4))
 
 
 def test_decode_step_allocates_nothing(v3_model, monkeypatch):
@@ -64,8 +65,8 @@ def test_plans_cached_by_batch_shape(v3_model):
 
 def test_kv_blocks_are_recycled_and_bounded(tiny_checkpoint):
     path, _, _ = tiny_checkpoint("v2lite")
-    m = ModelRunner(path, deepinfer.get_backend("reference"), max_batch=2, max_seq_len=16, block_size=4,
-                      num_cache_blocks=5)
+    m = ModelRunner(path, deepinfer.get_backend("reference"),
+                    RunnerConfig(max_batch=2, max_seq_len=16, block_size=4, num_cache_blocks=5))
     m.forward([(0, list(range(1, 13)), 0)])        # 3 blocks
     assert m.block_manager.num_free_blocks == 2
     with pytest.raises(CacheFullError, match="KV cache full"):
@@ -136,7 +137,7 @@ def test_a_new_batch_shape_marshals_no_weight_descriptor_again(tiny_checkpoint, 
     shape fills only its own activation and input views, never a weight or an expert array again."""
     path, _, _ = tiny_checkpoint("v3")
     be = cpu_backend
-    m = ModelRunner(path, be, max_batch=4, max_seq_len=64, block_size=4)
+    m = ModelRunner(path, be, RunnerConfig(max_batch=4, max_seq_len=64, block_size=4))
     filled: list = []
     real = be._fill_new
     be._fill_new = lambda c, t, keep, what: filled.append(t) or real(c, t, keep, what)
@@ -191,9 +192,9 @@ def _graph_backend():
 def test_decode_plans_are_captured_and_replayed(tiny_checkpoint):
     graph_backend = _graph_backend()
     path, _, _ = tiny_checkpoint("v3")
-    eager = ModelRunner(path, deepinfer.get_backend("reference"), max_batch=4, max_seq_len=64, block_size=4,
-                        enforce_eager=True)
-    graphed = ModelRunner(path, graph_backend, max_batch=4, max_seq_len=64, block_size=4)
+    eager = ModelRunner(path, deepinfer.get_backend("reference"),
+                        RunnerConfig(max_batch=4, max_seq_len=64, block_size=4, enforce_eager=True))
+    graphed = ModelRunner(path, graph_backend, RunnerConfig(max_batch=4, max_seq_len=64, block_size=4))
     assert graphed.use_graphs and not eager.use_graphs
     rng = np.random.default_rng(0)
     # a changing batch in the same bucket (3 and 4 sequences share bucket 4), then a smaller one
@@ -211,8 +212,8 @@ def test_decode_plans_are_captured_and_replayed(tiny_checkpoint):
         np.testing.assert_array_equal(a, b)
         for s in seqs:
             pos[s] += 1
-    decode = [p for k, p in graphed.plans.items() if k[1] == "decode"]
-    prefill = [p for k, p in graphed.plans.items() if k[1] == "prefill"]
+    decode = [p for k, p in graphed.plans.items() if k.mode == "decode"]
+    prefill = [p for k, p in graphed.plans.items() if k.mode == "prefill"]
     assert decode and all(p.graph is not None for p in decode if p.runs > 1)
     assert all(p.graph is None for p in prefill)
     assert sum(g.launches for g in graph_backend.captured) >= 2

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from deepinfer.engine import ModelRunner, load_runner
+from deepinfer.engine import ModelRunner, RunnerConfig, load_runner
 from deepinfer.tensor import Tensor
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -45,11 +45,11 @@ def _dequantize_all(model, be):
 def test_quantized_at_load_equals_its_dequantized_weights(precision, model_backend, tiny_checkpoint):
     path, _, _ = tiny_checkpoint("v3")
     be = model_backend
-    q = ModelRunner(path, be, max_batch=1, max_seq_len=16, precision=precision)
+    q = ModelRunner(path, be, RunnerConfig(max_batch=1, max_seq_len=16, precision=precision))
     w = q.weights.layers[1].moe.experts_up[3]
     assert w.quant is not None and w.dtype.name == {"int8": "int8", "int4": "int4", "fp8": "e4m3"}[precision]
     assert q.weights.lm_head.quant is None and q.weights.layers[1].moe.gate.quant is None    # head and router stay float
-    ref = ModelRunner(path, be, max_batch=1, max_seq_len=16)
+    ref = ModelRunner(path, be, RunnerConfig(max_batch=1, max_seq_len=16))
     ref.weights.layers = q.weights.layers                       # share the quantized weights, then dequantize them
     got = _logits(q)
     _dequantize_all(ref, be)
@@ -61,8 +61,8 @@ def test_quantized_at_load_equals_its_dequantized_weights(precision, model_backe
 def test_int8_activations_stay_close(precision, weights, model_backend, tiny_checkpoint):
     path, _, _ = tiny_checkpoint("v2lite")
     be = model_backend
-    a8 = _logits(ModelRunner(path, be, max_batch=1, max_seq_len=16, precision=precision))
-    w_only = _logits(ModelRunner(path, be, max_batch=1, max_seq_len=16, precision=weights))
+    a8 = _logits(ModelRunner(path, be, RunnerConfig(max_batch=1, max_seq_len=16, precision=precision)))
+    w_only = _logits(ModelRunner(path, be, RunnerConfig(max_batch=1, max_seq_len=16, precision=weights)))
     scale = np.abs(w_only).max()
     assert 0 < np.abs(a8 - w_only).max() < 0.1 * scale      # activation rounding shows, but only a little
 
@@ -70,9 +70,9 @@ def test_int8_activations_stay_close(precision, weights, model_backend, tiny_che
 def test_bf16_weights_f32_activations(model_backend, tiny_checkpoint):
     path, _, _ = tiny_checkpoint("v2")
     be = model_backend
-    m = ModelRunner(path, be, max_batch=1, max_seq_len=16, precision="bf16")
+    m = ModelRunner(path, be, RunnerConfig(max_batch=1, max_seq_len=16, precision="bf16"))
     assert m.weights.layers[0].attn.o.dtype.name == "bf16" and m.weights.norm.dtype.name == "f32"
-    f = _logits(ModelRunner(path, be, max_batch=1, max_seq_len=16))
+    f = _logits(ModelRunner(path, be, RunnerConfig(max_batch=1, max_seq_len=16)))
     assert np.abs(_logits(m) - f).max() < 3e-2 * np.abs(f).max()
 
 

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from deepinfer.engine import ModelRunner
+from deepinfer.engine import ModelRunner, RunnerConfig
 
 import tiny_v4
 from tiny_checkpoints import add_tokenizer
@@ -41,7 +41,7 @@ def make_runner(path, be, **kw):
     kw.setdefault("max_batch", 4)
     kw.setdefault("max_seq_len", 64)
     kw.setdefault("block_size", 4)
-    return ModelRunner(path, be, **kw)
+    return ModelRunner(path, be, RunnerConfig(**kw))
 
 
 @pytest.mark.parametrize("block_size", [4, 16])

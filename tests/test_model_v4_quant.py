@@ -19,7 +19,7 @@ import torch
 
 from deepinfer import precision as P
 from deepinfer import quant_formats as QF
-from deepinfer.engine import ModelRunner
+from deepinfer.engine import ModelRunner, RunnerConfig
 from deepinfer.errors import CheckpointError
 
 import tiny_v4
@@ -219,7 +219,7 @@ def test_checkpoint_holds_deepseeks_formats_and_reads_them(v4q):
 def test_prefill_then_decode_match_transformers(precision, model_backend, v4q):
     path, _, ref = v4q()
     be = model_backend
-    m = ModelRunner(path, be, max_batch=2, max_seq_len=64, block_size=4, precision=precision)
+    m = ModelRunner(path, be, RunnerConfig(max_batch=2, max_seq_len=64, block_size=4, precision=precision))
     up = m.weights.layers[1].moe.experts_up[3]
     if precision is None:
         assert up.dtype.name == "e2m1" and up.quant.scales.dtype.name == "e8m0"       # as stored
@@ -234,7 +234,7 @@ def test_prefill_then_decode_match_transformers(precision, model_backend, v4q):
 def test_transformers_layouts_load_the_same_model(layout, model_backend, v4q):
     path, _, ref = v4q(layout, "quantization_config")
     be = model_backend
-    m = ModelRunner(path, be, max_batch=1, max_seq_len=64, block_size=4)
+    m = ModelRunner(path, be, RunnerConfig(max_batch=1, max_seq_len=64, block_size=4))
     assert m.weights.layers[2].moe.experts_down[5].dtype.name == "e2m1"
     got = be.to_numpy(m.forward([(0, PROMPT, 0)], all_logits=True))
     assert rel_err(got, ref) < 1e-4

@@ -11,6 +11,7 @@ import pytest
 
 from deepinfer import quant_formats as QF
 from deepinfer import quantizer as Q
+from deepinfer import weight_quant as WQ
 from deepinfer.errors import CheckpointError, ConfigError
 from deepinfer.model import TensorStore
 from deepinfer.reference.quant import dequantize_array, quantize_array
@@ -536,6 +537,6 @@ def test_threaded_row_chunks_match_one_chunk(monkeypatch):
     w = np.random.default_rng(12).standard_normal((1100, 400)).astype(np.float32)   # 3 chunks, threaded
     scheme = QF.make_scheme("int4", 32, symmetric=False)
     a = Q.quantize_weight(w, scheme)
-    monkeypatch.setattr(Q, "ROW_CHUNK", 10**9)
+    monkeypatch.setattr(WQ, "ROW_CHUNK", 10**9)
     b = Q.quantize_weight(w, scheme)
     np.testing.assert_array_equal(dequantize_array(a), dequantize_array(b))

@@ -24,7 +24,7 @@ def _backends():
     out = [pytest.param("reference", id="reference")]
     cpu = [c for c in deepinfer.candidates() if c.ok and c.name == "cpu"]
     out.append(pytest.param("cpu", id="cpu", marks=pytest.mark.skipif(not cpu, reason="libdeepinfer_cpu.so not built")))
-    if os.environ.get("DEEPINFER_CUDA_LIB"):           # backends/cuda/device_speculative.sh on the GPU
+    if os.environ.get("DEEPINFER_CUDA_LIB"):           # backends/cuda/device.sh speculative on the GPU
         out.append(pytest.param("cuda", id="cuda"))
     return out
 
@@ -230,7 +230,7 @@ def _check_rollback(backend, model, prompt: list, steps: int, **cfg) -> None:
     sid = pr.new_sequence()
     pr.forward([(sid, toks[:n], 0)], keep_hidden=True)
     pr.mtp_logits([(sid, toks[1:n + 1], 0)])
-    want = _cached_rows(pr, np.array(pr.block_manager.slots(pr._offline[sid], 0, n)), n)
+    want = _cached_rows(pr, np.array(pr.block_manager.slots(pr.offline.seqs[sid], 0, n)), n)
     L = pr.cfg.num_hidden_layers
     assert {w.split()[1] for w, _ in want} == set(map(str, range(L + 1)))     # the MTP layer's pools too
     # f32 caches: the same arithmetic, every element within 1e-4 of the largest. bf16 caches (a
@@ -248,7 +248,7 @@ def _check_rollback(backend, model, prompt: list, steps: int, **cfg) -> None:
         sa = pa.new_sequence()
         pa.forward([(sa, alt[:n], 0)], keep_hidden=True)
         pa.mtp_logits([(sa, alt[1:n + 1], 0)])
-        stale = dict(_cached_rows(pa, np.array(pa.block_manager.slots(pa._offline[sa], 0, n)), n))
+        stale = dict(_cached_rows(pa, np.array(pa.block_manager.slots(pa.offline.seqs[sa], 0, n)), n))
 
     def row_err(x, ref):
         x2, r2 = (v.reshape(v.shape[0], -1).astype(np.float64) for v in (x, ref))

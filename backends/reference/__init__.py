@@ -9,7 +9,8 @@ dequantize, quantize, the residual sum of rmsnorm) and each output is rounded on
 """
 from __future__ import annotations
 
-from deepinfer import __version__, abi
+from deepinfer import abi
+from deepinfer._version import __version__
 from deepinfer.backend import Backend, BackendInfo, Comm
 
 from .attention import mla_cache_write, mla_decode, mla_prefill

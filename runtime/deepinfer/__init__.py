@@ -5,20 +5,11 @@
     engine = deepinfer.load("deepseek-ai/DeepSeek-V2-Lite", config={"backend": "cpu"})   # or a directory
     for piece in engine.stream("hello"): print(piece, end="")
 """
-__version__ = "0.1.0"
-
+import importlib as _importlib
 import os as _os
 
-# The reference backend's source lives in backends/reference; an install maps it to
-# deepinfer/reference (pyproject.toml). Running from a source tree (PYTHONPATH=runtime, as on the
-# device machine) finds it through the package path instead.
-_src_backends = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))),
-                              "backends")
-if not _os.path.isdir(_os.path.join(__path__[0], "reference")) and _os.path.isfile(
-        _os.path.join(_src_backends, "reference", "__init__.py")):
-    __path__.append(_src_backends)
-
-from .errors import (  # noqa: E402
+from ._version import __version__
+from .errors import (
     BackendCallError,
     BackendLoadError,
     CheckpointError,
@@ -28,7 +19,22 @@ from .errors import (  # noqa: E402
     InputTypeError,
     UnsupportedOpError,
 )
-from .loader import candidates, get_backend  # noqa: E402
+
+# get_backend, candidates and the loader module are bound on first use: the loader brings numpy and
+# the reference backend, and `import deepinfer` stays light for what imports only the package (the
+# probe child, which every library probed pays for, and the command line's --help)
+_FROM_LOADER = ("get_backend", "candidates", "loader")
+
+
+def __getattr__(name: str):
+    if name in _FROM_LOADER:
+        loader = _importlib.import_module(".loader", __name__)   # not `from . import`: it asks this hook again
+        return loader if name == "loader" else getattr(loader, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_FROM_LOADER))
 
 
 def load(model=None, config=None, **overrides):
@@ -55,9 +61,7 @@ def run(model=None, prompt=None, config=None, **options) -> str:
 
 
 def _looks_like_model(s: str) -> bool:
-    import os
-
-    return os.path.isdir(os.path.expanduser(s))
+    return _os.path.isdir(_os.path.expanduser(s))
 
 
 __all__ = [

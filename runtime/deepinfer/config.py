@@ -1,4 +1,9 @@
-"""EngineConfig: every knob of an engine, from JSON (`--config FILE`) or a dict; unknown keys are errors."""
+"""EngineConfig: every knob of an engine, from JSON (`--config FILE`) or a dict; unknown keys are errors.
+
+Each nested section is checked by its own parser when the config is made, so a bad value fails here
+and not when the engine starts: `expert_cache` by model.expert_cache.ExpertCacheConfig, and
+`speculative` by SpecConfig below (MTP speculative decoding; engine.speculative runs it).
+"""
 from __future__ import annotations
 
 import json
@@ -8,6 +13,7 @@ from typing import Optional
 
 from . import validate as V
 from .errors import ConfigError
+from .model.expert_cache import ExpertCacheConfig
 from .quant_formats import PRECISION_PATHS
 
 PRECISIONS = ("auto", "fastest") + tuple(PRECISION_PATHS)
@@ -16,6 +22,7 @@ MAX_BATCH = 1 << 16
 MAX_SEQ_LEN = 1 << 24          # 16M tokens, beyond every DeepSeek context
 MAX_KV_TOKENS = 1 << 40
 MAX_BLOCK_SIZE = 1 << 16
+MAX_DRAFT = 8                  # MTP draft tokens per step (speculative.num_draft)
 
 
 @dataclass
@@ -128,11 +135,7 @@ class EngineConfig:
         if self.revision is not None:
             V.text("revision", self.revision)
         if self.expert_cache is not None:
-            from .model.expert_cache import ExpertCacheConfig
-
             ExpertCacheConfig.parse(self.expert_cache)
-        from .engine.speculative import SpecConfig
-
         if not isinstance(self.speculative, dict):
             raise ConfigError(f"speculative must be an object such as {{\"method\": \"mtp\", \"num_draft\": 2}}, "
                               f"not {self.speculative!r}")
@@ -145,3 +148,51 @@ class EngineConfig:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
+
+
+@dataclass
+class SpecConfig:
+    """The `speculative` section of an EngineConfig, parsed; None (from parse) when speculation is off."""
+
+    method: str = "mtp"
+    num_draft: int = 2
+    confidence: object = "auto"     # "auto" (throughput scheduler) or a survival threshold in [0, 1)
+
+    @classmethod
+    def parse(cls, spec: Optional[dict]) -> Optional["SpecConfig"]:
+        """None when speculation is off (no method); ConfigError for anything malformed."""
+        if spec is None:
+            return None
+        if not isinstance(spec, dict):
+            raise ConfigError(f"speculative must be an object such as {{\"method\": \"mtp\", \"num_draft\": 2}}, "
+                              f"not {spec!r}")
+        known = {"method", "num_draft", "confidence", "mtp"}
+        unknown = sorted(map(str, set(spec) - known))
+        if unknown:
+            raise ConfigError(f"unknown speculative option(s) {unknown}; valid: method (\"mtp\"), num_draft "
+                              f"(1..{MAX_DRAFT}), confidence (\"auto\" or a threshold in [0, 1)), mtp (load the MTP "
+                              f"head: false saves its memory and turns speculation off)")
+        if "mtp" in spec:
+            V.boolean("speculative.mtp", spec["mtp"])
+        if "method" not in spec:
+            if set(spec) - {"mtp"}:
+                raise ConfigError("speculative: set \"method\": \"mtp\" to speculate (num_draft and confidence "
+                                  "need it)")
+            return None
+        if spec["method"] != "mtp":
+            raise ConfigError(f"speculative.method {spec['method']!r} is not supported: only \"mtp\" (DeepSeek's "
+                              f"multi-token prediction module)")
+        if spec.get("mtp", True) is False:
+            raise ConfigError("speculative: method \"mtp\" needs the MTP head; drop \"mtp\": false")
+        c = cls()
+        c.num_draft = V.integer("speculative.num_draft", spec.get("num_draft", c.num_draft), 1, MAX_DRAFT)
+        conf = spec.get("confidence", "auto")
+        if conf != "auto":
+            if isinstance(conf, str):
+                raise ConfigError(f"speculative.confidence must be \"auto\" or a number in [0, 1), not {conf!r}")
+            conf = V.number("speculative.confidence", conf, 0, 1)
+            if conf >= 1:
+                raise ConfigError(f"speculative.confidence must be below 1 (a survival probability threshold; 1 "
+                                  f"would admit nothing), not {conf}")
+        c.confidence = conf
+        return c

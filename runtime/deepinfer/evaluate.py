@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import validate as V
+from .engine import Engine, resolve_model_dir
 from .errors import CheckpointError, InputError
 
 
@@ -112,8 +113,6 @@ def _progress_bar(label: str) -> Optional[Callable[[int, int], None]]:
 
 
 def main(args) -> int:
-    from .engine import Engine, resolve_model_dir
-
     model_dir = resolve_model_dir(args.model, getattr(args, "revision", None))
     text = heldout_text(model_dir, args.text)
     baseline_dir, baseline = baseline_of(model_dir)

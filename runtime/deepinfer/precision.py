@@ -42,6 +42,8 @@ import numpy as np
 from . import abi
 from . import quant_formats as QF
 from .errors import ConfigError
+from .host_memory import meminfo_available
+from .model.expert_cache import ExpertCacheConfig
 from .tensor import Quant, Tensor
 
 SPEED_ORDER = {
@@ -201,18 +203,6 @@ def memory_budget(backend=None, configured: Optional[int] = None, meminfo_path: 
                       f"set memory_budget_bytes in the engine config")
 
 
-def meminfo_available(path: str = "/proc/meminfo") -> Optional[int]:
-    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read)."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def weight_bytes(shapes: Mapping[str, tuple], precision: str, group_size: int = 64, symmetric: bool = True,
                  kept_bytes_per_element: int = 2, fp4_experts: bool = False) -> int:
     """Bytes of every tensor of a model ({name: shape}) when loaded at `precision`: quantizable
@@ -237,8 +227,6 @@ def resident_weight_bytes(shapes: Mapping[str, tuple], precision: str, expert_ca
     experts plus the shared overflow, at most experts - slots of one layer; a byte capacity as given).
     What must fit the memory budget when the experts stream, so that `auto` keeps the checkpoint's
     precision for a model whose experts do not fit."""
-    from .model.expert_cache import ExpertCacheConfig
-
     ec = ExpertCacheConfig.parse(expert_cache)
     experts = {n: sh for n, sh in shapes.items() if ".mlp.experts." in n}
     rest = {n: sh for n, sh in shapes.items() if n not in experts}

@@ -56,7 +56,7 @@ import numpy as np
 from . import abi
 from . import dtypes as D
 from .errors import CheckpointError
-from .tensor import Quant, Tensor
+from .tensor import Quant, Tensor, pack_4bit
 
 # from the format table of deepinfer_abi.h (DI_FORMATS, DI_GROUP_SIZES)
 FP8_BLOCK = next((f.block_rows, f.block_cols) for f in abi.FORMATS if f.name == "fp8_block")
@@ -533,8 +533,6 @@ def weight_to_checkpoint(name: str, t: Tensor) -> dict[str, np.ndarray]:
 
 
 def _pack_codes(t: Tensor) -> np.ndarray:
-    from .tensor import pack_4bit
-
     return pack_4bit(np.asarray(t.numpy()).view(np.uint8) & 0xF)
 
 

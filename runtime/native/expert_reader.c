@@ -22,7 +22,7 @@
  * whose slots are host memory).
  *
  * Built by CMake next to the CPU backend (runtime/native/CMakeLists.txt); loaded with cffi by
- * deepinfer.model.native_reader. Errors never abort: they are reported per job as text.
+ * deepinfer.model.expert_cache.native. Errors never abort: they are reported per job as text.
  */
 #define _GNU_SOURCE
 #include <errno.h>

@@ -9,16 +9,18 @@ start a new child that skips every check in previous.json.
 import json
 import sys
 
+from .harness import Recorder
+from .runner import run_level
+
+
+class AnnouncingRecorder(Recorder):
+    def done(self, o) -> None:
+        super().done(o)
+        self.progress(f"DONE {self.level}|{self.key(o.op, o.case, o.seed)}")
+
 
 def main(argv):
     level, lib_path, profile, seed, only, prev_file, sink_file = argv
-    from .harness import Recorder
-    from .runner import run_level
-
-    class AnnouncingRecorder(Recorder):
-        def done(self, o) -> None:
-            super().done(o)
-            self.progress(f"DONE {self.level}|{self.key(o.op, o.case, o.seed)}")
 
     def progress(msg: str) -> None:
         print(msg, flush=True)

@@ -12,7 +12,7 @@ import sys
 
 from .. import abi
 from ..errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
-from .runner import CHECK_BUDGETS, LEVELS, MULTI_RANK, REFERENCE, run_conformance, summary
+from .levels import CHECK_BUDGETS, LEVELS, MULTI_RANK, REFERENCE, unavailable
 
 DESCRIPTION = ("Certify a deepinfer backend library against the ABI and the reference backend, and write a JSON "
                "certificate. PATH may be 'reference' to self-check the suite. Levels: L0 the ABI's behaviour, L1 "
@@ -84,8 +84,6 @@ def run(args: argparse.Namespace) -> int:
     if args.check_timeout is not None and args.in_process:
         return _usage_error("--check-timeout needs the isolated mode: --in-process has no per-check timeout")
     if args.ranks is not None:
-        from .multi_rank import unavailable
-
         why = unavailable()
         if why:
             return _usage_error(f"--ranks {args.ranks}: {why}")
@@ -95,6 +93,10 @@ def run(args: argparse.Namespace) -> int:
     if out and os.path.exists(out) and not args.force:
         return _usage_error(f"{out} exists; pass --force to replace it, or --out another file")
     profile = "quick" if args.quick else "thorough" if args.thorough else "default"
+
+    # the checks import NumPy and ml_dtypes (0.5-1.6 s): loaded when a certification runs, not when
+    # `deepinfer --help` or `deepinfer backends` builds this command's parser
+    from .runner import run_conformance, summary
 
     def progress(msg: str) -> None:
         if args.verbose or msg.startswith("==") or any(w in msg for w in ("FAIL", " ERROR ", "TIMEOUT", "CRASH")):

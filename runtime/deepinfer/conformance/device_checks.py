@@ -19,8 +19,9 @@ import numpy as np
 from .. import abi
 from ..loader import load_library
 from . import cases as C
-from .abi_checks import CheckFailed, _name
-from .harness import POISON_BYTE, Materialized, Outcome, Recorder, release_comm
+from .abi_checks_base import CheckFailed, _name
+from .harness import Outcome, Recorder
+from .materialize import POISON_BYTE, Materialized, release_comm
 
 ffi = abi.ffi
 

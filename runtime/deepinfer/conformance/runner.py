@@ -1,7 +1,7 @@
 """run_conformance: the levels, the certificate, the summary.
 
   L0  ABI behaviour through cffi directly (abi_checks.py)
-  L1  every claimed op and format against the reference on generated shapes (cases.py)
+  L1  every claimed op and format against the reference on generated shapes (cases/)
   L2  bit-exact dequantization of every quantized format
   L3  streams and graph capture, for libraries that have them (device_checks.py)
   L4  the collectives across N ranks, asked for with ranks=N (multi_rank.py, an mpirun job of its own)
@@ -27,26 +27,22 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional
 
-from .. import __version__, abi
+from .. import abi
+from .._version import __version__
 from ..errors import InputError
-from ..loader import child_env, file_sha256, kill_process_group
+from ..loader import child_env, file_sha256, kill_process_group, load_library, probe, probe_isolated
+from ..reference import ReferenceBackend
+from . import cases as C
 from . import tolerances as TOL
-
-# cases.py and harness.py import numpy and ml_dtypes (0.5-1.6 s): they are imported where checks are
-# built or run, because `deepinfer --help` and `deepinfer backends` import this module to build the
-# parser of `deepinfer conformance`
-if TYPE_CHECKING:
-    from .harness import Outcome, Recorder
-
-LEVELS = ("L0", "L1", "L2", "L3")         # the default levels: one process
-MULTI_RANK = "L4"                          # only with ranks=N (N >= 2)
-REFERENCE = "reference"
-
-# seconds one check may take in an isolated run before it is killed (the thorough profile on a slow
-# host stays well inside them; L3 creates devices' streams and graphs); L4's is the whole mpirun job's
-CHECK_BUDGETS = {"L0": 30.0, "L1": 120.0, "L2": 120.0, "L3": 300.0, "L4": 300.0}
+from .abi_checks import run_l0
+from .device_checks import run_l3
+from .harness import Outcome, Recorder, ReferenceCache, check_case
+# the levels' names and budgets, also for callers that import them from here, where they used to live
+from .levels import CHECK_BUDGETS, LEVELS, MULTI_RANK, REFERENCE
+from .materialize import release_comm
+from .multi_rank_launch import run_l4
 
 NO_CHECK_RAN = "no check ran: every outcome was skipped or unsupported, so nothing was certified"
 
@@ -63,17 +59,11 @@ def _quiet(_msg: str) -> None:
 def open_target(lib_path: str):
     """The backend under test: the reference itself (self-check) or a library bound by the loader."""
     if lib_path == REFERENCE:
-        from ..reference import ReferenceBackend
-
         return ReferenceBackend()
-    from ..loader import load_library
-
     return load_library(lib_path)
 
 
 def reference_backend():
-    from ..reference import ReferenceBackend
-
     return ReferenceBackend()
 
 
@@ -89,8 +79,6 @@ def _ops_to_test(target, only_ops: Optional[Iterable[str]]) -> list[str]:
 
 def _unclaimed(target, only_ops: Optional[Iterable[str]], rec: Recorder) -> list[Outcome]:
     """An op asked for by name that the library lacks gets an outcome, so that it is not silently absent."""
-    from .harness import Outcome
-
     out = []
     for op in [op for op in abi.OP_NAMES if op in set(only_ops or ()) and not target.has_op(op)]:
         o = Outcome(op, "not claimed", "*", "unsupported",
@@ -101,8 +89,6 @@ def _unclaimed(target, only_ops: Optional[Iterable[str]], rec: Recorder) -> list
 
 
 def _run_cases(target, cs, rec: Recorder) -> list[Outcome]:
-    from .harness import Recorder, ReferenceCache, check_case, release_comm
-
     ref = ReferenceCache(reference_backend())
     out = []
     for case in cs:
@@ -119,9 +105,6 @@ def _run_cases(target, cs, rec: Recorder) -> list[Outcome]:
 
 
 def run_l1(target, profile="default", seed=0, only_ops=None, rec: Optional[Recorder] = None) -> list[Outcome]:
-    from . import cases as C
-    from .harness import Recorder
-
     rec = rec or Recorder()
     out: list[Outcome] = _unclaimed(target, only_ops, rec)
     for op in _ops_to_test(target, only_ops):
@@ -134,9 +117,6 @@ def run_l1(target, profile="default", seed=0, only_ops=None, rec: Optional[Recor
 
 
 def run_l2(target, profile="default", seed=0, rec: Optional[Recorder] = None) -> list[Outcome]:
-    from . import cases as C
-    from .harness import Outcome, Recorder
-
     rec = rec or Recorder()
     if not target.has_op("dequantize"):
         o = Outcome("dequantize", "L2", "*", "unsupported", "dequantize not in the library's table")
@@ -151,8 +131,6 @@ def run_l2(target, profile="default", seed=0, rec: Optional[Recorder] = None) ->
 
 
 def _skipped(rec: Recorder, level: str, why: str) -> list[dict]:
-    from .harness import Outcome
-
     o = Outcome("*", level, "*", "skipped", why)
     rec.done(o)
     return [o.as_dict()]
@@ -161,26 +139,18 @@ def _skipped(rec: Recorder, level: str, why: str) -> list[dict]:
 def run_level(level: str, lib_path: str, profile: str = "default", seed: int = 0, only_ops=None,
               progress: Progress = _quiet, rec: Optional[Recorder] = None) -> list[dict]:
     """One level in this process; returns its results as plain dicts."""
-    from .harness import Recorder
-
     rec = rec or Recorder(progress)
     rec.level = level
     if level == "L0":
         if lib_path == REFERENCE:
             return _skipped(rec, "L0", "the reference is not a library: no ABI to check")
-        from .abi_checks import run_l0
-
         return [o.as_dict() for o in run_l0(lib_path, rec)]
     if level == "L3":
         if lib_path == REFERENCE:
             return _skipped(rec, "L3", "the reference has no streams or graphs")
-        from .device_checks import run_l3
-
         return [o.as_dict() for o in run_l3(lib_path, rec)]
     if level == MULTI_RANK:
         raise ValueError(f"{MULTI_RANK} runs as an mpirun job of several processes: run_conformance(..., ranks=N)")
-    from .harness import release_comm
-
     target = open_target(lib_path)
     try:
         if level == "L1":
@@ -200,8 +170,6 @@ MAX_CRASHES = 25   # crashes and timed-out checks of one run: each one costs a n
 
 def _error(op: str, case: str, fmt: str, message: str, seed: int = 0) -> dict:
     """An error result of the run itself (the child crashed, timed out, or the library cannot load)."""
-    from .harness import Outcome
-
     return Outcome(op, case, fmt, "error", message, seed=seed).as_dict()
 
 
@@ -345,14 +313,10 @@ def _run_isolated(levels, lib_path, profile, seed, only_ops, progress: Progress,
 
 def _library_facts(lib_path: str, isolate: bool) -> dict:
     if lib_path == REFERENCE:
-        from ..reference import ReferenceBackend
-
         be = ReferenceBackend()
         return {"path": None, "sha256": None, "name": "reference", "version": __version__,
                 "abi_version": f"{abi.ABI_MAJOR}.{abi.ABI_MINOR}", "device": "cpu", "attributes": {},
                 "ops_claimed": be.ops()}
-    from ..loader import probe, probe_isolated
-
     # reading the facts runs the library's code: a child process, unless the whole run is in-process
     c = probe_isolated(Path(lib_path)) if isolate else probe(Path(lib_path))
     facts = {"path": str(Path(lib_path).resolve()), "sha256": file_sha256(lib_path) if Path(lib_path).is_file() else None,
@@ -417,9 +381,6 @@ def _write_atomically(path: Path, text: str) -> None:
 def _run_multi_rank(lib_path: str, facts: dict, ranks: int, seed: int, progress: Progress,
                     check_timeout: Optional[float]) -> list[dict]:
     """L4: the checks of multi_rank.py as an mpirun job of `ranks` processes."""
-    from .harness import Outcome
-    from .multi_rank import run_l4
-
     progress(f"== {MULTI_RANK} ({ranks} ranks under mpirun)")
     comm_entries = ("comm_unique_id", "comm_create", "comm_destroy")
     if lib_path != REFERENCE and not all(e in facts.get("entries", []) for e in comm_entries):

@@ -105,7 +105,7 @@ TOLERANCES_V3: dict[str, dict[str, Tol]] = {
 }
 
 # v4 (ABI 1.4): v3 unchanged, plus the collectives and the two local halves of expert parallelism.
-# The suite runs the collectives on a one-rank communicator (cases.py); the bounds hold for any rank count.
+# The suite runs the collectives on a one-rank communicator (cases/dist.py); the bounds hold for any rank count.
 TOLERANCES_V4: dict[str, dict[str, Tol]] = {
     **TOLERANCES_V3,
     # a sum over N ranks accumulated in f32 and rounded once: (N - 1) roundings of the running sum, far

@@ -23,7 +23,11 @@ import numpy as np
 
 from ..config import EngineConfig
 from ..errors import CheckpointError, ConfigError, DeepinferError, InputTypeError
+from ..loader import get_backend
+from ..model.hub import resolve_model
+from ..parallel.group import ParallelGroup
 from .. import validate as V
+from .runner_factory import load_runner
 from .sampling import SamplingParams, step_seed
 from .scheduler import Scheduler
 from .speculative import SpecConfig, Speculator
@@ -45,8 +49,6 @@ def default_model_dir() -> Path:
 def resolve_model_dir(model=None, revision: Optional[str] = None) -> Path:
     """The directory of a model argument: a directory as is, a hub id's snapshot in the Hugging
     Face cache (model.hub, at `revision`), or the embedded model for None."""
-    from ..model.hub import resolve_model
-
     if model:
         return resolve_model(model, revision)
     if revision:
@@ -72,9 +74,6 @@ class RequestOutput:
 def load_backend_and_runner(model_dir: Path, config: EngineConfig, group=None):
     """The backend and the loaded model of one process (of one rank, with a ParallelGroup: rank r
     uses device device_id + its local rank)."""
-    from ..loader import get_backend
-    from .model_runner import load_runner
-
     threads = config.num_threads
     if group is not None and not threads:
         # CPU ranks share the machine's cores: each takes its part rather than all of them
@@ -103,8 +102,6 @@ class Engine:
         # parallel.worker.run_worker with the same config and execute the steps it sends
         self.group = None
         if config.world_size > 1:
-            from ..parallel.group import ParallelGroup
-
             self.group = ParallelGroup(config.tensor_parallel, config.expert_parallel)
             if not self.group.is_driver:
                 raise ConfigError(f"rank {self.group.rank}: only rank 0 runs an Engine; the other ranks run "
@@ -130,9 +127,8 @@ class Engine:
                          self.spec.costs.describe())
         log.info("engine: %s on %s (%s); KV cache %d blocks x %d tokens", self.model_dir.name, self.backend.name,
                  self.runner.precision_note, self.block_manager.num_blocks, self.block_manager.block_size)
-        reason = getattr(self.runner, "precision_reason", "")
-        self.precision_warned = bool(getattr(self.runner, "precision_lossy", False)
-                                     and config.precision in ("auto", "fastest"))
+        reason = self.runner.precision_reason
+        self.precision_warned = bool(self.runner.precision_lossy and config.precision in ("auto", "fastest"))
         if self.precision_warned:
             # a default that changes what the checkpoint computes is never silent
             log.warning("%s", reason)
@@ -286,17 +282,20 @@ class Engine:
             top_k.append(p.top_k if p else 0)
             top_p.append(p.top_p if p else 1.0)
             seeds.append(step_seed(p.seed, s.seq.index, s.seq.num_output_tokens) if p else 0)
-        tokens = self.runner.sample(logits, temperature=temp, top_k=top_k, top_p=top_p, seeds=seeds)
+        tokens = self.runner.sampler.sample(logits, temperature=temp, top_k=top_k, top_p=top_p, seeds=seeds)
         host = None
         if any(seq.params.logprobs is not None for _, seq in sampled):
             host = self.backend.to_numpy(logits)
         now = time.monotonic()
         for i, seq in sampled:
-            outs.append(self._advance(seq, tokens[i], host[i] if seq.params.logprobs is not None else None,
+            outs.append(self.advance(seq, tokens[i], host[i] if seq.params.logprobs is not None else None,
                                       now))
         return outs
 
-    def _advance(self, seq: Sequence, tok: int, row, now: float) -> RequestOutput:
+    def advance(self, seq: Sequence, tok: int, row, now: float) -> RequestOutput:
+        """Take one sampled token for `seq`: finish it on eos / a stop token / a stop string / its
+        length, else append it; its RequestOutput. row: its logits row (None without logprobs).
+        Plain steps and the speculator (engine.speculative.SpecEngine) both emit through here."""
         p = seq.params
         if seq.first_token_time is None:
             seq.first_token_time = now

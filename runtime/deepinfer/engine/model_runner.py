@@ -1,30 +1,29 @@
-"""The ModelRunner: a loaded model on one backend, and everything a step needs besides the graph.
+"""The ModelRunner: a loaded model on one backend, run one step at a time: plan -> fill -> run -> logits.
 
-It owns the weights (model.weights), the graph (model.deepseek), the KV cache memory, the block
-manager, the execution plans and the arena they share, the host staging of each step's inputs and
-the sampling buffers, and graph capture. The scheduler hands it a batch of
-(Sequence, start, n_tokens); it pads the batch up to a bucket, fills the inputs, runs the plan and
-returns the logits.
+It owns the weights (model.weights), the graph (model.deepseek), the KV cache (sized by
+engine.kv_sizing), the block manager, the execution plans and the arena they share, the host
+staging of each step's inputs, and graph capture. The scheduler hands it a batch of
+(Sequence, start, n_tokens); it pads the batch up to a bucket (engine.plan_key), fills the inputs,
+runs the plan and returns the logits.
 
-Buckets: a plan is traced per (mode, tokens bucket, sequences bucket), not per exact shape, so a
-server that sees every batch size and chunk length settles on a few plans and never retraces in
-steady state. Padding uses the ABI's own semantics: a padded token writes no cache (slot -1) and,
-in decode mode, attends to nothing (kv_len 0); in prefill mode padded tokens trail the last real
-sequence (causal attention keeps them out of every real token's output); padded sequences are
-empty (cu_seqlens repeats) and their logits rows are never read.
+Padding uses the ABI's own semantics: a padded token writes no cache (slot -1) and, in decode
+mode, attends to nothing (kv_len 0); in prefill mode padded tokens trail the last real sequence
+(causal attention keeps them out of every real token's output); padded sequences are empty
+(cu_seqlens repeats) and their logits rows are never read.
 
 Graphs: on a device backend with graph capture, the runner works on a stream of its own and each
 decode plan is captured after its first (eager) run, so a decode step costs one input copy, one
 graph launch, the sample op and one read of the sampled ids. Prefill plans run op by op (their
 launch overhead is small next to their work). enforce_eager=True keeps every step op by op.
 
-The offline API (forward / free / score / mtp_logits with caller-chosen sequence ids) serves tests,
-perplexity and benchmarks; it keeps a Sequence per id, so positions still live in one place.
+Beside it, each in a module of its own: the sampler (engine.sampling), the hidden-state and draft
+stores of speculative decoding (engine.spec_store), the steps of a multi-rank job
+(engine.multi_rank), and the offline API (engine.offline: forward / free / score / mtp_logits
+with caller-chosen sequence ids), whose methods the runner hands over to under the same names.
 """
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections import OrderedDict
 from typing import Optional, Sequence as Seq
 
@@ -36,93 +35,75 @@ from ..model.checkpoint import Checkpoint
 from ..model.deepseek import StepInputs
 from ..model.expert_cache import ExpertCache, ExpertCacheConfig
 from ..model.family import family_of
-from ..model.kv_cache import PagedKVCache, PagedPools, block_bytes, pools_block_bytes
 from ..model.plan import Arena, Plan, Tracer
 from ..model.weights import is_mtp_layer
 from ..tensor import Tensor
 from .block_manager import BlockManager
-from .sequence import Sequence
-
-log = logging.getLogger("deepinfer")
+from .kv_sizing import KVSizing
+from .multi_rank import RankSteps
+from .offline import OfflineRunner
+from .plan_key import PlanKey, bucket
+from .runner_config import RunnerConfig
+from .sampling import Sampler
+from .spec_store import SpecStore
 
 MAX_CACHED_PLANS = 64
-PRECISIONS = (None,) + tuple(QF.PRECISION_PATHS)
-
-
-def bucket(n: int) -> int:
-    """The padded size of a batch of n tokens or sequences: 1, 2, 4, 8, 16, 24, 32, 48, 64, ..., 128
-    (steps of 16), then steps of 64 to 512, then steps of 256."""
-    if n <= 16:
-        return 1 << max(n - 1, 0).bit_length()
-    for limit, step in ((32, 8), (128, 16), (512, 64)):
-        if n <= limit:
-            return -(-n // step) * step
-    return -(-n // 256) * 256
 
 
 class ModelRunner:
     """A loaded DeepSeek model bound to one backend: weights, KV cache, block manager and plans.
 
-    forward() runs one step for a batch of sequences and returns f32 logits [S, V] of each sequence's
-    last token (all tokens' with all_logits=True). The returned Tensor is valid until the next call.
+    run() runs one step for a batch of (Sequence, start, n_tokens) and returns f32 logits [S, V] of
+    each sequence's last token (all tokens' with all_logits=True). The returned Tensor is valid
+    until the next call. config: a RunnerConfig (None: its defaults); group: this rank of a tensor /
+    expert parallel job (parallel.group.ParallelGroup).
     """
 
-    def __init__(self, checkpoint, backend, *, max_batch: int = 8, max_seq_len: Optional[int] = None,
-                 num_cache_blocks: Optional[int] = None, block_size: int = 16, dtype: str = "f32",
-                 load_mtp: bool = True, precision: Optional[str] = None, group_size: int = 64,
-                 max_num_batched_tokens: Optional[int] = None, kv_cache_memory_fraction: Optional[float] = None,
-                 enable_prefix_cache: bool = True, enforce_eager: bool = False, quantize_lm_head: bool = False,
-                 expert_cache=None, group=None):
+    def __init__(self, checkpoint, backend, config: Optional[RunnerConfig] = None, group=None):
+        rc = self.config = config if config is not None else RunnerConfig()
         ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
         # group (parallel.group.ParallelGroup): this rank of a tensor / expert parallel job. Every rank
-        # builds the same runner; rank 0 schedules and sends each step to the others (run_remote)
+        # builds the same runner; rank 0 schedules and sends each step to the others (engine.multi_rank)
         self.group = group if group is not None and group.world > 1 else None
-        if dtype not in ("f32", "bf16"):
-            raise ValueError(f"activation dtype must be 'f32' or 'bf16', not {dtype!r}")
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision {precision!r} is not one of {PRECISIONS}")
+        rc.check()
+        dtype, precision = rc.dtype, rc.precision
         self.ckpt, self.cfg, self.backend, self.dtype = ckpt, ckpt.config, backend, dtype
         c = self.cfg
         # weight format of the quantizable linears (None: as stored) and int8 activations for them
         self.precision = precision
         self.act_quant = precision is not None and QF.PRECISION_PATHS[precision].activations == "int8"
-        self.max_batch = int(max_batch)
-        self.block_size = int(block_size)
-        self.max_seq_len = int(max_seq_len or min(c.max_position_embeddings, 4096))
+        self.max_batch = int(rc.max_batch)
+        self.block_size = int(rc.block_size)
+        self.max_seq_len = int(rc.max_seq_len or min(c.max_position_embeddings, 4096))
         self.max_blocks_per_seq = -(-self.max_seq_len // self.block_size)
-        self.max_num_batched_tokens = int(max_num_batched_tokens or max(512, self.max_batch))
+        self.max_num_batched_tokens = int(rc.max_num_batched_tokens or max(512, self.max_batch))
         self.eos_token_id = c.eos_token_id
         self.bos_token_id = c.bos_token_id
         # graphs need a stream of our own (the default stream cannot be captured); the backend's
         # copies and ops all go there from now on, so nothing reorders around the captured steps
-        self.use_graphs = bool(backend.supports_graphs and not enforce_eager)
+        self.use_graphs = bool(backend.supports_graphs and not rc.enforce_eager)
         self.stream = None
         if self.use_graphs:
             self.stream = backend.create_stream()
             backend.set_stream(self.stream)
         # the MTP layer is a block of the model's own kind (V3.2: with its indexer; V4: sliding window)
-        self.has_mtp = bool(load_mtp and c.has_mtp and self.group is None and is_mtp_layer(ckpt, c.num_hidden_layers))
+        self.has_mtp = bool(rc.load_mtp and c.has_mtp and self.group is None and is_mtp_layer(ckpt, c.num_hidden_layers))
         self.family = fam = family_of(c)
         # what the MTP layer reads of the main model's last step (model.family)
         self.hidden_width = fam.hidden_width(c)
         if fam.pow2_blocks and self.block_size & (self.block_size - 1):
             raise ConfigError(f"{fam.name} needs a power-of-two KV block size (compressed entries of 4 and 128 "
                               f"tokens map onto blocks); {self.block_size} is not: set kv_block_size to 16, 32 or 64")
-        if quantize_lm_head and QF.weight_format_of(precision) not in ("int8", "int4"):
+        if rc.quantize_lm_head and QF.weight_format_of(precision) not in ("int8", "int4"):
             raise ConfigError(f"quantize_lm_head needs an int8, int4, w8a8 or w4a8 precision; this model runs "
                               f"{precision or 'as stored'}: set such a precision, or drop quantize_lm_head")
         self._check_family_ops(backend)
-        ec = ExpertCacheConfig.parse(expert_cache)
-        if self.group is not None:
-            self.group.shard.check(c)
-            if ec is not None:
-                raise ConfigError("expert_cache with several ranks: expert parallelism already spreads the experts "
-                                  "over the ranks; drop expert_cache, or run on one rank")
-            self.group.connect(backend)     # before loading: a backend without collectives fails fast
+        ec = ExpertCacheConfig.parse(rc.expert_cache)
+        self.ranks = RankSteps(self.group, backend, c, ec) if self.group is not None else None
         if ec is not None and not c.n_routed_experts:
             raise ConfigError("expert_cache: this model has no routed experts (n_routed_experts is 0); drop the option")
         loader = fam.weight_loader(
-            ckpt, backend, dtype, precision, group_size, quantize_lm_head=quantize_lm_head,
+            ckpt, backend, dtype, precision, rc.group_size, quantize_lm_head=rc.quantize_lm_head,
             stream_experts=ec is not None, **({"shard": self.group.shard} if self.group is not None else {}))
         self.weights = loader.load(self.has_mtp)
         if self.group is not None:
@@ -143,33 +124,36 @@ class ModelRunner:
         self.graph.block_size = self.block_size
         self.graph.par = self.group       # the collectives of a split model (model.deepseek)
         self.arena = Arena(backend)
-        self.plans: "OrderedDict[tuple, Plan]" = OrderedDict()
-        self._hidden: Optional[Tensor] = None     # persistent final hidden states for the MTP head
-        self._mtp_hidden: Optional[Tensor] = None  # the MTP layer's own (feeds recursive drafts)
-        self._draft_hidden: Optional[Tensor] = None   # [bucket(max_batch), H]: a row per drafting sequence
-        self._draft_q: Optional[Tensor] = None    # [num_draft * max_batch, V] f32: draft logits kept for spec_verify
-        self._gather_ids: Optional[Tensor] = None
+        self.plans: "OrderedDict[PlanKey, Plan]" = OrderedDict()
+        # persistent final hidden states for the MTP head, and the stores of speculative decoding
+        self.spec_store = SpecStore(backend, self.hidden_width, dtype, self.max_batch, c.vocab_size)
+        self.sampler = Sampler(backend)
+        self.offline = OfflineRunner(self)
         self.last_hidden: Optional[Tensor] = None
-        self._last_layout = None                  # (seq id, tokens, start) of the last keep_hidden forward
-        self._last_steps = None                   # and its (Sequence, start, n) steps, for mtp_logits
-        self._sample_bufs: dict = {}
-        self._offline: dict = {}                  # caller's sequence id -> Sequence (the offline API)
+        self.last_plan: Optional[Plan] = None
+        self._last_T = 0
+        self.precision_reason = ""          # why this precision (engine.runner_factory.load_runner sets it)
+        self.precision_lossy = False        # the weights compute something other than the stored ones
         self.num_cache_layers = c.num_hidden_layers + (1 if self.has_mtp else 0)
-        explicit_kv = num_cache_blocks is not None
-        if num_cache_blocks is None and kv_cache_memory_fraction is not None:
-            num_cache_blocks = self._blocks_from_free_memory(kv_cache_memory_fraction)
-        nb = int(num_cache_blocks or self.max_batch * self.max_blocks_per_seq)
-        self._check_kv_fits(nb, explicit_kv)
-        if self.group is not None:
-            nb = self.group.agree_min(nb)   # rank 0's block manager hands out blocks every rank has
-        self.kv = self._new_cache(nb)
+        self.kv_sizing = KVSizing(backend, fam, c, self.num_cache_layers, self.block_size, dtype,
+                                  self.max_blocks_per_seq, self.max_batch, self.max_seq_len)
+        nb = rc.num_cache_blocks
+        explicit_kv = nb is not None
+        if nb is None and rc.kv_cache_memory_fraction is not None:
+            self._warm_up()
+            nb = self.kv_sizing.blocks_from_free_memory(rc.kv_cache_memory_fraction)
+        nb = int(nb or self.max_batch * self.max_blocks_per_seq)
+        self.kv_sizing.check_fits(nb, explicit_kv)
+        if self.ranks is not None:
+            nb = self.ranks.agree_blocks(nb)   # rank 0's block manager hands out blocks every rank has
+        self.kv = self.kv_sizing.new_cache(nb)
         self.graph.caches = self.kv.layers
-        self.block_manager = BlockManager(nb, self.block_size, self.max_blocks_per_seq, enable_prefix_cache)
+        self.block_manager = BlockManager(nb, self.block_size, self.max_blocks_per_seq, rc.enable_prefix_cache)
         stored = c.quant_scheme.describe() if c.quant_scheme is not None else c.torch_dtype
         wq = f"{stored} weights" if precision is None else f"{precision} (from {stored})"
         self.precision_note = f"{wq}, {dtype} activations" + (", int8 per-token activations for int linears"
                                                               if self.act_quant else "") + \
-            (", int8 lm_head" if quantize_lm_head else "")
+            (", int8 lm_head" if rc.quantize_lm_head else "")
 
     def _check_family_ops(self, backend) -> None:
         """A family that needs newer ops and fields (V4 and V3.2: ABI 1.3's) says so before loading anything."""
@@ -183,61 +167,24 @@ class ModelRunner:
                               f"{backend.name} implements ABI 1.{backend.abi_minor}{' without them' if missing else ''}:"
                               f" update that library, or set fallback: true to run the missing ops on the reference")
 
-    # ================================================================== KV cache sizing
-    def _pool_layout(self) -> Optional[list]:
-        """Per layer {pool: (entries per block, width)} for models whose cache is several pools (V4,
-        V3.2), None for the one latent tensor per layer of V2 / V3."""
-        pools = self.family.cache_pools
-        return None if pools is None else pools(self.cfg, self.block_size, self.num_cache_layers)
-
-    def _new_cache(self, num_blocks: int):
-        layout = self._pool_layout()
-        if layout is not None:
-            return PagedPools(self.backend, layout, num_blocks, self.block_size, self.dtype, self.max_blocks_per_seq)
-        return PagedKVCache(self.backend, self.num_cache_layers, num_blocks, self.block_size, self.cfg.cache_width,
-                            self.dtype, self.max_blocks_per_seq)
-
-    def _block_bytes(self) -> int:
-        """Bytes one KV block takes over all cache layers."""
-        item = 4 if self.dtype == "f32" else 2
-        layout = self._pool_layout()
-        if layout is not None:
-            return pools_block_bytes(layout, item)
-        return block_bytes(self.num_cache_layers, self.block_size, self.cfg.cache_width, item)
-
-    def _check_kv_fits(self, num_blocks: int, explicit: bool) -> None:
-        """Refuse a KV cache larger than the free memory before allocating it: an allocation that
-        fails (or a host that starts swapping) says far less than what fits."""
-        per = self._block_bytes()
-        free, _ = self.backend.memory_info()
-        if free and num_blocks * per > free:
-            fits = free // per * self.block_size
-            asked = (f"kv_cache_tokens {num_blocks * self.block_size}" if explicit else
-                     f"max_batch {self.max_batch} x max_seq_len {self.max_seq_len}")
-            raise ConfigError(f"a KV cache for {asked} needs {num_blocks * per / 2**30:.2f} GiB but "
-                              f"{free / 2**30:.2f} GiB are free on {self.backend.name}; at most {fits} tokens "
-                              f"fit (blocks of {self.block_size}): lower it")
-
-    def _blocks_from_free_memory(self, fraction: float) -> int:
-        """KV blocks that fit in `fraction` of the memory free after a warm-up step of the largest
-        prefill (its plan's arena is the peak activation memory). Device backends take that much;
-        host backends stop at max_batch full-length sequences (RAM is shared with everything else)."""
-        c = self.cfg
-        warm = self._new_cache(1)
+    def _warm_up(self) -> None:
+        """One step of the largest prefill on a one-block cache before the KV cache is sized
+        (engine.kv_sizing.blocks_from_free_memory): its plan's arena is the peak activation memory,
+        and device backends allocate their workspaces on first use. Slots -1 write no cache."""
+        warm = self.kv_sizing.new_cache(1)
         self.graph.caches = warm.layers
         T = min(self.max_num_batched_tokens, self.max_batch * self.max_seq_len)
         p = self.plan("main", "prefill" if self._prefill_mode else "decode", bucket(T), 1)
         if self.backend.device != "cpu":
-            # run it: backends allocate their workspaces on first use; slots -1 write no cache
             p.host_input("ids")[:] = 0
-            p.host_input("positions")[:] = np.arange(p.key[2]) % self.max_seq_len
+            p.host_input("positions")[:] = np.arange(p.key.tokens) % self.max_seq_len
             p.host_input("slots")[:] = -1
             if self._prefill_mode:
-                p.host_input("cu_seqlens")[:] = [0, p.key[2]]
+                p.host_input("cu_seqlens")[:] = [0, p.key.tokens]
             else:   # block 0 of the one-block warm-up cache, every token attending to its own position
                 p.host_input("block_table")[...] = 0
                 p.host_input("token_seq")[:] = 0
-                p.host_input("kv_len")[:] = np.arange(p.key[2]) % self.block_size + 1
+                p.host_input("kv_len")[:] = np.arange(p.key.tokens) % self.block_size + 1
                 self._fill_extra(p, p.host_input("positions"), p.host_input("slots"))
             p.host_input("last_idx")[:] = 0
             if self.experts is not None:
@@ -249,31 +196,17 @@ class ModelRunner:
                 if self.experts is not None:
                     self.experts.dry = False
         self.plans.clear()                       # they point at the warm-up cache
-        del warm
-        free, total = self.backend.memory_info()
-        per = self._block_bytes()
-        nb = int(free * float(fraction)) // per
-        if self.backend.device == "cpu":
-            nb = min(nb, self.max_batch * self.max_blocks_per_seq)
-        if nb < self.max_blocks_per_seq:   # a setting that cannot work, not a full cache at run time
-            raise ConfigError(f"{fraction:.0%} of the {free / 2**30:.2f} GiB free after loading holds {nb} KV blocks "
-                                 f"of {self.block_size} tokens, fewer than one sequence of max_seq_len "
-                                 f"{self.max_seq_len} needs ({self.max_blocks_per_seq}); lower max_seq_len or set "
-                                 f"kv_cache_tokens")
-        log.info("KV cache: %d blocks x %d tokens (%.1f MiB) from %.0f%% of %.2f GiB free", nb, self.block_size,
-                 nb * per / 2**20, 100 * fraction, free / 2**30)
-        return nb
 
     # ================================================================== plans
     def plan(self, kind: str, mode: str, T: int, S: int, all_logits: bool = False, keep_hidden: bool = False,
              pause_free: bool = False) -> Plan:
         """The plan of one kind of step (traced once per key). pause_free: an expert cache's step
         without pauses (model.expert_cache)."""
-        key = (kind, mode, T, S, all_logits, keep_hidden, pause_free)
+        key = PlanKey(kind, mode, T, S, all_logits, keep_hidden, pause_free)
         p = self.plans.get(key)
         if p is None:
             if keep_hidden or kind != "main":
-                self._hidden_store(T)
+                self._ensure_hidden(T)
             with (self.experts.tracing(pause_free) if self.experts is not None else contextlib.nullcontext()):
                 p = self._trace(key)
             self.plans[key] = p
@@ -285,20 +218,20 @@ class ModelRunner:
         p.bind(self.arena, self.backend)
         return p
 
-    def _trace(self, key: tuple) -> Plan:
-        kind, mode, T, S, all_logits, keep_hidden, _ = key
+    def _trace(self, key: PlanKey) -> Plan:
+        T, st = key.tokens, self.spec_store
         g = Tracer(self.backend)
-        meta = StepInputs.declare(g, mode, T, S, self.max_blocks_per_seq, all_logits)
-        if kind == "main":
-            self.graph.forward(g, meta, self._hidden.narrow(0, 0, T) if keep_hidden else None)
-        elif kind == "mtp":
-            self.graph.mtp(g, meta, self._hidden.narrow(0, 0, T), self._mtp_hidden.narrow(0, 0, T))
-        elif kind == "draft":
+        meta = StepInputs.declare(g, key.mode, T, key.seqs, self.max_blocks_per_seq, key.all_logits)
+        if key.kind == "main":
+            self.graph.forward(g, meta, st.main.narrow(0, 0, T) if key.keep_hidden else None)
+        elif key.kind == "mtp":
+            self.graph.mtp(g, meta, st.main.narrow(0, 0, T), st.mtp.narrow(0, 0, T))
+        elif key.kind == "draft":
             # a recursive draft: the MTP layer on its own previous output, read and written in place
-            self.graph.mtp(g, meta, self._draft_hidden.narrow(0, 0, T), self._draft_hidden.narrow(0, 0, T))
+            self.graph.mtp(g, meta, st.draft.narrow(0, 0, T), st.draft.narrow(0, 0, T))
         else:   # "spec": verify the drafts and draft again (keep_hidden = draft logits gathered)
-            self.graph.verify_and_draft(g, meta, self._hidden.narrow(0, 0, T), self._mtp_hidden.narrow(0, 0, T),
-                                        self._draft_q if keep_hidden else None)
+            self.graph.verify_and_draft(g, meta, st.main.narrow(0, 0, T), st.mtp.narrow(0, 0, T),
+                                        st.draft_q if key.keep_hidden else None)
         return Plan.from_tracer(key, g)
 
     @property
@@ -311,19 +244,16 @@ class ModelRunner:
         if self.family.fill_inputs is not None:
             self.family.fill_inputs(p, self.cfg, self.block_size, pos, slots)
 
-    def _hidden_store(self, T: int) -> Tensor:
-        """The persistent hidden-state stores (main model's and the MTP layer's) for T rows."""
-        if self._hidden is None or self._hidden.shape[0] < T:
-            n = max(T, 2 * self.max_batch, 64 if self._hidden is None else 2 * self._hidden.shape[0])
-            # zero-filled: a step-time profile (engine.speculative) runs plans on rows nothing wrote
-            self._hidden = self.backend.empty((n, self.hidden_width), self.dtype, fill=0.0)
-            self._mtp_hidden = self.backend.empty((n, self.hidden_width), self.dtype, fill=0.0)
-            # plans bound to the old stores must be traced again
-            self.plans = OrderedDict((k, p) for k, p in self.plans.items() if k[0] == "main" and not k[-1])
-        if self._draft_hidden is None:
-            self._draft_hidden = self.backend.empty((bucket(self.max_batch), self.hidden_width), self.dtype,
-                                                    fill=0.0)
-        return self._hidden
+    def _ensure_hidden(self, T: int) -> None:
+        """Hidden-state stores (engine.spec_store) of at least T rows; plans bound to stores it
+        replaced must be traced again."""
+        if self.spec_store.ensure(T):
+            self._drop_plans_bound_to_stores()
+
+    def _drop_plans_bound_to_stores(self) -> None:
+        # NOTE: this keeps the main plans with keep_hidden too, though they write the old store: the
+        # test read k[-1] of the 7-tuple, which was keep_hidden until pause_free was added after it
+        self.plans = OrderedDict((k, p) for k, p in self.plans.items() if k.kind == "main" and not k.pause_free)
 
     # ================================================================== one step
     def run(self, batch: list, *, all_logits: bool = False, keep_hidden: bool = False, kind: str = "main",
@@ -348,12 +278,12 @@ class ModelRunner:
         # only main steps: a draft step reads and writes its hidden rows in place)
         pause_free = ex is not None and kind == "main" and mode == "decode" and ex.pause_free_ready()
         p = self._step_plan(batch, kind, mode, T, Tb, Sb, all_logits, keep_hidden, pause_free, tokens, inputs)
-        self._execute(p)
+        self.execute(p)
         if pause_free and not ex.after_pause_free(Tb):
             p = self._step_plan(batch, kind, mode, T, Tb, Sb, all_logits, keep_hidden, False, tokens, inputs)
-            self._execute(p)
+            self.execute(p)
         if keep_hidden:
-            self.last_hidden = self._hidden.narrow(0, 0, T)
+            self.last_hidden = self.spec_store.main.narrow(0, 0, T)
         self.last_plan, self._last_T = p, T
         logits = p.bound_outputs["logits"]
         return logits.narrow(0, 0, T if all_logits else S)
@@ -370,78 +300,29 @@ class ModelRunner:
             h = p.host_input(name)
             h[:T] = vals
             h[T:] = pad
-        if self.group is not None:
-            # the other ranks run the same plan on the same inputs (their collectives meet ours)
-            self.group.send_step(p.key, {name: p.host_input(name) for name in p.inputs})
+        if self.ranks is not None:
+            self.ranks.announce(p)     # the other ranks run the same plan on the same inputs
         return p
 
-    def _execute(self, p: Plan) -> None:
+    def execute(self, p: Plan) -> None:
         """Run a filled plan; a decode plan is captured as a graph after its first eager run. Every
         rank of a job takes the same decisions here, in the same order."""
-        if self.use_graphs and p.key[1] == "decode" and p.graph is None and p.runs >= 1:
+        if self.use_graphs and p.key.mode == "decode" and p.graph is None and p.runs >= 1:
             p.capture(self.backend)
         self._run_plan(p)
 
     def run_remote(self, key: tuple, inputs: dict) -> None:
         """Ranks other than 0: run the step rank 0 announced (parallel.group.serve_steps)."""
-        p = self.plan(*key)
-        for name, a in inputs.items():
-            p.host_input(name)[...] = a
-        self._execute(p)
+        RankSteps.replay(self, key, inputs)
 
     def output(self, name: str, rows: Optional[int] = None) -> Tensor:
         """An output of the last step's plan (its first `rows` rows; default: the step's tokens)."""
         return self.last_plan.bound_outputs[name].narrow(0, 0, self._last_T if rows is None else rows)
 
-    # ================================================================== speculative decoding
     def enable_speculation(self, num_draft: int) -> None:
-        """Size the stores a speculative step reads and writes (engine.speculative)."""
-        if self.weights.mtp is None:
-            raise ConfigError("speculative decoding with MTP needs the checkpoint's MTP layer: this model has none "
-                              "(num_nextn_predict_layers is 0, or its weights are absent, or speculative.mtp is "
-                              "false); drop the speculative option")
-        if not self.backend.has_op("spec_verify"):
-            raise ConfigError(f"speculative decoding needs the spec_verify op (ABI 1.2), which backend "
-                              f"{self.backend.name} lacks; update that library, or set fallback: true to run "
-                              f"it on the reference")
-        self.num_draft = int(num_draft)
-        rows = max(self.max_num_batched_tokens, self.max_batch * (self.num_draft + 1))
-        self._hidden_store(bucket(rows))
-        self._gather_ids = self.backend.empty((bucket(rows),), "int32")
-
-    def draft_store(self) -> Tensor:
-        """[num_draft * max_batch, V] f32: each drafting sequence's draft logits, row depth *
-        max_batch + slot (allocated at the first sampled draft: greedy drafts never need it)."""
-        if self._draft_q is None:
-            self._draft_q = self.backend.empty((self.num_draft * self.max_batch, self.cfg.vocab_size), "f32")
-        return self._draft_q
-
-    def gather_rows(self, src: Tensor, rows: list, dst: Tensor) -> None:
-        """dst[i] = src[rows[i]] for i < len(rows) (the embedding op is a row gather)."""
-        n = len(rows)
-        if n == 0:
-            return
-        ids = self._gather_ids.narrow(0, 0, n)
-        self.backend.write(ids, np.asarray(rows, np.int32))
-        self.backend.call("embedding", ids=ids, table=src, out=dst.narrow(0, 0, n))
-
-    def scatter_draft_rows(self, src: Tensor, rows: list, slots: list, depth: int) -> None:
-        """Keep draft logits: draft_store row depth * max_batch + slots[i] = src[rows[i]]."""
-        store = self.draft_store()
-        base = depth * self.max_batch
-        # slots are arbitrary: one gather per run of consecutive slots
-        i = 0
-        while i < len(rows):
-            j = i + 1
-            while j < len(rows) and slots[j] == slots[j - 1] + 1:
-                j += 1
-            self.gather_rows(src, rows[i:j], store.narrow(0, base + slots[i], j - i))
-            i = j
-
-    def keep_draft_hidden(self, rows: list) -> None:
-        """_draft_hidden[i] = the MTP layer's hidden state at row rows[i] of the last step (the start
-        of recursive drafting)."""
-        self.gather_rows(self._mtp_hidden, rows, self._draft_hidden)
+        """Size the stores a speculative step reads and writes (engine.speculative, engine.spec_store)."""
+        if self.spec_store.enable(num_draft, self.max_num_batched_tokens, self.weights.mtp is not None):
+            self._drop_plans_bound_to_stores()
 
     def _run_plan(self, p: Plan) -> None:
         if not p.has_pauses:
@@ -538,124 +419,6 @@ class ModelRunner:
             last[:T] = range(T)
             last[T:] = 0
 
-    # ================================================================== sampling
-    def sample(self, logits: Tensor, temperature, top_k=None, top_p=None, seeds=None, with_probs: bool = False):
-        """One token per row of logits through the backend's sample op: the four parameter arrays go
-        in one copy and the ids come back in one (pinned buffers on device backends). with_probs:
-        (tokens, each token's probability) (ABI 1.2's probs; drafts use it as their confidence)."""
-        B = logits.shape[0]
-        bufs = self._sample_bufs.get((B, with_probs))
-        if bufs is None:
-            bufs = self._sample_bufs[(B, with_probs)] = _SampleBuffers(self.backend, B, with_probs)
-        bufs.set(temperature, top_k, top_p, seeds)
-        bufs.call(logits)()
-        return bufs.result()
-
-    # ================================================================== the offline API
-    def new_sequence(self) -> int:
-        """A fresh sequence id for forward()."""
-        return Sequence([], cacheable=False).seq_id
-
-    def free(self, seq_id: int) -> None:
-        """Give a sequence's blocks back; freeing an unknown or already-freed sequence is a no-op."""
-        seq = self._offline.pop(seq_id, None)
-        if seq is not None:
-            self.block_manager.release(seq)
-
-    def forward(self, batch, tokens=None, starts=None, *, all_logits: bool = False,
-                keep_hidden: bool = False) -> Tensor:
-        """One step by sequence ids. Either forward([(seq_id, tokens, start)]) or
-        forward(seq_ids, tokens_per_seq, starts). Positions >= start of a sequence are overwritten
-        (a rejected draft). Returns f32 logits [S, V] (or [T, V] with all_logits), a view valid until
-        the next call. keep_hidden keeps the final hidden states (last_hidden) for mtp_logits."""
-        items = self._normalize(batch, tokens, starts)
-        steps = []
-        for sid, toks, start in items:
-            seq = self._offline.get(sid)
-            if seq is None:
-                seq = self._offline[sid] = Sequence([], cacheable=False)
-            self.block_manager.truncate(seq, start)
-            del seq.token_ids[start:]
-            seq.token_ids.extend(int(t) for t in toks)
-            self.block_manager.grow(seq, start + len(toks))
-            steps.append((seq, start, len(toks)))
-        logits = self.run(steps, all_logits=all_logits, keep_hidden=keep_hidden)
-        for seq, start, n in steps:
-            seq.num_computed = start + n
-        self._last_layout = [(sid, len(toks), start) for sid, toks, start in items] if keep_hidden else None
-        self._last_steps = steps if keep_hidden else None
-        return logits
-
-    def _normalize(self, batch, tokens, starts) -> list:
-        if tokens is None:
-            items = [(b.seq_id, b.tokens, b.start) if hasattr(b, "tokens") else tuple(b) for b in batch]
-        else:
-            if starts is None:
-                starts = [self._offline[s].num_computed if s in self._offline else 0 for s in batch]
-            if not (len(batch) == len(tokens) == len(starts)):
-                raise ValueError("seq_ids, tokens and starts must have the same length")
-            items = list(zip(batch, tokens, starts))
-        if not items:
-            raise ValueError("forward() needs at least one sequence")
-        if len(items) > self.max_batch:
-            raise ValueError(f"{len(items)} sequences > max_batch {self.max_batch}")
-        V = self.cfg.vocab_size
-        seen = set()
-        for sid, toks, start in items:
-            if sid in seen:
-                raise ValueError(f"sequence {sid} appears twice in one batch")
-            seen.add(sid)
-            if len(toks) == 0:
-                raise ValueError(f"sequence {sid} has no new tokens")
-            cached = self._offline[sid].num_computed if sid in self._offline else 0
-            if start < 0 or start > cached:
-                raise ValueError(f"sequence {sid} starts at {start} but only {cached} positions are cached")
-            bad = [t for t in toks if not 0 <= int(t) < V]
-            if bad:
-                raise ValueError(f"sequence {sid}: token id {bad[0]} outside the vocabulary [0, {V})")
-        return items
-
-    def mtp_logits(self, batch, next_tokens=None, starts=None, *, all_logits: bool = False) -> Tensor:
-        """Draft logits of the MTP head for the step just run with keep_hidden=True.
-
-        For each sequence give the tokens that follow the previous step's tokens (the previous
-        step's tokens shifted left by one, then the token sampled from its logits), same count and
-        same start. Logits at position i predict the token at i + 2. The MTP layer keeps its own
-        cache layer, written here, so call it after every step whose draft you want."""
-        if self.weights.mtp is None:
-            raise RuntimeError("this checkpoint has no MTP layer (num_nextn_predict_layers = 0 or weights absent)")
-        if self.last_hidden is None or self._last_layout is None:
-            raise RuntimeError("mtp_logits needs the hidden states of a forward(..., keep_hidden=True) call")
-        if next_tokens is None:
-            items = [(b.seq_id, b.tokens, b.start) if hasattr(b, "tokens") else tuple(b) for b in batch]
-        else:
-            if starts is None:
-                starts = [st for (_, _, st) in self._last_layout]
-            items = list(zip(batch, next_tokens, starts))
-        layout = [(sid, len(toks), start) for sid, toks, start in items]
-        if layout != self._last_layout:
-            raise ValueError(f"mtp_logits batch {layout} must match the last forward's {self._last_layout}")
-        # the MTP step reads the same positions and blocks with the shifted tokens
-        steps = []
-        for (sid, toks, start), (seq, _, n) in zip(items, self._last_steps):
-            shadow = Sequence([0] * start + [int(t) for t in toks], cacheable=False)
-            shadow.block_table = seq.block_table
-            steps.append((shadow, start, n))
-        return self.run(steps, all_logits=all_logits, kind="mtp")
-
-    def score(self, ids: Seq[int], chunk: int = 256) -> np.ndarray:
-        """Logits of every position of one token sequence, as a host f32 array [len, V]
-        (perplexity); long inputs run as chunked prefill through the cache."""
-        sid = self.new_sequence()
-        rows = []
-        try:
-            for s in range(0, len(ids), chunk):
-                part = list(ids[s:s + chunk])
-                rows.append(self.backend.to_numpy(self.forward([(sid, part, s)], all_logits=True)))
-        finally:
-            self.free(sid)
-        return np.concatenate(rows) if rows else np.zeros((0, self.cfg.vocab_size), np.float32)
-
     # ================================================================== reporting
     def expert_stats(self) -> dict:
         """The expert cache's counters (engine.stats()), {} without one."""
@@ -667,133 +430,27 @@ class ModelRunner:
             "kv_cache_bytes": self.kv.nbytes,
             "kv_blocks": self.kv.num_blocks,
             "arena_bytes": self.arena.nbytes,
-            "plans": {str(k): {"arena_bytes": p.arena_bytes, "total_activation_bytes": p.total_activation_bytes,
+            "plans": {str(tuple(k)): {"arena_bytes": p.arena_bytes, "total_activation_bytes": p.total_activation_bytes,
                                "ops": len(p.calls)} for k, p in self.plans.items()},
         }
 
+    # ================================================================== the sampler and the offline API
+    # (engine.sampling, engine.offline), under the names tests, perplexity and benchmarks call
+    def sample(self, logits: Tensor, temperature, top_k=None, top_p=None, seeds=None, with_probs: bool = False):
+        return self.sampler.sample(logits, temperature, top_k, top_p, seeds, with_probs)
 
-def load_runner(model_dir, backend, engine_config=None, group=None) -> ModelRunner:
-    """A ModelRunner sized and typed from an EngineConfig: max_batch, max_seq_len, kv_cache_tokens
-    (None: sized from the memory free after a warm-up, kv_cache_memory_fraction of it),
-    kv_block_size, max_num_batched_tokens, activation_dtype, precision (auto: the checkpoint's own
-    precision when it fits the memory budget, else the most accurate path that does; fastest: the
-    fastest that fits; see precision.resolve) and group_size. Sets runner.precision_reason and
-    runner.precision_lossy."""
-    ckpt = Checkpoint(model_dir)
-    ec = engine_config
-    if ec is None:
-        return ModelRunner(ckpt, backend)
-    from .. import precision as P
+    def new_sequence(self) -> int:
+        return self.offline.new_sequence()
 
-    bs = int(getattr(ec, "kv_block_size", 16) or 16)
-    scheme = ckpt.config.quant_scheme
-    # an int4 checkpoint keeps its own groups; the config's group_size is for quantizing at load
-    gsize = scheme.group_size if scheme is not None and scheme.format == "int4" else ec.group_size
-    kw = dict(max_batch=int(ec.max_batch), max_seq_len=int(ec.max_seq_len), block_size=bs, group_size=int(gsize),
-              max_num_batched_tokens=getattr(ec, "max_num_batched_tokens", None),
-              enable_prefix_cache=bool(getattr(ec, "enable_prefix_cache", True)),
-              enforce_eager=bool(getattr(ec, "enforce_eager", False)),
-              quantize_lm_head=bool(getattr(ec, "quantize_lm_head", False)),
-              expert_cache=getattr(ec, "expert_cache", None))
-    tokens = getattr(ec, "kv_cache_tokens", None)
-    if tokens:
-        kw["num_cache_blocks"] = -(-int(tokens) // bs)
-    else:
-        kw["kv_cache_memory_fraction"] = float(getattr(ec, "kv_cache_memory_fraction", 0.9))
-    act = getattr(ec, "activation_dtype", "auto")
-    kw["dtype"] = P.default_activation_dtype(backend) if act in (None, "auto") else act
-    spec = getattr(ec, "speculative", None) or {}
-    kw["load_mtp"] = bool(spec.get("mtp", True))
-    entries = ckpt.entries()
-    shapes = QF.logical_shapes(entries, ckpt.array)
-    if group is not None and group.world > 1:
-        # what fits is what one rank holds: its shards, and only its routed experts
-        plan, E = group.shard, ckpt.config.n_routed_experts
-        shapes = {n: plan.local_shape(n, sh) for n, sh in shapes.items() if plan.owns(n, E)}
-    stored = P.stored_precision(entries, scheme)
-    precision, reason = P.resolve(backend, ec, shapes, scheme.to_config() if scheme is not None else None,
-                                  stored=stored)
-    if group is not None and group.world > 1:
-        # one precision for the job: rank 0's choice (ranks with less free memory would differ)
-        precision, reason = group.from_driver(precision) or None, group.from_driver(reason)
-    lossy = P.is_lossy(precision, stored[0])
-    if scheme is not None and precision == scheme.format:
-        precision = None   # the checkpoint's own format: the weights are used as stored
-    runner = ModelRunner(ckpt, backend, precision=precision, group=group, **kw)
-    runner.precision_reason = reason
-    runner.precision_lossy = lossy   # the weights compute something other than the stored ones
-    return runner
+    def free(self, seq_id: int) -> None:
+        self.offline.free(seq_id)
 
+    def forward(self, batch, tokens=None, starts=None, *, all_logits: bool = False,
+                keep_hidden: bool = False) -> Tensor:
+        return self.offline.forward(batch, tokens, starts, all_logits=all_logits, keep_hidden=keep_hidden)
 
-class _SampleBuffers:
-    """The sample op's per-row parameters packed in one buffer (temperature f32, top_k i32, top_p
-    f32, seeds u64: each block 256-byte aligned) with a host mirror, and its output ids."""
+    def mtp_logits(self, batch, next_tokens=None, starts=None, *, all_logits: bool = False) -> Tensor:
+        return self.offline.mtp_logits(batch, next_tokens, starts, all_logits=all_logits)
 
-    FIELDS = (("seeds", "uint64"), ("temperature", "f32"), ("top_k", "int32"), ("top_p", "f32"))
-
-    def __init__(self, backend, B: int, with_probs: bool = False):
-        self.backend, self.B, self.with_probs = backend, B, with_probs
-        self.offsets, off = {}, 0
-        for name, dt in self.FIELDS:
-            self.offsets[name] = off
-            off += -(-B * (8 if dt == "uint64" else 4) // 256) * 256
-        device = backend.device != "cpu"
-        self.store = backend.empty((off,), "uint8")
-        self.host = self.store
-        n_out = 2 * B if with_probs else B       # ids, then (with_probs) their f32 probabilities
-        self.out = backend.empty((n_out,), "int32")
-        self.out_host = self.out
-        if device:
-            try:
-                self.host = backend.host_empty((off,), "uint8")
-                self.out_host = backend.host_empty((n_out,), "int32")
-            except Exception:   # no pinned memory in this library: pageable copies
-                self.host, self.out_host = Tensor.empty((off,), "uint8"), Tensor.empty((n_out,), "int32")
-        self.ids = self.out.narrow(0, 0, B)
-        self.probs = Tensor(self.out.buffer, (B,), "f32", None, self.out.offset + 4 * B) if with_probs else None
-        raw = self.host.numpy()
-        self._bound = None
-        self._out_view = None
-        self._last = None       # the parameters last written (lists copied: callers may reuse theirs)
-        self.views, self.params = {}, {}
-        for name, dt in self.FIELDS:
-            o = self.offsets[name]
-            t = Tensor(self.store.buffer, (B,), dt, None, self.store.offset + o)
-            self.params[name] = t
-            self.views[name] = raw[o:o + t.nbytes].view(t.dtype.np)
-
-    def set(self, temperature, top_k, top_p, seeds) -> None:
-        B, v = self.B, self.views
-        key = (temperature, top_k, top_p, seeds)
-        plain = all(x is None or isinstance(x, list) for x in key)
-        if plain and self._last == key and self.host is self.store:
-            return    # a greedy decode loop passes the same parameters every step
-        self._last = tuple(list(x) if isinstance(x, list) else x for x in key) if plain else None
-        v["temperature"][:] = np.asarray(temperature, np.float32).reshape(B)
-        v["top_k"][:] = np.asarray(top_k, np.int32).reshape(B) if top_k is not None else 0
-        v["top_p"][:] = np.asarray(top_p, np.float32).reshape(B) if top_p is not None else 1.0
-        v["seeds"][:] = np.asarray(seeds, np.uint64).reshape(B) if seeds is not None else 0
-        if self.host is not self.store:
-            self.backend.copy_async(self.store, self.host)
-
-    def call(self, logits: Tensor):
-        """The sample op on `logits`, bound once per logits buffer: a decode step samples the same
-        plan output every time, so the call is marshalled once, not once a step. Only the last one
-        is kept (it holds its logits tensor, and so an old arena, alive)."""
-        key = (logits.data_ptr, logits.shape, logits.strides, logits.dtype.name)
-        if self._bound is None or self._bound[0] != key:
-            extra = {"probs": self.probs} if self.with_probs else {}
-            self._bound = (key, self.backend.prepare("sample", logits=logits, out=self.ids, **self.params, **extra))
-        return self._bound[1]
-
-    def result(self):
-        """The ids as a list; with_probs: (ids, probabilities)."""
-        if self.out_host is not self.out:
-            self.backend.copy_async(self.out_host, self.out)
-            self.backend.synchronize()   # the one host synchronization of a step
-        if self._out_view is None:
-            self._out_view = self.out_host.numpy()
-        ids = self._out_view[:self.B].tolist()
-        if not self.with_probs:
-            return ids
-        return ids, self._out_view[self.B:].view(np.float32).tolist()
+    def score(self, ids: Seq[int], chunk: int = 256) -> np.ndarray:
+        return self.offline.score(ids, chunk)

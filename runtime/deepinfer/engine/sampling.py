@@ -1,12 +1,17 @@
-"""Sampling parameters of a request and the per-token seed that makes seeded sampling reproducible
-regardless of which batch, row or step a token is sampled in."""
+"""Sampling: a request's parameters, the per-token seed that makes seeded sampling reproducible
+regardless of which batch, row or step a token is sampled in, and the Sampler that runs the
+backend's sample op over a step's logits with its parameter and output buffers.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
+
 from .. import validate as V
 from ..errors import ConfigError
+from ..tensor import Tensor
 
 MASK64 = (1 << 64) - 1
 
@@ -72,3 +77,97 @@ def _stop_strings(stop) -> tuple:
             raise ConfigError(f"stop must hold strings only, not {type(s).__name__} {s!r}")
         V.utf8("a stop string", s, err=ConfigError)
     return tuple(s for s in stop if s)
+
+class Sampler:
+    """One token per row of logits through the backend's sample op, with buffers kept per (rows,
+    with_probs): the four parameter arrays go in one copy and the ids come back in one (pinned
+    buffers on device backends)."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self._bufs: dict = {}
+
+    def sample(self, logits: Tensor, temperature, top_k=None, top_p=None, seeds=None, with_probs: bool = False):
+        """The sampled ids as a list; with_probs: (tokens, each token's probability) (ABI 1.2's
+        probs; drafts use it as their confidence)."""
+        B = logits.shape[0]
+        bufs = self._bufs.get((B, with_probs))
+        if bufs is None:
+            bufs = self._bufs[(B, with_probs)] = SampleBuffers(self.backend, B, with_probs)
+        bufs.set(temperature, top_k, top_p, seeds)
+        bufs.call(logits)()
+        return bufs.result()
+
+
+class SampleBuffers:
+    """The sample op's per-row parameters packed in one buffer (temperature f32, top_k i32, top_p
+    f32, seeds u64: each block 256-byte aligned) with a host mirror, and its output ids."""
+
+    FIELDS = (("seeds", "uint64"), ("temperature", "f32"), ("top_k", "int32"), ("top_p", "f32"))
+
+    def __init__(self, backend, B: int, with_probs: bool = False):
+        self.backend, self.B, self.with_probs = backend, B, with_probs
+        self.offsets, off = {}, 0
+        for name, dt in self.FIELDS:
+            self.offsets[name] = off
+            off += -(-B * (8 if dt == "uint64" else 4) // 256) * 256
+        device = backend.device != "cpu"
+        self.store = backend.empty((off,), "uint8")
+        self.host = self.store
+        n_out = 2 * B if with_probs else B       # ids, then (with_probs) their f32 probabilities
+        self.out = backend.empty((n_out,), "int32")
+        self.out_host = self.out
+        if device:
+            try:
+                self.host = backend.host_empty((off,), "uint8")
+                self.out_host = backend.host_empty((n_out,), "int32")
+            except Exception:   # no pinned memory in this library: pageable copies
+                self.host, self.out_host = Tensor.empty((off,), "uint8"), Tensor.empty((n_out,), "int32")
+        self.ids = self.out.narrow(0, 0, B)
+        self.probs = Tensor(self.out.buffer, (B,), "f32", None, self.out.offset + 4 * B) if with_probs else None
+        raw = self.host.numpy()
+        self._bound = None
+        self._out_view = None
+        self._last = None       # the parameters last written (lists copied: callers may reuse theirs)
+        self.views, self.params = {}, {}
+        for name, dt in self.FIELDS:
+            o = self.offsets[name]
+            t = Tensor(self.store.buffer, (B,), dt, None, self.store.offset + o)
+            self.params[name] = t
+            self.views[name] = raw[o:o + t.nbytes].view(t.dtype.np)
+
+    def set(self, temperature, top_k, top_p, seeds) -> None:
+        B, v = self.B, self.views
+        key = (temperature, top_k, top_p, seeds)
+        plain = all(x is None or isinstance(x, list) for x in key)
+        if plain and self._last == key and self.host is self.store:
+            return    # a greedy decode loop passes the same parameters every step
+        self._last = tuple(list(x) if isinstance(x, list) else x for x in key) if plain else None
+        v["temperature"][:] = np.asarray(temperature, np.float32).reshape(B)
+        v["top_k"][:] = np.asarray(top_k, np.int32).reshape(B) if top_k is not None else 0
+        v["top_p"][:] = np.asarray(top_p, np.float32).reshape(B) if top_p is not None else 1.0
+        v["seeds"][:] = np.asarray(seeds, np.uint64).reshape(B) if seeds is not None else 0
+        if self.host is not self.store:
+            self.backend.copy_async(self.store, self.host)
+
+    def call(self, logits: Tensor):
+        """The sample op on `logits`, bound once per logits buffer: a decode step samples the same
+        plan output every time, so the call is marshalled once, not once a step. Only the last one
+        is kept (it holds its logits tensor, and so an old arena, alive)."""
+        key = (logits.data_ptr, logits.shape, logits.strides, logits.dtype.name)
+        if self._bound is None or self._bound[0] != key:
+            extra = {"probs": self.probs} if self.with_probs else {}
+            self._bound = (key, self.backend.prepare("sample", logits=logits, out=self.ids, **self.params, **extra))
+        return self._bound[1]
+
+    def result(self):
+        """The ids as a list; with_probs: (ids, probabilities)."""
+        if self.out_host is not self.out:
+            self.backend.copy_async(self.out_host, self.out)
+            self.backend.synchronize()   # the one host synchronization of a step
+        if self._out_view is None:
+            self._out_view = self.out_host.numpy()
+        ids = self._out_view[:self.B].tolist()
+        if not self.with_probs:
+            return ids
+        return ids, self._out_view[self.B:].view(np.float32).tolist()

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from ..errors import CacheFullError
+
 from .block_manager import BlockManager
 from .sequence import Sequence, Status
 
@@ -124,7 +126,5 @@ class Scheduler:
 
 
 def raise_cache_too_small(bm: BlockManager, seq: Sequence):
-    from ..errors import CacheFullError
-
     raise CacheFullError(f"KV cache of {bm.num_blocks} blocks x {bm.block_size} tokens cannot hold one sequence of "
                          f"{len(seq)} tokens; raise kv_cache_tokens")

@@ -40,6 +40,11 @@ class Sequence:
         self.arrival = time.monotonic()
         self.first_token_time: Optional[float] = None
         self.logprobs: list = []            # per output token, when asked for
+        # speculative decoding (engine.speculative): the drafts made after this sequence's last step
+        self.drafts: list = []              # draft token ids
+        self.draft_probs: list = []         # their draft probabilities (the scheduler's confidence)
+        self.draft_q = False                # drafted by sampling: their logits are kept for spec_verify
+        self.draft_len = -1                 # len(self) when drafted: drafts are stale once it moved on
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -1,8 +1,12 @@
 """MTP speculative decoding with confidence-scheduled, variable-length verification.
 
-The engine's `speculative` config: {"method": "mtp", "num_draft": K, "confidence": "auto" | p}.
+The engine's `speculative` config: {"method": "mtp", "num_draft": K, "confidence": "auto" | p}
+(parsed by deepinfer.config.SpecConfig). This module drafts and verifies; the scheduler that chooses how
+many drafts to verify, and its tables, are engine.spec_schedule. The Speculator talks to the
+engine through SpecEngine (below) and to the runner through its public step API and its stores
+(engine.spec_store); a sequence's drafts are fields of engine.sequence.Sequence.
 
-How a step goes (engine.Engine._spec_step; the traced step is DeepseekGraph.verify_and_draft):
+How a step goes (Speculator.decode_step; the traced step is DeepseekGraph.verify_and_draft):
 
 - Drafting. DeepSeek's MTP module predicts the token after next from the main model's hidden
   state at a position and the next token. Each sequence's first draft comes out of the step that
@@ -41,191 +45,35 @@ lossless but, with speculation on, a seed's text depends on which drafts were ve
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol
 
 import numpy as np
 
-from .. import validate as V
-from ..errors import ConfigError
-from .model_runner import bucket
+from .block_manager import BlockManager
+from .model_runner import ModelRunner
+from .plan_key import bucket
 from .sampling import step_seed
+from .scheduler import Scheduler
+from .sequence import Sequence
+from ..config import MAX_DRAFT, SpecConfig
+from .spec_schedule import Admission, Calibration, StepCosts, admit, survival
 
-MAX_DRAFT = 8
+__all__ = ["MAX_DRAFT", "SpecConfig", "Admission", "Calibration", "StepCosts", "admit", "survival", "SpecEngine",
+           "SpecStats", "Speculator"]
+
 DRAFT_SALT = 0x5DEECE66D  # draft seeds: a stream of their own (engine.sampling.step_seed)
 
 
-@dataclass
-class SpecConfig:
-    method: str = "mtp"
-    num_draft: int = 2
-    confidence: object = "auto"     # "auto" (throughput scheduler) or a survival threshold in [0, 1)
+class SpecEngine(Protocol):
+    """What the Speculator uses of the engine (engine.llm_engine.Engine implements it)."""
 
-    @classmethod
-    def parse(cls, spec: Optional[dict]) -> Optional["SpecConfig"]:
-        """None when speculation is off (no method); ConfigError for anything malformed."""
-        if spec is None:
-            return None
-        if not isinstance(spec, dict):
-            raise ConfigError(f"speculative must be an object such as {{\"method\": \"mtp\", \"num_draft\": 2}}, "
-                              f"not {spec!r}")
-        known = {"method", "num_draft", "confidence", "mtp"}
-        unknown = sorted(map(str, set(spec) - known))
-        if unknown:
-            raise ConfigError(f"unknown speculative option(s) {unknown}; valid: method (\"mtp\"), num_draft "
-                              f"(1..{MAX_DRAFT}), confidence (\"auto\" or a threshold in [0, 1)), mtp (load the MTP "
-                              f"head: false saves its memory and turns speculation off)")
-        if "mtp" in spec:
-            V.boolean("speculative.mtp", spec["mtp"])
-        if "method" not in spec:
-            if set(spec) - {"mtp"}:
-                raise ConfigError("speculative: set \"method\": \"mtp\" to speculate (num_draft and confidence "
-                                  "need it)")
-            return None
-        if spec["method"] != "mtp":
-            raise ConfigError(f"speculative.method {spec['method']!r} is not supported: only \"mtp\" (DeepSeek's "
-                              f"multi-token prediction module)")
-        if spec.get("mtp", True) is False:
-            raise ConfigError("speculative: method \"mtp\" needs the MTP head; drop \"mtp\": false")
-        c = cls()
-        c.num_draft = V.integer("speculative.num_draft", spec.get("num_draft", c.num_draft), 1, MAX_DRAFT)
-        conf = spec.get("confidence", "auto")
-        if conf != "auto":
-            if isinstance(conf, str):
-                raise ConfigError(f"speculative.confidence must be \"auto\" or a number in [0, 1), not {conf!r}")
-            conf = V.number("speculative.confidence", conf, 0, 1)
-            if conf >= 1:
-                raise ConfigError(f"speculative.confidence must be below 1 (a survival probability threshold; 1 "
-                                  f"would admit nothing), not {conf}")
-        c.confidence = conf
-        return c
+    runner: ModelRunner
+    block_manager: BlockManager
+    scheduler: Scheduler            # its running sequences (draft slots of the others are released)
+    counters: dict                  # counters["steps"]: one more per speculative step
 
-
-class Calibration:
-    """Per draft position, measured acceptance against the draft's own probability: BINS bins of
-    the probability, each a Beta-like count seeded with PRIOR pseudo-trials at the bin's centre
-    (so an unmeasured bin trusts the draft probability, and data takes over as it comes)."""
-
-    BINS = 10
-    PRIOR = 4.0
-
-    def __init__(self, num_draft: int):
-        centre = (np.arange(self.BINS) + 0.5) / self.BINS
-        self.hits = np.tile(centre * self.PRIOR, (num_draft, 1))
-        self.trials = np.full((num_draft, self.BINS), self.PRIOR)
-        self.accepted = np.zeros(num_draft, np.int64)     # what the stats report: raw counts
-        self.tested = np.zeros(num_draft, np.int64)
-
-    def _bin(self, prob: float) -> int:
-        return min(int(prob * self.BINS), self.BINS - 1)
-
-    def __call__(self, pos: int, prob: float) -> float:
-        """The probability that the draft at position `pos` (0-based) is accepted, given its
-        draft probability and that every draft before it was."""
-        b = self._bin(prob)
-        return float(self.hits[pos, b] / self.trials[pos, b])
-
-    def update(self, pos: int, prob: float, accepted: bool) -> None:
-        b = self._bin(prob)
-        self.trials[pos, b] += 1
-        self.hits[pos, b] += accepted
-        self.tested[pos] += 1
-        self.accepted[pos] += accepted
-
-    def mean(self, pos: int) -> float:
-        return float(self.hits[pos].sum() / self.trials[pos].sum())
-
-
-class StepCosts:
-    """Seconds per step: plain decode by sequences bucket, speculative by verify-rows bucket, a
-    recursive draft by sequences bucket. Profiled at start-up, then an exponential average of the
-    steps the engine times (host wall time of the whole step, sampling included)."""
-
-    ALPHA = 0.2
-    OUTLIER = 2.0
-
-    def __init__(self):
-        self.plain: dict = {}
-        self.spec: dict = {}
-        self.draft: dict = {}
-
-    @staticmethod
-    def _get(table: dict, key: int) -> float:
-        if key in table:
-            return table[key]
-        keys = sorted(table)
-        if not keys:
-            return 0.0
-        # between measured buckets: linear; beyond them: proportional to the size
-        lo = max((k for k in keys if k <= key), default=None)
-        hi = min((k for k in keys if k >= key), default=None)
-        if lo is None:
-            return table[hi] * key / hi
-        if hi is None:
-            return table[lo] * key / lo
-        w = (key - lo) / (hi - lo)
-        return table[lo] * (1 - w) + table[hi] * w
-
-    def get(self, kind: str, key: int) -> float:
-        return self._get(getattr(self, kind), key)
-
-    def observe(self, kind: str, key: int, seconds: float) -> None:
-        t = getattr(self, kind)
-        if key in t:
-            # one stalled step (a page fault, the collector, another process) counts as at most
-            # twice the estimate: the kind it slowed may not run again to correct it (a plain
-            # step's 2.7 ms among 0.25 ms ones kept a CPU engine speculating at 0.8x), while a
-            # real change still moves the estimate by up to ALPHA a step
-            seconds = min(seconds, self.OUTLIER * t[key])
-        t[key] = seconds if key not in t else (1 - self.ALPHA) * t[key] + self.ALPHA * seconds
-
-    def describe(self) -> dict:
-        return {k: {n: round(v * 1e6, 1) for n, v in sorted(getattr(self, k).items())}
-                for k in ("plain", "spec", "draft")}
-
-
-@dataclass
-class Admission:
-    """The scheduler's decision for one step: drafts verified per sequence (None: a plain step)."""
-
-    counts: Optional[list]
-    expected_tokens: float = 0.0
-    expected_seconds: float = 0.0
-
-
-def admit(drafts: list, survival: list, costs: StepCosts, bucket, threshold, spec_ready: bool,
-          allow_plain: bool = True, overhead: float = 0.0) -> Admission:
-    """Choose how many of its drafts each sequence verifies this step.
-
-    drafts[i]: sequence i's available drafts (their number); survival[i][j]: the probability that
-    its drafts 0..j are all accepted. threshold None: the throughput scheduler (admit candidates
-    in order of survival while (S + expected accepted) / step seconds is best, and run a plain
-    step if that is faster still); a number: admit the drafts whose survival is >= threshold.
-    spec_ready False: no sequence can speculate (no drafts): plain. overhead: seconds a speculative
-    step costs besides its verify step (the recursive drafts it goes on to make)."""
-    S = len(drafts)
-    if not spec_ready:
-        return Admission(None)
-    if threshold is not None:
-        counts = [sum(1 for p in survival[i][:drafts[i]] if p >= threshold) for i in range(S)]
-        return Admission(counts, S + sum(sum(survival[i][:c]) for i, c in enumerate(counts)))
-    cands = sorted(((survival[i][j], i) for i in range(S) for j in range(drafts[i])), reverse=True)
-    tokens, T = float(S), S
-    sec = max(costs.get("spec", bucket(T)) + overhead, 1e-9)
-    best = (tokens / sec, 0, tokens, sec)
-    for n, (p, _) in enumerate(cands, 1):
-        tokens += p
-        T += 1
-        sec = max(costs.get("spec", bucket(T)) + overhead, 1e-9)
-        if tokens / sec > best[0]:
-            best = (tokens / sec, n, tokens, sec)
-    plain_sec = max(costs.get("plain", bucket(S)), 1e-9)
-    if allow_plain and S / plain_sec >= best[0]:
-        return Admission(None, float(S), plain_sec)
-    counts = [0] * S
-    for _, i in cands[:best[1]]:
-        counts[i] += 1
-    return Admission(counts, best[2], best[3])
+    def advance(self, seq: Sequence, tok: int, row, now: float):
+        """Take one sampled token for `seq` (row: its logits row, for logprobs); its RequestOutput."""
 
 
 class SpecStats:
@@ -258,15 +106,6 @@ class SpecStats:
         }
 
 
-def survival(confs: list, cal: Calibration) -> list:
-    """Prefix-survival probabilities of one sequence's drafts from their draft probabilities."""
-    out, p = [], 1.0
-    for j, c in enumerate(confs):
-        p *= cal(j, c)
-        out.append(p)
-    return out
-
-
 class Timer:
     def __enter__(self):
         self.t0 = time.perf_counter()
@@ -280,7 +119,7 @@ class Speculator:
     """The engine's speculative decoding: drafting, verification, the scheduler and its tables.
     The engine hands it prefill steps (to draft after them) and decode batches (to run)."""
 
-    def __init__(self, engine, cfg: SpecConfig):
+    def __init__(self, engine: SpecEngine, cfg: SpecConfig):
         self.engine, self.runner, self.cfg = engine, engine.runner, cfg
         self.K = cfg.num_draft
         self.threshold = None if cfg.confidence == "auto" else float(cfg.confidence)
@@ -296,12 +135,11 @@ class Speculator:
         self.backend = self.runner.backend
 
     # ------------------------------------------------------------------ sequence state
-    # A sequence's drafts live on it: seq.drafts (token ids), seq.draft_probs (their draft
-    # probabilities), seq.draft_q (drafted by sampling: their logits are kept for spec_verify),
-    # seq.draft_len (len(seq) when drafted: drafts are stale once the sequence moved on).
+    # A sequence's drafts live on it (engine.sequence): seq.drafts, seq.draft_probs, seq.draft_q
+    # and seq.draft_len (drafts are stale once the sequence moved on).
     @staticmethod
     def drafts_of(seq) -> list:
-        d = getattr(seq, "drafts", None)
+        d = seq.drafts
         if not d or seq.draft_len != len(seq) or seq.num_computed != len(seq) - 1:
             return []
         return d
@@ -368,12 +206,12 @@ class Speculator:
         rows_logits = logits if len(want) == logits.shape[0] else None
         if rows_logits is None:
             rows_logits = r.backend.empty((len(want), logits.shape[1]), "f32")
-            r.gather_rows(logits, want, rows_logits)
-        toks, probs = r.sample(rows_logits, *self._draft_params(seqs, 0), with_probs=True)
+            r.spec_store.gather_rows(logits, want, rows_logits)
+        toks, probs = r.sampler.sample(rows_logits, *self._draft_params(seqs, 0), with_probs=True)
         sampled = [seq.params.temperature > 0 for seq in seqs]
         if any(sampled):
             sel = [i for i, sm in enumerate(sampled) if sm]
-            r.scatter_draft_rows(rows_logits, sel, [self._slot(seqs[i]) for i in sel], 0)
+            r.spec_store.scatter_draft_rows(rows_logits, sel, [self._slot(seqs[i]) for i in sel], 0)
         # the MTP hidden state of each sequence's last row, for deeper drafts
         ends = np.cumsum([s.num_tokens for s in batch]) - 1
         last_row = [int(ends[i]) for i in want]
@@ -389,7 +227,7 @@ class Speculator:
         if self.K < 2 or not seqs:
             return
         r, bm = self.runner, self.engine.block_manager
-        live = None       # the sequences drafting so far; their hidden states are _draft_hidden[:len(live)]
+        live = None       # the sequences drafting so far; their hidden states are spec_store.draft[:len(live)]
         for depth in range(1, self.K):
             pool = seqs if live is None else live
             # the draft writes the MTP layer's cache at position len(seq) - 1 + depth - 1
@@ -399,23 +237,22 @@ class Speculator:
             for i in keep:
                 bm.grow(pool[i], len(pool[i]) + depth)
             if live is None:
-                r.keep_draft_hidden([mtp_rows[i] for i in keep])
+                r.spec_store.keep_draft_hidden([mtp_rows[i] for i in keep])
             elif len(keep) != len(live):
                 # compact the rows still drafting (through a second store: no gather in place)
-                r.gather_rows(r._draft_hidden, keep, r._mtp_hidden)
-                r.gather_rows(r._mtp_hidden, list(range(len(keep))), r._draft_hidden)
+                r.spec_store.compact_drafting(keep)
             live = [pool[i] for i in keep]
             steps = [(seq, len(seq) - 1 + depth - 1, 1) for seq in live]
             with Timer() as tm:
                 logits = r.run(steps, kind="draft", tokens=[[seq.drafts[-1]] for seq in live])
-                dt, dp = r.sample(logits, *self._draft_params(live, depth), with_probs=True)
+                dt, dp = r.sampler.sample(logits, *self._draft_params(live, depth), with_probs=True)
             if r.last_plan.runs > 2:
                 self.costs.observe("draft", self._bucket(len(live)), tm.seconds)
             self.stats.draft_runs += 1
             self.stats.seconds["draft"] += tm.seconds
             sel = [j for j, seq in enumerate(live) if seq.draft_q]
             if sel:
-                r.scatter_draft_rows(logits, sel, [self._slot(live[j]) for j in sel], depth)
+                r.spec_store.scatter_draft_rows(logits, sel, [self._slot(live[j]) for j in sel], depth)
             for seq, tok, pr in zip(live, dt, dp):
                 seq.drafts.append(tok)
                 seq.draft_probs.append(pr)
@@ -522,7 +359,7 @@ class Speculator:
                   "seeds": (seeds, 0), "draft_seeds": (dseeds, 0)}
         if with_q:
             inputs["draft_src"] = (src, 0)
-            r.draft_store()
+            r.spec_store.draft_logits()
         logits = r.run(steps, all_logits=True, keep_hidden=with_q, kind="spec", tokens=tokens, inputs=inputs)
         be = self.backend
         verified = be.to_numpy(r.output("verified")).tolist()
@@ -551,7 +388,7 @@ class Speculator:
             new = d[:a] + [verified[row + a]]
             emitted = 0
             for j, tok in enumerate(new):
-                o = eng._advance(seq, tok, host[row + j] if host is not None and seq.params.logprobs is not None
+                o = eng.advance(seq, tok, host[row + j] if host is not None and seq.params.logprobs is not None
                                  else None, now)
                 emitted += 1
                 outs.append(o)
@@ -570,7 +407,7 @@ class Speculator:
         outs = _merge(outs)
         sampled = [i for i, seq in enumerate(keep_seqs) if seq.draft_q]
         if sampled:
-            r.scatter_draft_rows(r.output("draft_logits"), [keep_rows[i] for i in sampled],
+            r.spec_store.scatter_draft_rows(r.output("draft_logits"), [keep_rows[i] for i in sampled],
                                  [self._slot(keep_seqs[i]) for i in sampled], 0)
         spent = time.perf_counter() - t_entry
         if not traced:
@@ -616,9 +453,6 @@ class Speculator:
         """Time plain decode steps, speculative steps and draft runs over the batch sizes this
         engine can see (dummy sequences, random tokens), so the scheduler has costs from the first
         step; the engine keeps refining them with the steps it runs."""
-        from .model_runner import bucket
-        from .sequence import Sequence
-
         r, bm = self.runner, self.engine.block_manager
         V = r.cfg.vocab_size
         rng = np.random.default_rng(0)
@@ -656,12 +490,12 @@ class Speculator:
 
                 def plain():
                     lg = r.run([(q, ctx, 1) for q in sub])
-                    r.sample(lg, temperature=[0.0] * S)
+                    r.sampler.sample(lg, temperature=[0.0] * S)
                 self.costs.observe("plain", S, timed(plain))
 
                 def draft():
                     lg = r.run([(q, ctx, 1) for q in sub], kind="draft", tokens=[[5]] * S)
-                    r.sample(lg, [0.0] * S, [0] * S, [1.0] * S, [0] * S, with_probs=True)
+                    r.sampler.sample(lg, [0.0] * S, [0] * S, [1.0] * S, [0] * S, with_probs=True)
                 self.costs.observe("draft", S, timed(draft))
             spec_sizes = sorted({bucket(t) for t in range(1, maxS * (self.K + 1) + 1)})
             for T in spec_sizes:

@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 
 from .. import validate as V
 from ..errors import CheckpointError, ConfigError, InputTypeError
+from .chat_template import ChatTemplate, RenderLimits
 
 
 class Tokenizer:
@@ -78,8 +79,6 @@ class Tokenizer:
         (a chat_template.RenderLimits, default RenderLimits()) bounds what rendering may cost.
         InputTypeError / ConfigError for bad messages or a template that fails on them;
         CheckpointError for a template that does not compile."""
-        from .chat_template import ChatTemplate, RenderLimits
-
         if not self.chat_template:
             raise ConfigError("this model's tokenizer_config.json has no chat_template")
         _check_messages(messages)

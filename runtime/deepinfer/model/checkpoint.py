@@ -40,9 +40,11 @@ import ml_dtypes
 import numpy as np
 
 from .. import dtypes as D
+from .. import quant_formats as QF
 from .. import validate as V
 from ..errors import CheckpointError
 from ..tensor import Quant, Tensor
+from . import v4_names
 from .config import ModelConfig
 
 _ST_DTYPES = {
@@ -465,8 +467,6 @@ class Checkpoint(TensorStore):
         if not d.is_dir():
             raise CheckpointError(f"model directory {d} does not exist")
         self.config = ModelConfig.from_file(confined(d, "config.json", str(d / "config.json")))
-        from . import v4_names
-
         rename = None
         if self.config.v4 is not None:      # DeepSeek's own names; its MTP layers numbered after the main ones
             rename = functools.partial(v4_names.renames, num_layers=self.config.num_hidden_layers)
@@ -487,8 +487,6 @@ class Checkpoint(TensorStore):
         (official fp8 e4m3 with 128x128 scales, DeepSeek V4's fp4 e2m1 experts with e8m0 scales per
         32 columns, or deepinfer's int8 / int4 formats; see quant_formats) with its Quant, consumed
         by backends as is."""
-        from .. import quant_formats as QF
-
         if name not in self:
             raise CheckpointError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
         try:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from .. import quant_formats as QF
 from .. import validate as V
 from ..errors import CheckpointError
 
@@ -172,8 +173,6 @@ class ModelConfig:
             return _v4_from_dict(f, d, source)
 
         v3 = mt in ("deepseek_v3", "deepseek_v32")   # V3.2 is V3 plus the indexer
-        from .. import quant_formats as QF
-
         scheme = QF.parse_quantization_config(d.get("quantization_config"), f"{source}: quantization_config")
         block = scheme.block if scheme is not None and scheme.format == "fp8" else None
         vocab = f.integer("vocab_size", required=True)
@@ -341,8 +340,6 @@ class V4Config:
 def _v4_from_dict(f: "_Fields", d: dict, source: str) -> "ModelConfig":
     """A DeepSeek V4 config, as transformers saves it or in DeepSeek's own keys. Defaults follow
     transformers' DeepseekV4Config (V4-Flash), which is the executable description we match."""
-    from .. import quant_formats as QF
-
     # V4-Flash writes expert_dtype beside quantization_config (QF.quantization_config_of folds it in)
     scheme = QF.parse_quantization_config(QF.quantization_config_of(d), f"{source}: quantization_config")
     block = scheme.block if scheme is not None and scheme.format == "fp8" else None

@@ -1,6 +1,6 @@
 """The DeepSeek V4 model graph (V4-Flash, V4-Pro), every computation an op of the Backend.
 
-Like model.deepseek, this module only describes one step: T tokens of S sequences traced onto a
+Like model.deepseek (and on the same base, model.graph), this module only describes one step: T tokens of S sequences traced onto a
 Tracer. Every step reads the paged caches (prefill and decode alike): attention sees a sliding
 window of the layer's per-token KV plus compressed entries, which only exist in the cache.
 
@@ -22,9 +22,9 @@ Attention (one shared key = value head of dim D, rope on its last Dr dims):
     then the grouped low-rank projection: o_groups linears o_a, one o_b.
 MoE: router logits in f32, sqrtsoftplus scores, top-k of score + bias (hash layers: the experts
 of the token id from the table), weights normalized and scaled; clipped SwiGLU in the shared and
-routed experts. With an expert cache (model.expert_cache) the routed experts run over cache slots
-and the step pauses before moe_experts, as in model.deepseek; the next layer's experts are guessed
-for prefetch from this layer's streams (exactly, for a hash-routed next layer).
+routed experts, which run by the layer's strategy (model.moe_strategy) as in model.deepseek. With
+an expert cache the next layer's experts are guessed for prefetch from this layer's streams
+(exactly, for a hash-routed next layer).
 
 Per-step inputs besides model.deepseek's decode inputs (engine.model_runner fills them):
 neg_positions [T] (-position), and per compression ratio r in use comp_slots_r [T] (the cache
@@ -35,11 +35,13 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .. import abi
 from ..tensor import Tensor
 from .config import ModelConfig, RopeConfig
-from .deepseek import ROPE_NONE, ROPE_YARN, DeepseekGraph, StepInputs, head_logits, linear, mlp
+from .graph import ModelGraph, StepInputs
+from .moe_strategy import experts_for
+from .weights import MoEWeights
 from .weights_v4 import CompressorWeights, HCWeights, V4AttentionWeights, V4LayerWeights, V4ModelWeights
-from .. import abi
 
 SQRTSOFTPLUS = abi.const("DI_SCORING_SQRTSOFTPLUS")
 SCORING = {"softmax": abi.const("DI_SCORING_SOFTMAX"), "sigmoid": abi.const("DI_SCORING_SIGMOID"),
@@ -77,26 +79,21 @@ def cache_pools(cfg: ModelConfig, block_size: int, num_layers: Optional[int] = N
     return out
 
 
-class DeepseekV4Graph:
+class DeepseekV4Graph(ModelGraph):
     """DeepSeek V4 as code: one step of T tokens of S sequences traced onto `g` (a Tracer).
     caches: per layer a dict of the pools of cache_pools, as backend tensors [NB, entries, width]."""
 
     prefill_mode = False   # every step reads the cache: no un-cached prefill path
 
     def __init__(self, cfg: ModelConfig, weights: V4ModelWeights, caches: list, dtype: str, act_quant: bool):
-        self.cfg, self.w, self.caches, self.dtype = cfg, weights, caches, dtype
-        self.act_quant = act_quant
-        self.block_size = None    # set with the caches (engine.model_runner)
+        super().__init__(cfg, weights, caches, dtype, act_quant)
+        # clipped SwiGLU in the shared and the routed experts
+        self.swiglu_limit = cfg.v4.swiglu_limit
+        self.expert_options = {"swiglu_limit": cfg.v4.swiglu_limit}
 
     # ------------------------------------------------------------------ small pieces
-    def linear(self, g, x, w, out):
-        linear(g, x, w, out, self.act_quant)
-
-    def rope(self, g, x, positions, r: RopeConfig):
-        g.rope(x=x, positions=positions, out=x, interleaved=1,
-               scaling=ROPE_YARN if r.type == "yarn" else ROPE_NONE, theta=r.theta, factor=r.factor,
-               original_max_position=r.original_max_position, beta_fast=r.beta_fast, beta_slow=r.beta_slow,
-               attn_factor=r.attn_factor)
+    def rope(self, g, x, positions, r: RopeConfig, interleaved: int = 1) -> None:
+        super().rope(g, x, positions, r, interleaved)
 
     def stream(self, X: Tensor, n: int) -> Tensor:
         """Stream n of the residual X [T, N, H] as a [T, H] view."""
@@ -104,6 +101,8 @@ class DeepseekV4Graph:
         return Tensor(X.buffer, (T, H), X.dtype, (N * H, 1), X.offset + X.dtype.nbytes(n * H))
 
     def hc_pre(self, g, X, hc: HCWeights, with_mix: bool = True):
+        """The hyper-connection's mix of the streams X [T, N, H] into one sublayer input [T, H], and
+        (with_mix) the weights hc_post puts the sublayer's output back with: (post, comb, input)."""
         c, T = self.cfg, X.shape[0]
         N, H = X.shape[1], X.shape[2]
         out = g.empty((T, H), self.dtype, "hc_in")
@@ -112,6 +111,12 @@ class DeepseekV4Graph:
         g.hc_pre(x=X, fn=hc.fn, base=hc.base, scale=hc.scale, out=out, post=post, comb=comb, eps=c.rms_norm_eps,
                  hc_eps=c.v4.hc_eps, sinkhorn_iters=c.v4.hc_sinkhorn_iters)
         return post, comb, out
+
+    def hc_post(self, g, X, y, post, comb, out: Optional[Tensor] = None) -> Tensor:
+        """The streams X with the sublayer output y put back (out: where, default a new tensor)."""
+        out = g.empty(X.shape, self.dtype, "streams") if out is None else out
+        g.hc_post(x=X, y=y, post=post, comb=comb, out=out)
+        return out
 
     # ------------------------------------------------------------------ compressor
     def compress(self, g, cw: CompressorWeights, x, stage, entries, meta: StepInputs, rope: RopeConfig, r: int):
@@ -127,7 +132,7 @@ class DeepseekV4Graph:
         e = g.empty((T, D), self.dtype, "entry")
         g.kv_compress(staged=stage, position_bias=cw.position_bias, block_table=meta.block_table,
                       token_seq=meta.token_seq, positions=meta.positions, out=e, ratio=r, overlap=int(cw.overlap))
-        g.rmsnorm(x=e, weight=cw.norm, out=e, eps=self.cfg.rms_norm_eps)
+        self.norm(g, e, cw.norm, out=e)
         Dr = self.cfg.qk_rope_head_dim
         comp_pos, comp_slots = self.extra[f"comp_pos_{r}"], self.extra[f"comp_slots_{r}"]
         self.rope(g, e.narrow(1, D - Dr, Dr), comp_pos, rope)
@@ -139,18 +144,15 @@ class DeepseekV4Graph:
         c, v, T, dt = self.cfg, self.cfg.v4, meta.T, self.dtype
         NH, D, Dr = c.num_attention_heads, v.head_dim, c.qk_rope_head_dim
         pools, rope, r = self.caches[i], v.rope(i), v.ratio(i)
-        qa = g.empty((T, c.q_lora_rank), dt, "q_a")
-        self.linear(g, x, w.q_a, qa)
-        g.rmsnorm(x=qa, weight=w.q_a_norm, out=qa, eps=c.rms_norm_eps)
-        q = g.empty((T, NH * D), dt, "q")
-        self.linear(g, qa, w.q_b, q)
+        qa = self.proj(g, x, w.q_a, "q_a")
+        self.norm(g, qa, w.q_a_norm, out=qa)
+        q = self.proj(g, qa, w.q_b, "q")
         # each head RMS-normed without a weight (transformers' q_b_norm)
-        g.rmsnorm(x=q.view(T * NH, D), weight=self.w.ones, out=q.view(T * NH, D), eps=c.rms_norm_eps)
+        self.norm(g, q.view(T * NH, D), self.w.ones, out=q.view(T * NH, D))
         q3 = q.view(T, NH, D)
         self.rope(g, q3.narrow(2, D - Dr, Dr), meta.positions, rope)
-        kv = g.empty((T, D), dt, "kv")
-        self.linear(g, x, w.kv, kv)
-        g.rmsnorm(x=kv, weight=w.kv_norm, out=kv, eps=c.rms_norm_eps)
+        kv = self.proj(g, x, w.kv, "kv")
+        self.norm(g, kv, w.kv_norm, out=kv)
         self.rope(g, kv.narrow(1, D - Dr, Dr), meta.positions, rope)
         g.mla_cache_write(latent=kv.narrow(1, 0, D - Dr), k_pe=kv.narrow(1, D - Dr, Dr), slots=meta.slots,
                           cache=pools["kv"])
@@ -161,9 +163,7 @@ class DeepseekV4Graph:
         if w.indexer is not None:
             ix, NI, Di = w.indexer, v.index_n_heads, v.index_head_dim
             self.compress(g, ix.compressor, x, pools["istage"], pools["ikeys"], meta, rope, r)
-            iq = g.empty((T, NI * Di), dt, "index_q")
-            self.linear(g, qa, ix.q_b, iq)
-            iq3 = iq.view(T, NI, Di)
+            iq3 = self.proj(g, qa, ix.q_b, "index_q").view(T, NI, Di)
             self.rope(g, iq3.narrow(2, Di - Dr, Dr), meta.positions, rope)
             iw = g.empty((T, NI), "f32", "index_weights")
             g.linear(x=x, w=ix.weights_proj, out=iw)
@@ -183,68 +183,25 @@ class DeepseekV4Graph:
         oa = g.empty((T, G * R), dt, "o_a")
         for k in range(G):
             self.linear(g, og.narrow(1, k * per, per), w.o_a[k], oa.narrow(1, k * R, R))
-        out = g.empty((T, c.hidden_size), dt, "attn_out")
-        self.linear(g, oa, w.o_b, out)
-        return out
+        return self.proj(g, oa, w.o_b, "attn_out")
 
     # ------------------------------------------------------------------ MoE
-    def route(self, g, w, x, meta: StepInputs, name: str = "topk", ids=None):
-        """Router logits in f32, then moe_router (hash layers: the token ids' experts from the
-        table): (topk_ids, topk_weights) [T, K] (ids: where the ids go, default a new tensor)."""
-        c, T = self.cfg, meta.T
-        E, K = c.n_routed_experts, c.num_experts_per_tok
-        logits = g.empty((T, E), "f32", "router_logits")
-        g.linear(x=x, w=w.gate, out=logits)
-        if ids is None:
-            ids = g.empty((T, K), "int32", f"{name}_ids")
-        wts = g.empty((T, K), "f32", f"{name}_weights")
+    def router_options(self, w: MoEWeights, meta: StepInputs) -> dict:
+        """sqrtsoftplus scores, top-k of score + bias, or for a hash layer the token ids' experts from
+        the table; transformers' V4 routers always normalize the selected weights."""
         hashed = w.hash_table is not None
-        # transformers' V4 routers always normalize the selected weights
-        g.moe_router(logits=logits, bias=w.gate_bias, topk_ids=ids, topk_weights=wts, scoring=SCORING[c.scoring_func],
-                     n_group=1, topk_group=1, group_score=0, norm_topk_prob=1,
-                     routed_scaling_factor=c.routed_scaling_factor,
-                     token_ids=meta.ids if hashed else None, hash_table=w.hash_table)
-        return ids, wts
+        return dict(scoring=SCORING[self.cfg.scoring_func], n_group=1, topk_group=1, group_score=0,
+                    norm_topk_prob=1, routed_scaling_factor=self.cfg.routed_scaling_factor,
+                    token_ids=meta.ids if hashed else None, hash_table=w.hash_table)
 
     def predict(self, g, Y, nxt: V4LayerWeights, meta: StepInputs) -> Tensor:
         """The next layer's experts guessed from this layer's streams Y (after its attention): the
         next layer's MoE input as if its attention added nothing (its ffn hyper-connection and norm
         applied to Y), routed by its router. Exact for a hash-routed next layer (token ids only)."""
         _, _, m = self.hc_pre(g, Y, nxt.ffn_hc)
-        g.rmsnorm(x=m, weight=nxt.ln2, out=m, eps=self.cfg.rms_norm_eps)
+        self.norm(g, m, nxt.ln2, out=m)
         ids, _ = self.route(g, nxt.moe, m, meta, "predicted")
         return ids
-
-    def moe(self, g, w, x, meta: StepInputs, pred=None) -> Tensor:
-        """Shared experts, then the routed experts accumulated on top (clipped SwiGLU in both).
-        Streamed experts (model.expert_cache) pause before moe_experts as in model.deepseek: the
-        host reads the routing (and `pred`, the next layer's guessed experts, to prefetch), gets
-        the misses loaded and sends the layer's expert -> slot table; a pause-free step records its
-        routing and misses instead."""
-        c, T = self.cfg, meta.T
-        E, K, lim = c.n_routed_experts, c.num_experts_per_tok, c.v4.swiglu_limit
-        s, acc = w.streamed, int(w.shared is not None)
-        streamed = s is not None and s.direct is None
-        record = s.record(T, s.pos) if streamed and s.pause_free else None
-        ids, wts = self.route(g, w, x, meta, ids=record[0] if record else None)
-        out = g.empty((T, c.hidden_size), self.dtype, "moe_out")
-        routing = dict(ids=ids, pred=pred)
-        if streamed and record is None and s.early_read:
-            # a device: the shared experts run while the host reads the routing (model.deepseek)
-            g.pause(("expert_ids", s.pos), **routing)
-            routing = {}
-        if w.shared is not None:
-            mlp(g, w.shared, x, out, self.dtype, self.act_quant, lim)
-        if not streamed:
-            gate, up, down = (w.experts_gate, w.experts_up, w.experts_down) if s is None else s.direct
-            g.moe_experts(x=x, topk_ids=ids, topk_weights=wts, num_experts=E, accumulate=acc,
-                          w_gate=gate, w_up=up, w_down=down, out=out, swiglu_limit=lim)
-            return out
-        if record is None:
-            g.pause(("experts", s.pos), **routing)
-        misses = record[1] if record is not None else g.empty((T, K), "int32", "expert_misses")
-        DeepseekGraph.streamed_experts(g, s, x, ids, wts, out, misses, acc, swiglu_limit=lim)
-        return out
 
     # ------------------------------------------------------------------ the step
     def declare_inputs(self, g, meta: StepInputs) -> None:
@@ -257,30 +214,21 @@ class DeepseekV4Graph:
               out: Optional[Tensor] = None):
         """One block; `nxt`: the following layer, whose experts this one may guess (streamed experts);
         `out` [T, N, H]: where the output streams go (default: a new tensor)."""
-        c, T = self.cfg, meta.T
-        N, H = c.v4.hc_mult, c.hidden_size
         post, comb, a = self.hc_pre(g, X, w.attn_hc)
-        g.rmsnorm(x=a, weight=w.ln1, out=a, eps=c.rms_norm_eps)
-        y = self.attention(g, w.index, w.attn, a, meta)
-        Y = g.empty((T, N, H), self.dtype, "streams")
-        g.hc_post(x=X, y=y, post=post, comb=comb, out=Y)
-        s = w.moe.streamed
-        pred = self.predict(g, Y, nxt, meta) if (s is not None and s.direct is None and s.predict
-                                                 and not s.pause_free and nxt is not None) else None
+        self.norm(g, a, w.ln1, out=a)
+        Y = self.hc_post(g, X, self.attention(g, w.index, w.attn, a, meta), post, comb)
+        # the next layer's experts are guessed from Y, before this layer's MoE input is made
+        experts = experts_for(self, w.moe)
+        pred = self.predict(g, Y, nxt, meta) if nxt is not None and experts.predicts() else None
         post, comb, m = self.hc_pre(g, Y, w.ffn_hc)
-        g.rmsnorm(x=m, weight=w.ln2, out=m, eps=c.rms_norm_eps)
-        y = self.moe(g, w.moe, m, meta, pred)
-        X2 = out if out is not None else g.empty((T, N, H), self.dtype, "streams")
-        g.hc_post(x=Y, y=y, post=post, comb=comb, out=X2)
-        return X2
+        self.norm(g, m, w.ln2, out=m)
+        y = self.moe(g, w.moe, m, meta, (lambda: pred) if pred is not None else None, experts)
+        return self.hc_post(g, Y, y, post, comb, out)
 
     def head(self, g, X, hc: HCWeights, norm_w, head_w, meta: StepInputs, name: str = "logits") -> Tensor:
         """The streams collapsed by the hyper-connection head, normed, then f32 logits (output `name`)."""
-        c = self.cfg
         _, _, h = self.hc_pre(g, X, hc, with_mix=False)
-        n = g.empty((meta.T, c.hidden_size), self.dtype, "final_norm")
-        g.rmsnorm(x=h, weight=norm_w, out=n, eps=c.rms_norm_eps)
-        return head_logits(g, n, head_w, meta, c.vocab_size, name)
+        return self.logits(g, self.norm(g, h, norm_w, "final_norm"), head_w, meta, name)
 
     def forward(self, g, meta: StepInputs, hidden_out: Optional[Tensor] = None) -> Tensor:
         """The main model; `hidden_out` [T, N * H] receives the last layer's streams (before the
@@ -313,19 +261,13 @@ class DeepseekV4Graph:
         c, m, T = self.cfg, self.w.mtp, meta.T
         N, H = c.v4.hc_mult, c.hidden_size
         self.declare_inputs(g, meta)
-        e = g.empty((T, H), self.dtype, "mtp_embed")
-        g.embedding(ids=meta.ids, table=m.embed, out=e)
-        g.rmsnorm(x=e, weight=m.enorm, out=e, eps=c.rms_norm_eps)
-        ep = g.empty((T, H), self.dtype, "mtp_e_proj")
-        self.linear(g, e, m.e_proj, ep)
-        hn = g.empty((T * N, H), self.dtype, "mtp_hnorm")
-        g.rmsnorm(x=hidden.view(T * N, H), weight=m.hnorm, out=hn, eps=c.rms_norm_eps)
+        e = self.embed(g, meta.ids, m.embed, "mtp_embed")
+        self.norm(g, e, m.enorm, out=e)
+        ep = self.proj(g, e, m.e_proj, "mtp_e_proj")
+        hn = self.norm(g, hidden.view(T * N, H), m.hnorm, "mtp_hnorm")
         X = g.empty((T, N, H), self.dtype, "streams")
         self.linear(g, hn, m.h_proj, X.view(T * N, H))
         for n in range(N):
             g.add(a=self.stream(X, n), b=ep, out=self.stream(X, n))
         X = self.layer(g, m.layer, X, meta, None, out=hidden_out.view(T, N, H) if hidden_out is not None else None)
         return self.head(g, X, m.hc_head, m.head_norm, m.head, meta, name)
-
-    # one speculative step (engine.speculative): the same plan as V3's over V4's forward and mtp
-    verify_and_draft = DeepseekGraph.verify_and_draft

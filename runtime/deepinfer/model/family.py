@@ -21,7 +21,7 @@ from .weights_v4 import V4WeightLoader
 class Family:
     name: str                        # as an error message names it
     weight_loader: type              # model.weights.WeightLoader or a subclass's kind
-    graph: type                      # the traced model (model.deepseek.DeepseekGraph and kin)
+    graph: type                      # the traced model: a model.graph.ModelGraph subclass
     # ops beyond the V2 set and the ABI minor whose fields the family's steps use
     required_ops: tuple = ()
     min_abi_minor: int = 0

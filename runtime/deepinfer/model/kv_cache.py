@@ -7,6 +7,8 @@ by mla_decode through the block table.
 """
 from __future__ import annotations
 
+from ..tensor import Tensor
+
 
 def block_bytes(num_layers: int, block_size: int, width: int, dtype_bytes: int) -> int:
     """Bytes one block takes across all layers."""
@@ -46,8 +48,6 @@ class PagedPools:
 
     def __init__(self, backend, layout: list, num_blocks: int, block_size: int, dtype: str,
                  max_blocks_per_seq: int):
-        from ..tensor import Tensor
-
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"cache needs blocks: num_blocks={num_blocks}, block_size={block_size}")
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype

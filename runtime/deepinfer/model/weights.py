@@ -16,6 +16,7 @@ import numpy as np
 from .. import dtypes as D
 from .. import quant_formats as QF
 from ..errors import CheckpointError
+from ..parallel.shard import ShardedCheckpoint
 from ..tensor import Quant, Tensor
 from .checkpoint import Checkpoint
 
@@ -141,8 +142,6 @@ class WeightLoader:
         # checkpoint is then read through a view that returns only that part, with the local config
         self.shard = shard
         if shard is not None:
-            from ..parallel.shard import ShardedCheckpoint
-
             ckpt = ShardedCheckpoint(ckpt, shard)
         self.ckpt, self.cfg, self.backend, self.dtype = ckpt, ckpt.config, backend, dtype
         # routed experts are left on disk for an ExpertCache (model.expert_cache) to load on demand

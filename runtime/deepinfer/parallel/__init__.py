@@ -9,5 +9,6 @@ ranks"; the ops: abi/README.md section 9).
 
 Where the split shows in the model: model.deepseek (all_reduce after o_proj and each MLP, the
 expert-parallel MoE layer), model.weights (the loader reads through shard.ShardedCheckpoint),
-engine.model_runner (rank 0 sends each step before running it; run_remote on the others).
+engine.multi_rank (rank 0 announces each step before running it; the others replay it through
+ModelRunner.run_remote).
 """

@@ -98,7 +98,8 @@ class ParallelGroup:
 
     # ------------------------------------------------------------------ steps
     def send_step(self, key: tuple, inputs: dict) -> None:
-        """Rank 0: the plan about to run and its host inputs, to every other rank."""
+        """Rank 0: the plan about to run and its host inputs, to every other rank. key: the plan's
+        key (engine.plan_key.PlanKey, a tuple), sent as the JSON list of its values."""
         names = sorted(inputs)
         arrays = [np.ascontiguousarray(inputs[n]) for n in names]
         head = {"kind": _STEP, "key": list(key),
@@ -119,7 +120,8 @@ class ParallelGroup:
             self.mpi.Bcast(bytearray(body), root=0)
 
     def recv_step(self):
-        """Other ranks: (plan key, {name: array}) of the next step, or None when rank 0 stopped."""
+        """Other ranks: (plan key values as a tuple, {name: array}) of the next step, or None when
+        rank 0 stopped."""
         sizes = np.zeros(2, np.int64)
         self.mpi.Bcast(sizes, root=0)
         head = bytearray(int(sizes[0]))

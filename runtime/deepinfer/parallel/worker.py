@@ -7,6 +7,7 @@ import traceback
 from pathlib import Path
 
 from ..config import EngineConfig
+from ..engine.llm_engine import load_backend_and_runner
 from ..errors import DeepinferError
 from .group import ParallelGroup, serve_steps
 
@@ -15,8 +16,6 @@ from .group import ParallelGroup, serve_steps
 def run_worker(model_dir, config: EngineConfig) -> int:
     """Load the model's share of this rank and execute steps until rank 0 stops; returns the steps
     run. Rank 0 runs an Engine with the same model and config (the two must agree)."""
-    from ..engine.llm_engine import load_backend_and_runner
-
     group = ParallelGroup(config.tensor_parallel, config.expert_parallel)
     if group.is_driver:
         raise RuntimeError("run_worker is for ranks 1..N-1; rank 0 runs the Engine")

@@ -11,15 +11,15 @@ import logging
 import signal
 from typing import Optional
 
+from ..engine import Engine
+from .app import ServerLimits, create_app
+from .async_engine import AsyncEngine
+
 log = logging.getLogger("deepinfer")
 
 
 def build(model=None, config=None, limits=None, served_model_name: Optional[str] = None, drain_timeout: float = 30.0):
     """(FastAPI app, AsyncEngine) for a model; the engine thread is already running."""
-    from ..engine import Engine
-    from .app import ServerLimits, create_app
-    from .async_engine import AsyncEngine
-
     engine = Engine.from_pretrained(model, config=config)
     aengine = AsyncEngine(engine)
     name = served_model_name or (str(model) if model else "deepseek-v3-nano")
