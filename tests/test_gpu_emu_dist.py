@@ -1,6 +1,6 @@
 """The GPU backend's expert-parallel kernels (backends/cuda/src/dist_kernels.cuh: moe_dispatch's
 per-rank scan and row copy, moe_combine's sum in rank order) run on the CPU: tests/gpu_emu/test_dist_ops.cpp
-compiles them against tests/gpu_emu/host_emu.h and launches them block by block as ops_dist.cu does.
+compiles them against tests/gpu_emu/host_emu.h and launches them block by block as dist.cu does.
 The first test is its self-check (strided views, every row-copy width, scans over several chunks);
 the second feeds random cases through it and judges them against the reference backend
 (backends/reference/dist.py). The collectives themselves are NCCL's and run only on a GPU

@@ -1,7 +1,7 @@
-"""The GPU backend's ABI 1.3 kernels (backends/cuda/src/v4_kernels.cuh: hc_pre, hc_post, layernorm,
+"""The GPU backend's ABI 1.3 kernels (backends/cuda/src/hyper.cuh, norm.cuh, sparse.cuh: hc_pre, hc_post, layernorm,
 kv_compress, indexer_topk's scores and top-k selection, sparse_attention and the cleaning of
 `indices`) run on the CPU: tests/gpu_emu/test_v4_ops.cpp compiles them against tests/gpu_emu/host_emu.h
-(one emulated thread block at a time), launches them block by block as ops_v4.cu does and compares
+(one emulated thread block at a time), launches them block by block as hyper.cu, norm.cu and sparse.cu do and compares
 them with serial float64 transcriptions of abi/README.md section 8. It is where those kernels run
 without a GPU (the HIP build shares them); the device run (backends/cuda/device.sh v4) checks them
 against the reference backend. Needs a C++17 compiler; skips without one."""
@@ -62,7 +62,7 @@ def _write_v4_case(path, case):
 
 def test_v4_kernels_against_the_reference_on_conformance_cases(tmp_path):
     """Every default-profile conformance case of the six 1.3 ops through the emulated kernels (the
-    launches of ops_v4.cu, with more splits than a GPU would get for these sizes so the merges run),
+    launches of sparse.cu, with more splits than a GPU would get for these sizes so the merges run),
     judged against the reference backend as the conformance suite judges a device library."""
     import numpy as np
     from deepinfer.conformance import cases as C

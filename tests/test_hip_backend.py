@@ -39,17 +39,17 @@ def test_check_compat_catches_warp_width_assumptions(tmp_path):
     dst = tmp_path / "backends"
     shutil.copytree(ROOT / "backends" / "cuda" / "src", dst / "cuda" / "src")
     shutil.copytree(HIP, dst / "hip", ignore=shutil.ignore_patterns("build"))
-    attn = dst / "cuda" / "src" / "ops_attn.cu"
+    attn = dst / "cuda" / "src" / "attention.cu"
     src = attn.read_text()
     assert "const int warp = warp_id(), lane = lane_id();" in src
     attn.write_text(src.replace("const int warp = warp_id(), lane = lane_id();",
                                 "const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;", 1))
-    basic = dst / "cuda" / "src" / "ops_basic.cu"
+    basic = dst / "cuda" / "src" / "elementwise.cu"
     basic.write_text(basic.read_text() + "\n__device__ float f(float v) { return __shfl_down_sync(0xffffffffu, v, 1); }\n")
     p = subprocess.run(["bash", str(dst / "hip" / "check_compat.sh")], capture_output=True, text=True)
     assert p.returncode == 1
-    assert "ops_attn.cu" in p.stderr and "threadIdx.x >> 5" in p.stderr
-    assert "ops_basic.cu" in p.stderr and "__shfl_down_sync" in p.stderr
+    assert "attention.cu" in p.stderr and "threadIdx.x >> 5" in p.stderr
+    assert "elementwise.cu" in p.stderr and "__shfl_down_sync" in p.stderr
 
 
 def test_build_script_says_what_to_install_without_hipcc(tmp_path):

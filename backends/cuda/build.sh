@@ -43,9 +43,9 @@ BASE=(-std=c++17 -O3 ${EXTRA[@]+"${EXTRA[@]}"} -Xcompiler=-fPIC,-fvisibility=hid
       -Werror=all-warnings -I"$ROOT/abi")
 FLAGS=("${BASE[@]}" "${GENCODE[@]}")
 
-pids=()
 for src in "$HERE"/src/*.cu; do
   obj="$OUT/obj/$(basename "${src%.cu}").o"
+  rm -f "$obj"   # an object left from an earlier build must not stand in for a failed compile
   case "$(basename "$src")" in
     gemm_sm90_*.cu)  # CUTLASS kernels: sm_90a only (wgmma / TMA), its headers as system headers
       if (( HAVE_CUTLASS )); then
@@ -57,11 +57,15 @@ for src in "$HERE"/src/*.cu; do
       fi ;;
     *) "$NVCC" "${FLAGS[@]}" -c "$src" -o "$obj" & ;;
   esac
-  pids+=($!)
   while (( $(jobs -rp | wc -l) >= JOBS )); do sleep 0.2; done
 done
+wait
+# A compile's success is its object: `wait PID` cannot be used here, since `jobs` above already
+# reaps finished compiles and bash then answers "not a child of this shell" for them.
 fail=0
-for p in "${pids[@]}"; do wait "$p" || fail=1; done
+for src in "$HERE"/src/*.cu; do
+  [[ -s "$OUT/obj/$(basename "${src%.cu}").o" ]] || { echo "build.sh: $(basename "$src") did not compile" >&2; fail=1; }
+done
 (( fail == 0 )) || { echo "build.sh: compilation failed" >&2; exit 1; }
 
 # static cudart: the library needs only the driver at run time (no libcudart.so, no torch)

@@ -45,18 +45,22 @@ for a in "${ARCHS[@]}"; do OFFLOAD+=("--offload-arch=$a"); done
 FLAGS=(-x hip -std=c++17 -O3 -fPIC -fvisibility=hidden "${OFFLOAD[@]}" "-DDI_HIP_TARGETS=\"${ARCHS[*]}\""
        -Wall -Wextra -Wno-unused-parameter -Wno-unused-command-line-argument -Wno-pass-failed -Werror -I"$ROOT/abi")
 
-pids=()
 for src in "$ROOT"/backends/cuda/src/*.cu; do
   obj="$OUT/obj/$(basename "${src%.cu}").o"
+  rm -f "$obj"   # an object left from an earlier build must not stand in for a failed compile
   "$HIPCC" "${FLAGS[@]}" -c "$src" -o "$obj" &
-  pids+=($!)
   while (( $(jobs -rp | wc -l) >= JOBS )); do sleep 0.2; done
 done
+wait
+# A compile's success is its object (as in backends/cuda/build.sh: `wait PID` fails for compiles
+# that `jobs` has already reaped).
 fail=0
-for p in "${pids[@]}"; do wait "$p" || fail=1; done
+for src in "$ROOT"/backends/cuda/src/*.cu; do
+  [[ -s "$OUT/obj/$(basename "${src%.cu}").o" ]] || { echo "build.sh: $(basename "$src") did not compile" >&2; fail=1; }
+done
 (( fail == 0 )) || { echo "build.sh: compilation failed" >&2; exit 1; }
 
-# -ldl: RCCL is dlopen'ed at run time (ops_dist.cu), never linked; glibc before 2.34 keeps dlopen in libdl
+# -ldl: RCCL is dlopen'ed at run time (backends/cuda/src/dist.cu), never linked; glibc before 2.34 keeps dlopen in libdl
 "$HIPCC" -shared -fPIC "${OFFLOAD[@]}" -Wno-unused-command-line-argument -o "$OUT/libdeepinfer_hip.so" \
     "$OUT"/obj/*.o -Wl,--no-undefined -ldl
 echo "built $OUT/libdeepinfer_hip.so"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Certifies, on an NVIDIA GPU, the code paths that exist for the HIP build but that CUDA normally
-# skips: sample's portable block radix sort and block scan (ops_route.cu without CUB). Builds
+# skips: sample's portable block radix sort and block scan (sampling.cu without CUB). Builds
 # libdeepinfer_cuda.so with DI_CUDA_NO_CUB=1 and runs the conformance suite on it; sample's cases
 # (drawn shapes, ties, top-k/top-p, seeds) compare every token with the reference. One device call:
 #   backends/hip/device_portable_on_cuda.sh        (results in $OUT, default backends/hip/build)

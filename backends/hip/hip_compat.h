@@ -185,5 +185,5 @@ static inline hipError_t di_hip_pointer_get_attributes(di_hip_pointer_attributes
 
 // DI_GPU_NEED_FP8 and DI_GPU_NEED_CUB (gpu_runtime.cuh's opt-in parts) add nothing on AMD: gemv.cuh
 // decodes e4m3 in software there (CDNA3's fp8 is the FNUZ variant, not the OCP e4m3fn the ABI
-// stores), and ops_route.cu uses its portable sort and scan instead of CUB (Debian's HIP 5.2 ships no
+// stores), and sampling.cu uses its portable sort and scan instead of CUB (Debian's HIP 5.2 ships no
 // hipCUB/rocPRIM).

@@ -1,4 +1,4 @@
-"""One rank of tests/test_cpu_dist_ops.py's multi-rank check: run under `mpirun -n N`.
+"""One rank of tests/test_cpu_dist.py's multi-rank check: run under `mpirun -n N`.
 
 The collectives are checked by the conformance suite's multi-rank level (deepinfer/conformance/
 multi_rank.py, what `deepinfer conformance LIB --ranks N` runs): all_reduce, all_gather, all_to_all,

@@ -1,5 +1,5 @@
 // A host emulation of the few GPU runtime pieces that backends/cuda/src/device.cuh, sort_rows.cuh,
-// sample_rows.cuh and v4_kernels.cuh use, so their block-level algorithms (lane groups, shuffles,
+// sample_rows.cuh and the hyper / norm / sparse kernels use, so their block-level algorithms (lane groups, shuffles,
 // scans, the portable sort) and the ABI 1.3 kernels run on a CPU in CI. gpu_runtime.cuh includes it
 // when the test build defines DI_GPU_HOST_EMU="host_emu.h".
 //
@@ -82,7 +82,7 @@ inline void run_block(unsigned threads, const std::function<void()>& body) {
     for (unsigned w = 0; w < threads / DI_WARP_SIZE; ++w) pthread_barrier_destroy(&warp_bar[w]);
 }
 
-// Dynamic shared memory of the one block that runs (v4_kernels.cuh's DI_DYN_SMEM): 256 KB, more
+// Dynamic shared memory of the one block that runs (kernel_util.cuh's DI_DYN_SMEM): 256 KB, more
 // than any GPU gives a block, so a launch the library would make always fits.
 inline std::vector<uint64_t> dyn_smem_buf(1 << 15);
 inline void* dyn_smem() { return dyn_smem_buf.data(); }

@@ -1,6 +1,6 @@
 // The GPU backend's expert-parallel kernels (backends/cuda/src/dist_kernels.cuh: moe_dispatch's
 // per-rank scan and row copy, moe_combine) run on the CPU through host_emu.h, block by block with the
-// geometry ops_dist.cu launches (and a smaller one, so the grid-stride loops and the scan's carry
+// geometry dist.cu launches (and a smaller one, so the grid-stride loops and the scan's carry
 // across chunks run too).
 //
 //   test_dist_ops                 self-check: random cases on strided (padded) views, both float
@@ -101,7 +101,7 @@ static void launch(int64_t gx, unsigned threads, F&& body) {
     }
 }
 
-// The row-copy width ops_dist.cu picks: the widest unit every row start and the row length divide.
+// The row-copy width dist.cu picks: the widest unit every row start and the row length divide.
 static int copy_width(const HT& x, const HT& sx) {
     const int64_t eb = x.dt == DT_BF16 ? 2 : 4, row = x.shape[1] * eb;
     int V = 16;
@@ -112,8 +112,8 @@ static int copy_width(const HT& x, const HT& sx) {
     return V;
 }
 
-// moe_dispatch as ops_dist.cu launches it: the route kernel over `route_blocks` blocks of
-// `route_threads`, then the row copy in width V (0: the width ops_dist.cu would pick).
+// moe_dispatch as dist.cu launches it: the route kernel over `route_blocks` blocks of
+// `route_threads`, then the row copy in width V (0: the width dist.cu would pick).
 static void run_dispatch(HT& x, HT& ids, HT& wts, HT& sx, HT& sids, HT& swts, HT& counts, HT& route, int Er,
                          int64_t route_blocks, unsigned route_threads, int V) {
     const int64_t T = x.shape[0], H = x.shape[1];
@@ -303,7 +303,7 @@ static int run_file(const char* in_path, const char* out_path) {
         HT sx(xdt, {N, C, H}), sids(DT_I32, {N, C, K}), swts(DT_F32, {N, C, K}), counts(DT_I32, {N}), route(DT_I32, {T, N});
         ok = read_all(f, x.mem.data(), nbytes(x)) && read_all(f, ids.mem.data(), nbytes(ids)) &&
              read_all(f, wts.mem.data(), nbytes(wts));
-        // the launch geometry of ops_dist.cu
+        // the launch geometry of dist.cu
         run_dispatch(x, ids, wts, sx, sids, swts, counts, route, (int)Er, N, T > 256 ? 1024 : 256, 0);
         for (HT* t : {&sx, &sids, &swts, &counts, &route}) ok = ok && fwrite(t->mem.data(), 1, nbytes(*t), o) == nbytes(*t);
     } else {

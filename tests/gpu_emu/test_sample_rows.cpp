@@ -1,6 +1,6 @@
 // sample's and spec_verify's row bodies of the GPU backend (backends/cuda/src/sample_rows.cuh: the
 // softmax pass, the portable sort of sort_rows.cuh, the pick of each op), run on the CPU through
-// host_emu.h exactly as ops_route.cu's kernels run them, one emulated block per row. Built and driven
+// host_emu.h exactly as sampling.cu's kernels run them, one emulated block per row. Built and driven
 // by tests/test_gpu_emu.py, which writes the inputs of conformance cases and compares the outputs
 // with the reference backend's, as the conformance suite compares a device library's.
 //
@@ -72,7 +72,7 @@ int main(int argc, char** argv) {
     DTensor dt_ids = tensor(ids.data(), DT_I32, T, 0), dt_out = tensor(out.data(), DT_I32, T, 0);
     DTensor dt_acc = tensor(acc.data(), DT_I32, T, 0);
     DTensor dt_probs = want_probs ? tensor(probs.data(), DT_F32, T, 0) : tensor(nullptr, DT_F32, T, 0);
-    // the three kernels of the op, in order (ops_route.cu: k_sample_probs, k_sort_rows, k_*_pick)
+    // the three kernels of the op, in order (sampling.cu: k_sample_probs, k_sort_rows, k_*_pick)
     for (int64_t r = 0; r < R; ++r)
         di_emu::run_block(threads, [&] {
             __shared__ float red[MAX_WARPS];

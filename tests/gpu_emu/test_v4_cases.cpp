@@ -1,7 +1,7 @@
 // Conformance cases through the GPU backend's ABI 1.3 kernels on the CPU: tests/test_gpu_emu_v4.py
 // writes a case of hc_pre, hc_post, kv_compress, indexer_topk, sparse_attention or layernorm (its
 // tensors in the op table's field order, contiguous, then its scalars), this program runs the
-// kernels of v4_kernels.cuh on it through host_emu.h with the launches ops_v4.cu makes, and writes
+// kernels of hyper.cuh, norm.cuh and sparse.cuh on it through host_emu.h with the launches hyper.cu, norm.cu and sparse.cu make, and writes
 // every tensor back; the test compares the outputs with the reference backend's as the conformance
 // suite compares a device library's. The split counts are fixed here rather than sized for a GPU
 // (more splits than the host would pick for these small cases, so the merges run).
@@ -18,7 +18,9 @@
 #include <vector>
 
 #include "device.cuh"
-#include "v4_kernels.cuh"
+#include "hyper.cuh"
+#include "norm.cuh"
+#include "sparse.cuh"
 
 using namespace di;
 
@@ -95,7 +97,7 @@ int main(int argc, char** argv) {
         d.iters = (int)sc[2];
         d.chunk = ceil_div(d.NH, (int64_t)3);
         d.splits = (int)ceil_div(d.NH, d.chunk);
-        const int TT = d.M <= 24 && d.T > 1 ? 4 : 1;   // as ops_v4.cu picks
+        const int TT = d.M <= 24 && d.T > 1 ? 4 : 1;   // as sparse.cu picks
         std::vector<float> part((size_t)(d.T * d.splits * (d.M + 1)) + 1, NAN);
         if (d.T > 0) {
             launch(ceil_div(d.T, (int64_t)TT), d.splits, HC_THREADS, [&] {

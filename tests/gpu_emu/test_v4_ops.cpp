@@ -1,7 +1,7 @@
-// The ABI 1.3 kernels of the GPU backend (backends/cuda/src/v4_kernels.cuh: hc_pre, hc_post,
+// The ABI 1.3 kernels of the GPU backend (backends/cuda/src/hyper.cuh, norm.cuh, sparse.cuh: hc_pre, hc_post,
 // layernorm, kv_compress, indexer_topk with its radix select and bitonic sort, sparse_attention and
 // the cleaning of `indices`) run on the CPU through host_emu.h, block by block with the grids
-// ops_v4.cu launches, and are compared with serial float64 transcriptions of abi/README.md section 8.
+// hyper.cu, norm.cu and sparse.cu launch, and are compared with serial float64 transcriptions of abi/README.md section 8.
 // The compressor's reference builds its slots the way transformers' DeepSeek V4 code does (the
 // two-series window layout), an independent statement of the mapping the kernel computes per slot.
 // Inputs are small, strided (padded rows) and in both float dtypes; outputs are poisoned with NaN
@@ -21,7 +21,9 @@
 #include <vector>
 
 #include "device.cuh"
-#include "v4_kernels.cuh"
+#include "hyper.cuh"
+#include "norm.cuh"
+#include "sparse.cuh"
 
 using namespace di;
 
@@ -141,7 +143,7 @@ static void check_hc_pre(int N, int64_t T, int64_t H, bool block, int xdt, int o
     d.chunk = ceil_div(d.NH, (int64_t)splits_req);
     d.splits = (int)ceil_div(d.NH, d.chunk);
     std::vector<float> part((size_t)(T * d.splits * (M + 1)), NAN);
-    const int TT = M <= 24 && T > 1 ? 4 : 1;   // as ops_v4.cu picks
+    const int TT = M <= 24 && T > 1 ? 4 : 1;   // as sparse.cu picks
     launch(ceil_div(T, TT), d.splits, HC_THREADS, [&] {
         if (TT == 4) k_hc_mix<24, 4>(x.v, fn.v, part.data(), d);
         else if (M <= 24) k_hc_mix<24, 1>(x.v, fn.v, part.data(), d);

@@ -1,5 +1,6 @@
-/* MLA attention: mla_prefill (un-absorbed, causal within each packed sequence) and mla_decode
- * (absorbed kv_b over the paged latent cache; with indices, 1.3, over the listed positions only).
+/* MLA attention: mla_cache_write (the latent and rope key rows into the paged cache), mla_prefill
+ * (un-absorbed, causal within each packed sequence) and mla_decode (absorbed kv_b over the paged
+ * latent cache; with indices, 1.3, over the listed positions only).
  * Softmax is the two-pass max/exp form in f32; dot products go through the same gemm_dot kernel as
  * linear so they use SIMD where available. */
 #include <math.h>
@@ -434,5 +435,40 @@ DI_Status op_mla_decode(DI_Context* ctx, const DI_MLADecodeArgs* a, int query) {
     pool_run(ctx->pool, ng * j.nhb, decode_task, &j, (keys + T * (Dn + Dv)) * H * (Dc + Dr));
     free(g0);
     if (j.oom) return DI_OOM(ctx, "mla_decode");
+    return DI_OK;
+}
+
+/* ------------------------------------------------------------------ mla_cache_write */
+DI_Status op_mla_cache_write(DI_Context* ctx, const DI_MLACacheWriteArgs* a, int query) {
+    VC v = {ctx, "mla_cache_write", query};
+    DI_Status st;
+    if ((st = check_tensor(&v, &a->latent, "latent", 2, 2, DTM_FLOAT_ACT, 0))) return st;
+    if ((st = check_tensor(&v, &a->k_pe, "k_pe", 2, 2, DTM_FLOAT_ACT, 0))) return st;
+    if ((st = check_tensor(&v, &a->slots, "slots", 1, 1, DTM(DT_I32), 0))) return st;
+    if ((st = check_tensor(&v, &a->cache, "cache", 3, 3, DTM_FLOAT_ACT, 0))) return st;
+    int64_t T = a->latent.shape[0], Dc = a->latent.shape[1], Dr = a->k_pe.shape[1];
+    if ((st = check_dim(&v, &a->k_pe, "k_pe", 0, T))) return st;
+    if ((st = check_dim(&v, &a->slots, "slots", 0, T))) return st;
+    if ((st = check_dim(&v, &a->cache, "cache", 2, Dc + Dr))) return st;
+    if (query) return DI_OK;
+    int64_t NB = a->cache.shape[0], BS = a->cache.shape[1];
+    const int32_t* slots = (const int32_t*)t_base(&a->slots);
+    for (int64_t t = 0; t < T; t++) {
+        int64_t s = slots[t * a->slots.strides[0]];
+        if (s >= NB * BS)
+            return di_fail(ctx, DI_INVALID_ARGUMENT, "mla_cache_write: slots[%lld]=%lld >= NB*BS=%lld", (long long)t,
+                           (long long)s, (long long)(NB * BS));
+    }
+    int ld = dt_id(a->latent.dtype), kd = dt_id(a->k_pe.dtype), cd = dt_id(a->cache.dtype);
+    float* buf = di_malloc((size_t)(Dc + Dr + 1) * sizeof(float));
+    if (!buf) return DI_OOM(ctx, "mla_cache_write");
+    for (int64_t t = 0; t < T; t++) {
+        int64_t s = slots[t * a->slots.strides[0]];
+        if (s < 0) continue;
+        load_row(ld, t_row(&a->latent, ld, t), 0, Dc, buf);
+        load_row(kd, t_row(&a->k_pe, kd, t), 0, Dr, buf + Dc);
+        store_row(cd, t_row2(&a->cache, cd, s / BS, s % BS), buf, Dc + Dr);
+    }
+    free(buf);
     return DI_OK;
 }

@@ -310,10 +310,33 @@ DI_HIDDEN const char* cpu_features(void);
 DI_HIDDEN int isa_allows(const char* level);
 
 /* ------------------------------------------------------------------ linear engine */
+/* the weight dtypes linear and moe_experts take (plain or as quantized storage) */
+static const uint32_t k_wdts = DTM(DT_F32) | DTM(DT_BF16) | DTM(DT_F16) | DTM(DT_I8) | DTM(DT_U8) | DTM(DT_I4) |
+                               DTM(DT_U4) | DTM(DT_E4M3) | DTM(DT_E2M1);
+
 /* Y[M, N] (ldy) = X[M, K] (ldx, f32) @ dequant(W)^T; W validated 2-d [N, K]. */
 DI_HIDDEN DI_Status lin_f32(DI_Context* ctx, const char* op, const float* X, int64_t ldx, int64_t M,
                             const DI_Tensor* w, float* Y, int64_t ldy);
 DI_HIDDEN DI_Status check_weight(VC* v, const DI_Tensor* w, const char* name, int64_t N, int64_t K);
+/* Y = X @ W^T on the calling thread only (inside another job's task: the pool takes one job at a time) */
+DI_HIDDEN DI_Status lin_f32_serial(DI_Context* ctx, const char* op, const float* X, int64_t ldx, int64_t M,
+                                   const DI_Tensor* w, float* Y, int64_t ldy);
+/* one product of lin_f32_multi */
+typedef struct {
+    const float*     X;
+    int64_t          ldx, M;
+    const DI_Tensor* w;
+    float*           Y;
+    int64_t          ldy;
+} LinSpec;
+
+/* Several independent products in one parallel region (the experts of a MoE layer) */
+DI_HIDDEN DI_Status lin_f32_multi(DI_Context* ctx, const char* op, const LinSpec* spec, int n);
+/* up to this many x rows, weights stream through the row kernels (4 x rows a pass); more: a
+ * dequantized tile and the dot-product GEMM (measured on Zen 4 and Sapphire Rapids: a GEBP
+ * outer-product panel lost to it at K = 2048, 119 against 190 GFLOP/s, and rows past 8 ran no
+ * faster through the row kernels than through the tile) */
+#define FUSED_MAX_M 8
 
 /* ------------------------------------------------------------------ ops */
 /* one body per row of the header's op table */

@@ -1,4 +1,4 @@
-/* linear and moe_experts.
+/* linear, and the engine moe_experts (moe.c) runs its experts on.
  *
  * One engine, lin_f32, computes Y = X @ dequant(W)^T for f32 activations and any weight format:
  *  - small M (decode, M <= 8): a fused "row dot" kernel per weight dtype reads the stored weights
@@ -28,14 +28,6 @@
 #include "di_cpu.h"
 
 #define TILE_N 32      /* rows of W dequantized per GEMM tile */
-/* up to this many x rows, weights stream through the row kernels (4 x rows a pass); more: a
- * dequantized tile and the dot-product GEMM (measured on Zen 4 and Sapphire Rapids: a GEBP
- * outer-product panel lost to it at K = 2048, 119 against 190 GFLOP/s, and rows past 8 ran no
- * faster through the row kernels than through the tile) */
-#define FUSED_MAX_M 8
-
-static const uint32_t k_wdts = DTM(DT_F32) | DTM(DT_BF16) | DTM(DT_F16) | DTM(DT_I8) | DTM(DT_U8) | DTM(DT_I4) |
-                               DTM(DT_U4) | DTM(DT_E4M3) | DTM(DT_E2M1);
 
 DI_Status check_weight(VC* v, const DI_Tensor* w, const char* name, int64_t N, int64_t K) {
     DI_Status st = check_tensor(v, w, name, 2, 2, k_wdts, 1);
@@ -288,8 +280,8 @@ DI_Status lin_f32(DI_Context* ctx, const char* op, const float* X, int64_t ldx, 
 }
 
 /* Y = X @ W^T on the calling thread only (inside another job's task: the pool takes one job at a time) */
-static DI_Status lin_f32_serial(DI_Context* ctx, const char* op, const float* X, int64_t ldx, int64_t M,
-                                const DI_Tensor* w, float* Y, int64_t ldy) {
+DI_Status lin_f32_serial(DI_Context* ctx, const char* op, const float* X, int64_t ldx, int64_t M,
+                         const DI_Tensor* w, float* Y, int64_t ldy) {
     LinJob j;
     DI_Status st = lin_prepare(ctx, op, &j, X, ldx, M, w, Y, ldy, 1);
     if (st) return st;
@@ -319,15 +311,7 @@ static void multi_task(void* arg, int64_t task, int worker) {
     lin_task(&mj->jobs[lo], task - mj->first[lo], worker);
 }
 
-typedef struct {
-    const float*     X;
-    int64_t          ldx, M;
-    const DI_Tensor* w;
-    float*           Y;
-    int64_t          ldy;
-} LinSpec;
-
-static DI_Status lin_f32_multi(DI_Context* ctx, const char* op, const LinSpec* spec, int n) {
+DI_Status lin_f32_multi(DI_Context* ctx, const char* op, const LinSpec* spec, int n) {
     if (n <= 0) return DI_OK;
     LinJob* jobs = calloc((size_t)n, sizeof(LinJob));
     int64_t* first = calloc((size_t)n + 1, sizeof(int64_t));
@@ -744,277 +728,5 @@ DI_Status op_linear(DI_Context* ctx, const DI_LinearArgs* a, int query) {
         free(b);
     }
     if (!direct) free(Y);
-    return st;
-}
-
-/* ------------------------------------------------------------------ moe_experts */
-/* The descriptor of every (token, k) pair, pe[t * K + k] (-1: the pair is skipped), and count[e]
- * (zeroed by the caller) += the pairs of descriptor e. Without expert_map a pair uses descriptor
- * topk_ids[t, k]: ids outside [0, E) are skipped, and a routed expert that is not resident is
- * FAILED_PRECONDITION. With it (1.5: an expert cache's table, model expert id -> descriptor) a pair
- * uses expert_map[id] for ids in [0, M), other ids are skipped as without a map, and an entry that
- * names no resident descriptor (< 0, >= E, data NULL) skips the pair and flags it in misses instead:
- * the cache loads the expert and runs the step again. Every pair's misses element is written. */
-static DI_Status moe_route(DI_Context* ctx, const DI_MoEExpertsArgs* a, int has_map, int64_t T, int64_t K,
-                           int32_t* pe, int64_t* count) {
-    int E = a->num_experts;
-    const int32_t* ids = (const int32_t*)t_base(&a->topk_ids);
-    int64_t ids_rs = a->topk_ids.strides[0];
-    const int32_t* map = has_map ? (const int32_t*)t_base(&a->expert_map) : NULL;   /* stride 1 (rank 1) */
-    int64_t M = has_map ? a->expert_map.shape[0] : 0;
-    for (int64_t t = 0; t < T; t++) {
-        int32_t* miss = has_map ? (int32_t*)t_row(&a->misses, DT_I32, t) : NULL;
-        for (int64_t k = 0; k < K; k++) {
-            int32_t id = ids[t * ids_rs + k], e = -1;
-            if (has_map) {
-                int mapped = id >= 0 && id < M;
-                if (mapped) e = map[id];
-                if (e < 0 || e >= E || !a->w_gate[e].data) e = -1;   /* partial residency is refused earlier */
-                miss[k] = mapped && e < 0;
-            } else if (id >= 0 && id < E) {
-                if (!a->w_gate[id].data)
-                    return di_fail(ctx, DI_FAILED_PRECONDITION, "moe_experts: expert %d not resident (token %lld)",
-                                   id, (long long)t);
-                e = id;
-            }
-            pe[t * K + k] = e;
-            if (e >= 0) count[e]++;
-        }
-    }
-    return DI_OK;
-}
-
-/* Descriptor e's (token, k) pairs become rows [off[e], off[e] + count[e]) of the gathered buffers,
- * in token order: its routing weight (rw) and its x row (xg); prow[t * K + k] is the row of pair
- * (t, k), -1 when it is skipped (pe: moe_route's descriptors). cur: E scratch. */
-static void moe_gather(const DI_MoEExpertsArgs* a, const int32_t* pe, int64_t T, int64_t K, int64_t H,
-                       const int64_t* off, int64_t* cur, float* rw, float* xg, int64_t* prow) {
-    int E = a->num_experts, xd = dt_id(a->x.dtype);
-    const float* tw = (const float*)t_base(&a->topk_weights);
-    int64_t w_rs = a->topk_weights.strides[0];
-    for (int e = 0; e < E; e++) cur[e] = off[e];
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t k = 0; k < K; k++) {
-            int32_t e = pe[t * K + k];
-            prow[t * K + k] = -1;
-            if (e < 0) continue;
-            int64_t r = cur[e]++;
-            prow[t * K + k] = r;
-            rw[r] = tw[t * w_rs + k];
-            load_row(xd, t_row(&a->x, xd, t), 0, H, xg + r * H);
-        }
-}
-
-/* out[t] = sum over k of rw * yb of pair (t, k) (+ out[t] when accumulating), summed in k order: the
- * result depends on the routing, never on how experts are numbered, so an expert cache that renames
- * experts to its slots computes the same bits (abi/README.md section 8). acc is [T, H] zeroed scratch */
-static DI_Status moe_combine(DI_Context* ctx, const DI_MoEExpertsArgs* a, int64_t T, int64_t K, int64_t H,
-                             const int64_t* prow, const float* rw, const float* yb, float* acc) {
-    int od = dt_id(a->out.dtype);
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t k = 0; k < K; k++) {
-            int64_t r = prow[t * K + k];
-            if (r >= 0) kernels()->axpy(rw[r], yb + r * H, acc + t * H, H);
-        }
-    float* tmp = di_malloc((size_t)(H ? H : 1) * sizeof(float));
-    if (!tmp) return DI_OOM(ctx, "moe_experts");
-    for (int64_t t = 0; t < T; t++) {
-        float* ar = acc + t * H;
-        if (a->accumulate) {
-            load_row(od, t_row(&a->out, od, t), 0, H, tmp);
-            for (int64_t h = 0; h < H; h++) ar[h] += tmp[h];
-        }
-        store_row(od, t_row(&a->out, od, t), ar, H);
-    }
-    free(tmp);
-    return DI_OK;
-}
-
-/* Decode: a few tokens per expert. One task per active expert runs its gate, up, SiLU and down
- * on one thread, so a layer is one parallel region and no matrix is split into tiny pieces. */
-typedef struct {
-    DI_Context*              ctx;
-    const DI_MoEExpertsArgs* a;
-    const int32_t*           act;     /* active expert ids */
-    const int64_t*           off;     /* first gathered row of each expert */
-    const int64_t*           count;
-    const float*             xg;      /* gathered x rows [total, H] */
-    float*                   yb;      /* expert outputs [total, H] */
-    float*                   hb;      /* per worker: gate and up rows [2, FUSED_MAX_M, I] */
-    int64_t                  H, I;
-    _Atomic int              st;
-} ExpertJob;
-
-static void expert_task(void* arg, int64_t t, int worker) {
-    ExpertJob* j = (ExpertJob*)arg;
-    int e = j->act[t];
-    int64_t n = j->count[e], H = j->H, I = j->I;
-    const float* x = j->xg + j->off[e] * H;
-    float* g = j->hb + (size_t)worker * 2 * FUSED_MAX_M * (size_t)I;
-    float* u = g + FUSED_MAX_M * I;
-    DI_Status st = lin_f32_serial(j->ctx, "moe_experts", x, H, n, &j->a->w_gate[e], g, I);
-    if (!st) st = lin_f32_serial(j->ctx, "moe_experts", x, H, n, &j->a->w_up[e], u, I);
-    if (!st) {
-        for (int64_t i = 0; i < n * I; i++) g[i] = di_swiglu(g[i], u[i], j->a->swiglu_limit);
-        st = lin_f32_serial(j->ctx, "moe_experts", g, I, n, &j->a->w_down[e], j->yb + j->off[e] * H, H);
-    }
-    if (st) atomic_store(&j->st, (int)st);
-}
-
-static DI_Status moe_by_expert(DI_Context* ctx, const DI_MoEExpertsArgs* a, const int32_t* pe,
-                               const int64_t* count, int64_t T, int64_t H, int64_t K, int64_t I) {
-    int E = a->num_experts, nw = pool_size(ctx->pool);
-    int64_t total = 0, nact = 0;
-    for (int e = 0; e < E; e++) { total += count[e]; nact += count[e] > 0; }
-    int64_t* off = di_malloc((size_t)(E + 1) * sizeof(int64_t));
-    int64_t* cur = di_malloc((size_t)(E + 1) * sizeof(int64_t));
-    int32_t* act = di_malloc((size_t)(nact + 1) * sizeof(int32_t));
-    float* rw = di_malloc((size_t)(total + 1) * sizeof(float));
-    float* xg = di_malloc((size_t)(total * H + 1) * sizeof(float));
-    float* yb = di_malloc((size_t)(total * H + 1) * sizeof(float));
-    float* hb = di_malloc((size_t)nw * 2 * FUSED_MAX_M * (size_t)(I > 0 ? I : 1) * sizeof(float));
-    float* acc = calloc((size_t)(T * H > 0 ? T * H : 1), sizeof(float));
-    int64_t* prow = di_malloc((size_t)(T * K + 1) * sizeof(int64_t));
-    DI_Status st = DI_OK;
-    if (!off || !cur || !act || !rw || !xg || !yb || !hb || !acc || !prow) st = DI_OOM(ctx, "moe_experts");
-    if (!st) {
-        int64_t o = 0, na = 0;
-        for (int e = 0; e < E; e++) {
-            off[e] = o;
-            o += count[e];
-            if (count[e]) act[na++] = e;
-        }
-        moe_gather(a, pe, T, K, H, off, cur, rw, xg, prow);
-        ExpertJob j = {ctx, a, act, off, count, xg, yb, hb, H, I, 0};
-        pool_run(ctx->pool, nact, expert_task, &j, total * 3 * H * I);
-        st = (DI_Status)atomic_load(&j.st);
-    }
-    if (!st) st = moe_combine(ctx, a, T, K, H, prow, rw, yb, acc);
-    free(off); free(cur); free(act); free(rw); free(xg); free(yb); free(hb); free(acc); free(prow);
-    return st;
-}
-
-DI_Status op_moe_experts(DI_Context* ctx, const DI_MoEExpertsArgs* a, int query) {
-    VC v = {ctx, "moe_experts", query};
-    DI_Status st;
-    if ((st = check_tensor(&v, &a->x, "x", 2, 2, DTM_FLOAT_ACT, 0))) return st;
-    int64_t T = a->x.shape[0], H = a->x.shape[1];
-    if ((st = check_tensor(&v, &a->topk_ids, "topk_ids", 2, 2, DTM(DT_I32), 0))) return st;
-    if ((st = check_dim(&v, &a->topk_ids, "topk_ids", 0, T))) return st;
-    int64_t K = a->topk_ids.shape[1];
-    if ((st = check_tensor(&v, &a->topk_weights, "topk_weights", 2, 2, DTM(DT_F32), 0))) return st;
-    if ((st = check_same_shape(&v, &a->topk_ids, "topk_ids", &a->topk_weights, "topk_weights"))) return st;
-    if ((st = check_tensor(&v, &a->out, "out", 2, 2, DTM_FLOAT_ACT, 0))) return st;
-    if ((st = check_same_shape(&v, &a->x, "x", &a->out, "out"))) return st;
-    if (a->num_experts < 0)
-        return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_experts: num_experts=%d is negative", a->num_experts);
-    if (a->accumulate != 0 && a->accumulate != 1)
-        return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_experts: accumulate=%d, expected 0 or 1", a->accumulate);
-    /* swiglu_limit (1.3) is 0 for an older caller (its struct ends before it) */
-    if (!(a->swiglu_limit >= 0.0f) || isinf(a->swiglu_limit))
-        return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_experts: swiglu_limit=%g, expected finite and >= 0 "
-                       "(0: no clipping)", (double)a->swiglu_limit);
-    int E = a->num_experts;
-    if (E > 0 && (!a->w_gate || !a->w_up || !a->w_down))
-        return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_experts: w_%s is NULL with num_experts=%d",
-                       !a->w_gate ? "gate" : !a->w_up ? "up" : "down", E);
-    int64_t I = -1;
-    for (int e = 0; e < E; e++) {
-        const DI_Tensor *g = &a->w_gate[e], *u = &a->w_up[e], *d = &a->w_down[e];
-        int rg = g->data != NULL, ru = u->data != NULL, rd = d->data != NULL;
-        if (!query && (rg != ru || ru != rd))
-            return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_experts: expert %d is partly resident (gate %d, up %d, "
-                           "down %d)", e, rg, ru, rd);
-        if (!rg && !(query && g->ndim > 0)) continue;
-        char n1[32], n2[32], n3[32];
-        snprintf(n1, sizeof n1, "w_gate[%d]", e);
-        snprintf(n2, sizeof n2, "w_up[%d]", e);
-        snprintf(n3, sizeof n3, "w_down[%d]", e);
-        if ((st = check_tensor(&v, g, n1, 2, 2, k_wdts, 1))) return st;
-        if (I < 0) I = g->shape[0];
-        if ((st = check_weight(&v, g, n1, I, H))) return st;
-        if ((st = check_weight(&v, u, n2, I, H))) return st;
-        if ((st = check_weight(&v, d, n3, H, I))) return st;
-    }
-    /* expert_map and misses (1.5): both or neither; absent for an older caller (its struct ends
-     * before them). misses is required so that a skipped pair never goes unnoticed. */
-    int has_map = tensor_present(&v, &a->expert_map), has_misses = tensor_present(&v, &a->misses);
-    if (has_map && !has_misses)
-        return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_experts: expert_map needs misses [T, K] int32: a pair whose "
-                       "expert is not resident is skipped, and misses is how the caller learns its output is "
-                       "incomplete");
-    if (has_misses && !has_map)
-        return di_fail(ctx, DI_INVALID_ARGUMENT, "moe_experts: misses is written only with expert_map; pass both "
-                       "or neither");
-    if (has_map) {
-        if ((st = check_tensor(&v, &a->expert_map, "expert_map", 1, 1, DTM(DT_I32), 0))) return st;
-        if ((st = check_tensor(&v, &a->misses, "misses", 2, 2, DTM(DT_I32), 0))) return st;
-        if ((st = check_dim(&v, &a->misses, "misses", 0, T)) || (st = check_dim(&v, &a->misses, "misses", 1, K)))
-            return st;
-    }
-    if (query) return DI_OK;
-
-    /* each pair's descriptor, grouped by descriptor; residency checked (or misses written) before
-     * any work. The experts' products below see only descriptors: a map that renames experts to
-     * other descriptors gives every pair the same rows, so the same bits (moe_combine sums in k order) */
-    int64_t* count = calloc((size_t)E + 1, sizeof(int64_t));
-    int32_t* pe = di_malloc((size_t)(T * K) * sizeof(int32_t));
-    if (!count || !pe) { free(count); free(pe); return DI_OOM(ctx, "moe_experts"); }
-    if ((st = moe_route(ctx, a, has_map, T, K, pe, count))) { free(count); free(pe); return st; }
-    int64_t maxn = 0, nact0 = 0;
-    for (int e = 0; e < E; e++) {
-        if (count[e] > maxn) maxn = count[e];
-        nact0 += count[e] > 0;
-    }
-    if (maxn <= FUSED_MAX_M && nact0 >= pool_size(ctx->pool)) {
-        st = moe_by_expert(ctx, a, pe, count, T, H, K, I);
-        free(count); free(pe);
-        return st;
-    }
-    /* pairs grouped by expert: expert e's rows are [off[e], off[e] + count[e]) of the gathered
-     * buffers; every expert's gate and up products then run in one parallel region, and every
-     * down product in a second one */
-    int64_t total = 0, nact = 0;
-    int64_t* off = calloc((size_t)E + 1, sizeof(int64_t));
-    if (!off) { free(count); free(pe); return DI_OOM(ctx, "moe_experts"); }
-    for (int e = 0; e < E; e++) {
-        off[e] = total;
-        total += count[e];
-        nact += count[e] > 0;
-    }
-    int64_t Ie = I > 0 ? I : 1;
-    float* acc = calloc((size_t)(T * H > 0 ? T * H : 1), sizeof(float));
-    float* xg = di_malloc((size_t)(total * H) * sizeof(float));
-    float* gb = di_malloc((size_t)(total * Ie) * sizeof(float));
-    float* ub = di_malloc((size_t)(total * Ie) * sizeof(float));
-    float* yb = di_malloc((size_t)(total * H) * sizeof(float));
-    float* rw = di_malloc((size_t)(total ? total : 1) * sizeof(float));
-    int64_t* cur = di_malloc((size_t)(E ? E : 1) * sizeof(int64_t));
-    LinSpec* spec = di_malloc((size_t)(2 * nact + 1) * sizeof(LinSpec));
-    int64_t* prow = di_malloc((size_t)(T * K + 1) * sizeof(int64_t));
-    st = DI_OK;
-    if (!acc || !xg || !gb || !ub || !yb || !rw || !cur || !spec || !prow) st = DI_OOM(ctx, "moe_experts");
-    if (!st && total) {
-        moe_gather(a, pe, T, K, H, off, cur, rw, xg, prow);
-        int ns = 0;
-        for (int e = 0; e < E; e++) {
-            if (!count[e]) continue;
-            spec[ns++] = (LinSpec){xg + off[e] * H, H, count[e], &a->w_gate[e], gb + off[e] * I, I};
-            spec[ns++] = (LinSpec){xg + off[e] * H, H, count[e], &a->w_up[e], ub + off[e] * I, I};
-        }
-        st = lin_f32_multi(ctx, "moe_experts", spec, ns);
-        if (!st) {
-            for (int64_t i = 0; i < total * I; i++) gb[i] = di_swiglu(gb[i], ub[i], a->swiglu_limit);
-            ns = 0;
-            for (int e = 0; e < E; e++)
-                if (count[e]) spec[ns++] = (LinSpec){gb + off[e] * I, I, count[e], &a->w_down[e], yb + off[e] * H, H};
-            st = lin_f32_multi(ctx, "moe_experts", spec, ns);
-        }
-    }
-    if (!st && !total)
-        for (int64_t i = 0; i < T * K; i++) prow[i] = -1;   /* nothing routed: moe_gather did not run */
-    if (!st) st = moe_combine(ctx, a, T, K, H, prow, rw, yb, acc);
-    free(count); free(pe); free(off); free(acc); free(xg); free(gb); free(ub); free(yb); free(rw); free(cur);
-    free(spec); free(prow);
     return st;
 }

@@ -15,22 +15,28 @@
  *   di_cpu.h          internal declarations (dtype ids, QMat view of quantized matrices, kernels).
  *   convert.c         dtype table and bit-exact scalar conversions (bf16, f16, e4m3, e2m1, e8m0).
  *   threadpool.c      persistent pthread pool; the caller thread is worker 0.
+ *   op_rows.h         row views, per-worker scratch and task chunking the op files share.
+ *   The ops, one file per op family (the families of backends/reference; abi/OPS.md lists every
+ *   op's file):
  *   quant.c           quantize / dequantize ops and the QMat helpers the linear engine uses.
- *   linear.c          linear and moe_experts: one engine (lin_f32) for every weight format, plus
- *                     the integer W8A8 / W4A8 path for int8-quantized activations.
+ *   linear.c          linear: one engine (lin_f32) for every weight format, plus the integer
+ *                     W8A8 / W4A8 path for int8-quantized activations.
+ *   norm.c            rmsnorm, layernorm.
+ *   rope.c            rope.
+ *   elementwise.c     embedding, add, mul, silu_mul, concat.
+ *   attention.c       mla_cache_write, mla_prefill and mla_decode (dense, or V3.2's listed positions).
+ *   moe.c             moe_router, and moe_experts on the linear engine.
+ *   sampling.c        sample, spec_verify.
+ *   hyper.c           hc_pre, hc_post (ABI 1.3: V4's hyper-connections).
+ *   sparse.c          kv_compress, indexer_topk, sparse_attention (ABI 1.3: V4 / V3.2 sparse attention).
+ *   dist.c            moe_dispatch and moe_combine (ABI 1.4): the local halves of expert parallelism.
+ *   comm_mpi.c        communicators and the collectives all_reduce, all_gather, all_to_all (ABI 1.4) on
+ *                     Open MPI, opened at run time (dlopen) only for a communicator of several ranks.
  *   kernels.c         run-time kernel selection (__builtin_cpu_supports) and the scalar kernels.
  *   kernels_avx2.c    AVX2+FMA kernels, kernels_avx512.c AVX-512 (+VNNI, +BF16) kernels, kernels_amx.c
  *                     AMX-INT8 tiles; all compiled
  *                     with GCC target attributes so one binary runs on any x86-64 (and the files
  *                     compile to nothing elsewhere).
- *   ops_basic.c       embedding, rmsnorm, rope, add, mul, silu_mul, concat, mla_cache_write,
- *                     moe_router, sample, spec_verify.
- *   attention.c       mla_prefill and mla_decode (dense, or V3.2's listed positions).
- *   ops_v4.c          the DeepSeek V4 / V3.2 ops of ABI 1.3: hc_pre, hc_post, kv_compress,
- *                     indexer_topk, sparse_attention, layernorm.
- *   ops_dist.c        moe_dispatch and moe_combine (ABI 1.4): the local halves of expert parallelism.
- *   comm_mpi.c        communicators and the collectives all_reduce, all_gather, all_to_all (ABI 1.4) on
- *                     Open MPI, opened at run time (dlopen) only for a communicator of several ranks.
  *   graph.c           graph capture: ops issued on a captured stream are recorded (args deep-copied)
  *                     and replayed natively by graph_launch, so a decode step is one call.
  *

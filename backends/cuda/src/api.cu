@@ -457,7 +457,7 @@ static DI_Status mem_copy_async(DI_Context* ctx, void* dst, const void* src, uin
 }
 
 // ---------------------------------------------------------------------------------------- v1.4
-// Communicators (ops_dist.cu): NCCL, loaded at run time, or a one-rank communicator without it.
+// Communicators (dist.cu): NCCL, loaded at run time, or a one-rank communicator without it.
 static DI_Status comm_unique_id(DI_Context* ctx, DI_CommId* out) {
     NEED_CTX(ctx, "comm_unique_id");
     DI_GUARD_BEGIN

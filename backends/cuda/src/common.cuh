@@ -162,7 +162,7 @@ inline unsigned grid_for(int64_t n, int threads, int64_t cap = 1 << 20) {
 }  // namespace di
 
 // ---------------------------------------------------------------------------------------- ops
-// One per DI_Api op entry; defined in ops_*.cu.
+// One per DI_Api op entry; defined in the op family files (norm.cu, rope.cu, ...; abi/OPS.md lists each op's).
 #define DI_OP_DECL(id, name, Args, minor) DI_Status op_##name(DI_Context* ctx, const Args* a, di::OpMode* mode);
 DI_OPS(DI_OP_DECL)
 #undef DI_OP_DECL

@@ -1,4 +1,4 @@
-// What ops_dist.cu shares with api.cu: the communicator entries of the DI_Api table (ABI 1.4). The
+// What dist.cu shares with api.cu: the communicator entries of the DI_Api table (ABI 1.4). The
 // ops themselves (all_reduce, all_gather, all_to_all, moe_dispatch, moe_combine) are declared with
 // every other op in common.cuh. api.cu checks ctx and catches exceptions; these do the rest.
 #pragma once

@@ -1,6 +1,6 @@
 // Device code of the two local halves of expert parallelism (ABI 1.4): moe_dispatch, which packs
 // each token's row into one slot per rank that owns one of its experts, and moe_combine, which sums
-// the expert outputs that come back. The host side is ops_dist.cu, the only translation unit of the
+// the expert outputs that come back. The host side is dist.cu, the only translation unit of the
 // library that includes this header; tests/gpu_emu includes it too and runs these kernels on the CPU.
 //
 // Nothing here reads a device value on the host: a route entry outside [0, C) is skipped (the

@@ -1,4 +1,4 @@
-// linear's weight-streaming tensor-core path (linear_mma.cuh): the entry points ops_linear.cu calls,
+// linear's weight-streaming tensor-core path (linear_mma.cuh): the entry points linear.cu calls,
 // one per weight format, each instantiated in its own linear_mma_<fmt>.cu.
 #pragma once
 

@@ -1,7 +1,7 @@
 // moe_experts on tensor cores: one kernel for the gate/up projection (SiLU(gate) * up fused) and
 // one for the down projection, templated on the weight format and on the work shape.
 //
-// Work: moe_align (ops_moe_experts.cu) groups the routed (token, k) pairs by expert on the device
+// Work: moe_align (moe.cu) groups the routed (token, k) pairs by expert on the device
 // and cuts each expert's pairs into items of 8 * NT tokens. grid = (row tiles, max items); a block
 // whose item does not exist returns at once, so the work is proportional to the experts routed and
 // the host never needs to know which ones they are.

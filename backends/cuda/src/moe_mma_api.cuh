@@ -1,4 +1,4 @@
-// The tensor-core path of moe_experts (moe_mma.cuh): what ops_moe_experts.cu hands the kernels.
+// The tensor-core path of moe_experts (moe_mma.cuh): what moe.cu hands the kernels.
 // One kernel template per weight format, each instantiated in its own moe_mma_<fmt>.cu so the
 // unrolled bodies compile in parallel (as gemv_<fmt>.cu).
 #pragma once

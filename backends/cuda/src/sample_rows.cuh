@@ -1,5 +1,5 @@
 // The per-row algorithms of sample and spec_verify (abi/README.md section 8), one thread block per
-// row, shared by both ops so they can never disagree about a row's distribution. ops_route.cu wraps
+// row, shared by both ops so they can never disagree about a row's distribution. sampling.cu wraps
 // them in kernels; tests/gpu_emu runs them on the CPU (host_emu.h), where the GPU cannot be.
 //
 // The pipeline of a row with temperature > 0: row_softmax writes p = softmax(logits / T) and the
@@ -11,6 +11,7 @@
 // Every function here is called by all threads of the block, with block-uniform arguments.
 #pragma once
 
+#include "block_best.cuh"
 #include "device.cuh"
 
 #ifndef DI_SAMPLE_CUB
@@ -18,33 +19,6 @@
 #endif
 
 namespace di {
-
-// (value, index) order of sample and moe_router: larger value first, ties to the lower index.
-__device__ __forceinline__ bool better(float v1, int i1, float v2, int i2) {
-    return v1 > v2 || (v1 == v2 && i1 < i2);
-}
-
-// Block-wide best (value, index); redv and redi need MAX_WARPS elements of shared memory each.
-__device__ void block_best(float& v, int& i, float* redv, int* redi) {
-    const int lane = lane_id(), w = warp_id(), nw = blockDim.x / LANES;
-#pragma unroll
-    for (int o = LANES / 2; o > 0; o >>= 1) {
-        float v2 = shfl_xor(v, o);
-        int i2 = shfl_xor(i, o);
-        if (better(v2, i2, v, i)) { v = v2; i = i2; }
-    }
-    __syncthreads();
-    if (lane == 0) { redv[w] = v; redi[w] = i; }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int k = 1; k < nw; ++k)
-            if (better(redv[k], redi[k], redv[0], redi[0])) { redv[0] = redv[k]; redi[0] = redi[k]; }
-    }
-    __syncthreads();
-    v = redv[0];
-    i = redi[0];
-    __syncthreads();
-}
 
 __device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
     uint64_t z = x + 0x9E3779B97F4A7C15ull;

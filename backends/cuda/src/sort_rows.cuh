@@ -1,4 +1,4 @@
-// A portable block-wide sort for sample (ops_route.cu) where CUB is not available: the HIP build,
+// A portable block-wide sort for sample (sampling.cu) where CUB is not available: the HIP build,
 // and CUDA with -DDI_NO_CUB. Kept apart from the op so tests/gpu_emu runs it on the CPU.
 //
 // sort_row_desc: a stable LSD radix sort of one row's (probability, index) pairs by probability,

@@ -1,4 +1,4 @@
-// What ops_v4.cu shares with the other ops: the cleaning of an `indices` argument (sorted, distinct,
+// What sparse.cu shares with the other ops: the cleaning of an `indices` argument (sorted, distinct,
 // in range), which mla_decode (ABI 1.3, V3.2's sparse MLA) runs as well as sparse_attention.
 #pragma once
 

@@ -1,73 +1,18 @@
-// The ABI 1.3 ops of DeepSeek V4 and V3.2: hc_pre, hc_post, kv_compress, indexer_topk,
-// sparse_attention and layernorm (abi/README.md section 8), and the index cleaning mla_decode shares.
-// Host side only: validation, workspace, launches. The kernels are in v4_kernels.cuh (see there for
-// their designs), where tests/gpu_emu runs them on the CPU.
+// kv_compress, indexer_topk and sparse_attention (ABI 1.3, abi/README.md section 8): V4's compressed
+// and sparse attention and V3.2's lightning indexer, and the index cleaning mla_decode shares
+// (sparse_api.cuh).
 //
-// Everything goes onto the args' stream; no op reads a device value on the host, synchronizes or
-// allocates beyond the Workspace contract of common.cuh, so each is capturable in a graph.
-#include <math.h>
-
-#include "v4_api.cuh"
-#include "v4_kernels.cuh"
+// Host side only: validation, workspace, launches; the kernels are in sparse.cuh (see there for their
+// designs), where tests/gpu_emu runs them on the CPU. Everything goes onto the args' stream; no op
+// reads a device value on the host, synchronizes or allocates beyond the Workspace contract of
+// common.cuh, so each is capturable in a graph.
+#include "arg_checks.cuh"
+#include "sparse_api.cuh"
+#include "sparse.cuh"
 
 using namespace di;
 
 #define FLOATS DT_F32, DT_BF16   // DI_DTS_FLOAT of the op table
-
-namespace {
-
-bool is_pow2(int64_t v) { return v >= 1 && (v & (v - 1)) == 0; }
-
-// An optional argument: present when its data is set (in op_query also when it has a shape, since
-// a query may leave data NULL); a present one is checked like a required one.
-DI_Status take_opt(DI_Context* ctx, const OpMode* mode, const char* op, const char* name, const DI_Tensor& t, int ndim,
-                   QTensor* v, bool* present) {
-    *present = t.data != nullptr || (!mode->launch && t.ndim > 0);
-    if (!*present) {
-        memset(v, 0, sizeof(*v));
-        return DI_OK;
-    }
-    return take_tensor(ctx, mode, op, name, t, ndim, 0, v);
-}
-
-DI_Status need_pow2(DI_Context* ctx, const char* op, const char* what, int64_t v) {
-    if (is_pow2(v)) return DI_OK;
-    return set_error(ctx, DI_INVALID_ARGUMENT, "%s: %s=%lld must be a power of two", op, what, (long long)v);
-}
-
-DI_Status need_finite(DI_Context* ctx, const char* op, const char* what, float v, bool nonneg) {
-    if (isfinite(v) && (!nonneg || v >= 0.f)) return DI_OK;
-    return set_error(ctx, DI_INVALID_ARGUMENT, "%s: %s=%g must be finite%s", op, what, v, nonneg ? " and >= 0" : "");
-}
-
-// [first byte, last byte + 1) that a view can touch (empty when a dimension is 0).
-bool byte_span(const DTensor& t, uintptr_t* lo, uintptr_t* hi) {
-    int64_t ext = 0;
-    for (int d = 0; d < t.ndim; ++d) {
-        if (t.shape[d] == 0) return false;
-        ext += (t.shape[d] - 1) * t.strides[d];
-    }
-    const int64_t bits = dt_bits(t.dt);
-    *lo = reinterpret_cast<uintptr_t>(t.base);
-    *hi = *lo + (uintptr_t)(((ext + 1) * bits + 7) / 8);
-    return true;
-}
-
-bool overlap(const DTensor& a, const DTensor& b) {
-    uintptr_t alo, ahi, blo, bhi;
-    if (!a.base || !b.base || !byte_span(a, &alo, &ahi) || !byte_span(b, &blo, &bhi)) return false;
-    return alo < bhi && blo < ahi;
-}
-
-int64_t sm_count(const DI_Context* ctx) { return ctx->sm_count > 0 ? ctx->sm_count : 132; }
-
-// dynamic shared memory above the default 48 KB must be asked for, per kernel
-template <class K>
-void allow_smem(K kernel, size_t bytes) {
-    if (bytes > 48 * 1024) (void)cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
-}
-
-}  // namespace
 
 // ---------------------------------------------------------------------------------------- indices
 int64_t di::clean_indices_max_k() {
@@ -92,142 +37,6 @@ DI_Status di::launch_clean_indices(DI_Context* ctx, const char* op, const DTenso
     allow_smem(k_clean_indices, smem);
     const int threads = (int)min64(1024, max64(LANES, d.P));
     k_clean_indices<<<grid_for(T, 1, 65535), threads, smem, s>>>(idx, seq, kvl, list, cnt, d);
-    return launch_status(ctx, op);
-}
-
-// ---------------------------------------------------------------------------------------- hc_pre
-DI_Status op_hc_pre(DI_Context* ctx, const DI_HCPreArgs* a, OpMode* mode) {
-    const char* op = "hc_pre";
-    DI_TRY(check_header(ctx, op, a, sizeof(*a), "DI_HCPreArgs"));
-    QTensor x, fn, base, scale, out, post, comb;
-    bool has_post, has_comb;
-    DI_TRY(take_tensor(ctx, mode, op, "x", a->x, 3, 0, &x));
-    DI_TRY(take_tensor(ctx, mode, op, "fn", a->fn, 2, 0, &fn));
-    DI_TRY(take_tensor(ctx, mode, op, "base", a->base, 1, 0, &base));
-    DI_TRY(take_tensor(ctx, mode, op, "scale", a->scale, 1, 0, &scale));
-    DI_TRY(take_tensor(ctx, mode, op, "out", a->out, 2, 0, &out));
-    DI_TRY(take_opt(ctx, mode, op, "post", a->post, 2, &post, &has_post));
-    DI_TRY(take_opt(ctx, mode, op, "comb", a->comb, 3, &comb, &has_comb));
-    DI_NEED_DT(ctx, op, "x", x.q.dt, FLOATS);
-    DI_NEED_DT(ctx, op, "fn", fn.q.dt, DT_F32);
-    DI_NEED_DT(ctx, op, "base", base.q.dt, DT_F32);
-    DI_NEED_DT(ctx, op, "scale", scale.q.dt, DT_F32);
-    DI_NEED_DT(ctx, op, "out", out.q.dt, FLOATS);
-    if (has_post) DI_NEED_DT(ctx, op, "post", post.q.dt, DT_F32);
-    if (has_comb) DI_NEED_DT(ctx, op, "comb", comb.q.dt, DT_F32);
-    const int64_t T = x.q.shape[0], N = x.q.shape[1], H = x.q.shape[2], M = fn.q.shape[0];
-    if (N < 1 || H < 1)
-        return set_error(ctx, DI_INVALID_ARGUMENT, "%s: x.shape=[%lld, %lld, %lld] needs a stream and a feature", op,
-                         (long long)T, (long long)N, (long long)H);
-    DI_TRY(need_shape(ctx, op, "fn", fn.q, 1, N * H, "N * H"));
-    const bool block = M == (2 + N) * N;
-    if (!block && M != N)
-        return set_error(ctx, DI_INVALID_ARGUMENT, "%s: fn.shape[0]=%lld must be (2 + N) * N = %lld or N = %lld", op,
-                         (long long)M, (long long)((2 + N) * N), (long long)N);
-    DI_TRY(need_shape(ctx, op, "base", base.q, 0, M, "fn.shape[0]"));
-    DI_TRY(need_shape(ctx, op, "scale", scale.q, 0, block ? 3 : 1, block ? "3 (a block)" : "1 (the head)"));
-    DI_TRY(need_shape(ctx, op, "out", out.q, 0, T, "x.shape[0]"));
-    DI_TRY(need_shape(ctx, op, "out", out.q, 1, H, "x.shape[2]"));
-    if (block) {
-        if (!has_post || !has_comb)
-            return set_error(ctx, DI_INVALID_ARGUMENT, "%s: %s is required when fn.shape[0] = (2 + N) * N", op,
-                             has_post ? "comb" : "post");
-        DI_TRY(need_shape(ctx, op, "post", post.q, 0, T, "x.shape[0]"));
-        DI_TRY(need_shape(ctx, op, "post", post.q, 1, N, "N"));
-        DI_TRY(need_shape(ctx, op, "comb", comb.q, 0, T, "x.shape[0]"));
-        DI_TRY(need_shape(ctx, op, "comb", comb.q, 1, N, "N"));
-        DI_TRY(need_shape(ctx, op, "comb", comb.q, 2, N, "N"));
-        if (a->sinkhorn_iters < 1)
-            return set_error(ctx, DI_INVALID_ARGUMENT, "%s: sinkhorn_iters=%d must be >= 1", op, a->sinkhorn_iters);
-    } else if (has_post || has_comb) {
-        return set_error(ctx, DI_INVALID_ARGUMENT, "%s: %s must be absent when fn.shape[0] = N (the head: pre only)", op,
-                         has_post ? "post" : "comb");
-    }
-    DI_TRY(need_finite(ctx, op, "eps", a->eps, true));
-    DI_TRY(need_finite(ctx, op, "hc_eps", a->hc_eps, true));
-    if (N > HC_MAX_N)
-        return set_error(ctx, DI_UNIMPLEMENTED, "%s: %lld streams; this kernel takes at most %d", op, (long long)N,
-                         HC_MAX_N);
-    // Splits of the flattened row: enough blocks for two waves however few tokens there are, each
-    // split at least 1024 columns (4 per thread) so that the partial sums stay a small part.
-    HcDims d{};
-    d.T = T;
-    d.H = H;
-    d.NH = N * H;
-    d.N = (int)N;
-    d.M = (int)M;
-    d.iters = a->sinkhorn_iters;
-    d.eps = a->eps;
-    d.hc_eps = a->hc_eps;
-    // 4 tokens a block share each fn load; a single token (decode at batch 1) takes the 1-token variant,
-    // which reduces a quarter of the partial sums
-    const int TT = M <= 24 && T > 1 ? 4 : 1;
-    const int64_t tb = ceil_div(T, TT);
-    int64_t splits = ceil_div(2 * sm_count(ctx), max64(tb, 1));
-    splits = max64(1, min64(splits, min64(65535, ceil_div(d.NH, 1024))));
-    d.chunk = ceil_div(d.NH, splits);
-    d.splits = (int)ceil_div(d.NH, d.chunk);
-    mode->workspace = align256((uint64_t)T * d.splits * (M + 1) * 4);
-    if (!mode->launch || T == 0) return DI_OK;
-    if (tb > (1ll << 31) - 1) return set_error(ctx, DI_UNIMPLEMENTED, "%s: T=%lld too large", op, (long long)T);
-    cudaStream_t s = (cudaStream_t)a->header.stream;
-    Workspace ws;
-    DI_TRY(ws.acquire(ctx, a->header, mode->workspace));
-    float* part = static_cast<float*>(ws.ptr);
-    const dim3 grid((unsigned)tb, (unsigned)d.splits);
-    if (TT == 4) k_hc_mix<24, 4><<<grid, HC_THREADS, 0, s>>>(x.q, fn.q, part, d);
-    else if (M <= 24) k_hc_mix<24, 1><<<grid, HC_THREADS, 0, s>>>(x.q, fn.q, part, d);
-    else k_hc_mix<(2 + HC_MAX_N) * HC_MAX_N, 1><<<grid, HC_THREADS, 0, s>>>(x.q, fn.q, part, d);
-    DI_Status st = launch_status(ctx, op);
-    if (st == DI_OK) {
-        const unsigned g = grid_for(T, 1, 65535);
-        switch (d.N) {
-#define DI_HC_FINISH(n) \
-    case n: k_hc_finish<n><<<g, HC_THREADS, 0, s>>>(x.q, base.q, scale.q, part, out.q, post.q, comb.q, d); break;
-            DI_HC_STREAMS(DI_HC_FINISH)
-#undef DI_HC_FINISH
-            default: break;   // N <= HC_MAX_N was checked
-        }
-        st = launch_status(ctx, op);
-    }
-    ws.release();
-    return st;
-}
-
-// ---------------------------------------------------------------------------------------- hc_post
-DI_Status op_hc_post(DI_Context* ctx, const DI_HCPostArgs* a, OpMode* mode) {
-    const char* op = "hc_post";
-    DI_TRY(check_header(ctx, op, a, sizeof(*a), "DI_HCPostArgs"));
-    QTensor x, y, post, comb, out;
-    DI_TRY(take_tensor(ctx, mode, op, "x", a->x, 3, 0, &x));
-    DI_TRY(take_tensor(ctx, mode, op, "y", a->y, 2, 0, &y));
-    DI_TRY(take_tensor(ctx, mode, op, "post", a->post, 2, 0, &post));
-    DI_TRY(take_tensor(ctx, mode, op, "comb", a->comb, 3, 0, &comb));
-    DI_TRY(take_tensor(ctx, mode, op, "out", a->out, 3, 0, &out));
-    DI_NEED_DT(ctx, op, "x", x.q.dt, FLOATS);
-    DI_NEED_DT(ctx, op, "y", y.q.dt, FLOATS);
-    DI_NEED_DT(ctx, op, "post", post.q.dt, DT_F32);
-    DI_NEED_DT(ctx, op, "comb", comb.q.dt, DT_F32);
-    DI_NEED_DT(ctx, op, "out", out.q.dt, FLOATS);
-    const int64_t T = x.q.shape[0], N = x.q.shape[1], H = x.q.shape[2];
-    DI_TRY(need_shape(ctx, op, "y", y.q, 0, T, "x.shape[0]"));
-    DI_TRY(need_shape(ctx, op, "y", y.q, 1, H, "x.shape[2]"));
-    DI_TRY(need_shape(ctx, op, "post", post.q, 0, T, "x.shape[0]"));
-    DI_TRY(need_shape(ctx, op, "post", post.q, 1, N, "x.shape[1]"));
-    DI_TRY(need_shape(ctx, op, "comb", comb.q, 0, T, "x.shape[0]"));
-    DI_TRY(need_shape(ctx, op, "comb", comb.q, 1, N, "x.shape[1]"));
-    DI_TRY(need_shape(ctx, op, "comb", comb.q, 2, N, "x.shape[1]"));
-    DI_TRY(same_shape(ctx, op, "x", x.q, "out", out.q));
-    // every output stream reads every input stream of its feature: writing in place would clobber
-    // x[t, j, h] before the other streams read it
-    if (overlap(x.q, out.q)) return set_error(ctx, DI_INVALID_ARGUMENT, "%s: out overlaps x", op);
-    if (N > HC_MAX_N)
-        return set_error(ctx, DI_UNIMPLEMENTED, "%s: %lld streams; this kernel takes at most %d", op, (long long)N,
-                         HC_MAX_N);
-    if (!mode->launch || T * N * H == 0) return DI_OK;
-    const int64_t hchunks = ceil_div(H, 256);
-    k_hc_post<<<grid_for(T * hchunks, 1, 1 << 20), 256, 0, (cudaStream_t)a->header.stream>>>(x.q, y.q, post.q, comb.q,
-                                                                                          out.q, T, H, (int)N, hchunks);
     return launch_status(ctx, op);
 }
 
@@ -449,28 +258,4 @@ DI_Status op_sparse_attention(DI_Context* ctx, const DI_SparseAttentionArgs* a, 
     }
     ws.release();
     return st;
-}
-
-// ---------------------------------------------------------------------------------------- layernorm
-DI_Status op_layernorm(DI_Context* ctx, const DI_LayerNormArgs* a, OpMode* mode) {
-    const char* op = "layernorm";
-    DI_TRY(check_header(ctx, op, a, sizeof(*a), "DI_LayerNormArgs"));
-    QTensor x, w, b, out;
-    bool has_bias;
-    DI_TRY(take_tensor(ctx, mode, op, "x", a->x, 2, 0, &x));
-    DI_TRY(take_tensor(ctx, mode, op, "weight", a->weight, 1, 0, &w));
-    DI_TRY(take_opt(ctx, mode, op, "bias", a->bias, 1, &b, &has_bias));
-    DI_TRY(take_tensor(ctx, mode, op, "out", a->out, 2, 0, &out));
-    DI_NEED_DT(ctx, op, "x", x.q.dt, FLOATS);
-    DI_NEED_DT(ctx, op, "weight", w.q.dt, FLOATS);
-    if (has_bias) DI_NEED_DT(ctx, op, "bias", b.q.dt, FLOATS);
-    DI_NEED_DT(ctx, op, "out", out.q.dt, FLOATS);
-    const int64_t T = x.q.shape[0], H = x.q.shape[1];
-    DI_TRY(need_shape(ctx, op, "weight", w.q, 0, H, "x.shape[1]"));
-    if (has_bias) DI_TRY(need_shape(ctx, op, "bias", b.q, 0, H, "x.shape[1]"));
-    DI_TRY(same_shape(ctx, op, "x", x.q, "out", out.q));
-    DI_TRY(need_finite(ctx, op, "eps", a->eps, true));
-    if (!mode->launch || T == 0 || H == 0) return DI_OK;
-    k_layernorm<<<grid_for(T, 1, 65535), 256, 0, (cudaStream_t)a->header.stream>>>(x.q, w.q, b.q, out.q, T, H, a->eps);
-    return launch_status(ctx, op);
 }

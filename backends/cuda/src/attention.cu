@@ -1,4 +1,4 @@
-// mla_prefill and mla_decode.
+// mla_prefill and mla_decode (and mla_cache_write, at the end, which fills the cache they read).
 //
 // Both use one warp per key: the lanes hold the query (dims lane, lane + LANES, ...) in registers, a warp
 // reduction gives the score, and each warp keeps its own online-softmax state, merged at the end.
@@ -8,7 +8,7 @@
 #include <algorithm>
 
 #include "device.cuh"
-#include "v4_api.cuh"
+#include "sparse_api.cuh"
 
 using namespace di;
 
@@ -361,7 +361,7 @@ DI_Status op_mla_prefill(DI_Context* ctx, const DI_MLAPrefillArgs* a, OpMode* mo
 //   merge  o_lat[t, h] = LSE-weighted sum of the active chunks' states.
 //   uv     out[t, h] = W_uv[h] @ o_lat[t, h]: a block owns one head, 16 value rows and up to 16
 //          tokens.
-// With `indices` (1.3, V3.2's sparse MLA) a fifth kernel runs first: launch_clean_indices (ops_v4.cu)
+// With `indices` (1.3, V3.2's sparse MLA) a fifth kernel runs first: launch_clean_indices (sparse.cu)
 // turns each row into its distinct valid positions, ascending, and attn walks that list instead of
 // [0, kv_len): a token's "length" is then its count of listed positions, and everything else
 // (chunking, merge) is unchanged.
@@ -723,4 +723,42 @@ DI_Status op_mla_decode(DI_Context* ctx, const DI_MLADecodeArgs* a, OpMode* mode
     }
     ws.release();
     return st;
+}
+
+// ---------------------------------------------------------------------------------------- mla_cache_write
+__global__ void k_cache_write(DTensor lat, DTensor kpe, DTensor slots, DTensor cache, int64_t T, int64_t Dc,
+                              int64_t Dr) {
+    int64_t NB = cache.shape[0], BS = cache.shape[1];
+    for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
+        int64_t slot = load_i(slots.dt, slots.base, t * slots.strides[0]);
+        if (slot < 0 || slot >= NB * BS) continue;  // never write out of bounds
+        int64_t base = (slot / BS) * cache.strides[0] + (slot % BS) * cache.strides[1];
+        for (int64_t d = threadIdx.x; d < Dc + Dr; d += blockDim.x) {
+            float v = d < Dc ? load_f(lat.dt, lat.base, t * lat.strides[0] + d)
+                             : load_f(kpe.dt, kpe.base, t * kpe.strides[0] + d - Dc);
+            store_f(cache.dt, cache.base, base + d, v);
+        }
+    }
+}
+
+DI_Status op_mla_cache_write(DI_Context* ctx, const DI_MLACacheWriteArgs* a, OpMode* mode) {
+    const char* op = "mla_cache_write";
+    DI_TRY(check_header(ctx, op, a, sizeof(*a), "DI_MLACacheWriteArgs"));
+    QTensor lat, kpe, slots, cache;
+    DI_TRY(take_tensor(ctx, mode, op, "latent", a->latent, 2, 0, &lat));
+    DI_TRY(take_tensor(ctx, mode, op, "k_pe", a->k_pe, 2, 0, &kpe));
+    DI_TRY(take_tensor(ctx, mode, op, "slots", a->slots, 1, 0, &slots));
+    DI_TRY(take_tensor(ctx, mode, op, "cache", a->cache, 3, 0, &cache));
+    DI_NEED_DT(ctx, op, "latent", lat.q.dt, FLOATS);
+    DI_NEED_DT(ctx, op, "k_pe", kpe.q.dt, FLOATS);
+    DI_NEED_DT(ctx, op, "slots", slots.q.dt, DT_I32);
+    DI_NEED_DT(ctx, op, "cache", cache.q.dt, FLOATS);
+    int64_t T = lat.q.shape[0], Dc = lat.q.shape[1], Dr = kpe.q.shape[1];
+    DI_TRY(need_shape(ctx, op, "k_pe", kpe.q, 0, T, "latent.shape[0]"));
+    DI_TRY(need_shape(ctx, op, "slots", slots.q, 0, T, "latent.shape[0]"));
+    DI_TRY(need_shape(ctx, op, "cache", cache.q, 2, Dc + Dr, "Dc + Dr"));
+    if (!mode->launch || T == 0) return DI_OK;
+    k_cache_write<<<grid_for(T, 1, 65535), 256, 0, (cudaStream_t)a->header.stream>>>(lat.q, kpe.q, slots.q, cache.q, T,
+                                                                                    Dc, Dr);
+    return launch_status(ctx, op);
 }

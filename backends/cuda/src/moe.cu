@@ -1,3 +1,4 @@
+// moe_router (scores, group-limited top-k, routed weights), and
 // moe_experts: out[t] (+)= sum_k w[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t, k]; with
 // swiglu_limit > 0 (1.3) gate = min(gate, limit) and up = clamp(up, -limit, limit) before the product.
 //
@@ -19,9 +20,209 @@
 
 #include "device.cuh"
 #include "moe_mma_api.cuh"
+#include "block_best.cuh"
 #include "tile_mm.cuh"
 
 using namespace di;
+
+// ---------------------------------------------------------------------------------------- moe_router
+struct RouterP {
+    int64_t T, V;   // V: rows of hash_table (hash routing, 1.3)
+    int32_t E, K, scoring, G, topk_group, group_score, norm;
+    float   rsf;
+    int32_t hash;   // 1: topk_ids[t] = hash_table[token_ids[t]], no selection
+};
+
+__global__ __launch_bounds__(256) void k_router(DTensor logits, DTensor bias, DTensor ids, DTensor wts, DTensor tok,
+                                                DTensor table, RouterP p) {
+    extern __shared__ float sm[];
+    float* scores = sm;
+    float* sel = sm + p.E;
+    float* gsc = sm + 2 * p.E;                   // G group scores
+    int* taken = reinterpret_cast<int*>(sm + 2 * p.E + p.G);
+    __shared__ float redv[MAX_WARPS];
+    __shared__ int redi[MAX_WARPS];
+    __shared__ int chosen[64];
+    __shared__ int row_ok;
+    __shared__ float red[MAX_WARPS];
+    for (int64_t t = blockIdx.x; t < p.T; t += gridDim.x) {
+        float mx = -INFINITY;
+        for (int e = threadIdx.x; e < p.E; e += blockDim.x) {
+            float v = load_f(logits.dt, logits.base, t * logits.strides[0] + e);
+            scores[e] = v;
+            mx = fmaxf(mx, v);
+            taken[e] = 0;
+        }
+        if (p.scoring == DI_SCORING_SOFTMAX) {
+            mx = block_max(mx, red);
+            float sum = 0.f;
+            for (int e = threadIdx.x; e < p.E; e += blockDim.x) {
+                float v = expf(scores[e] - mx);
+                scores[e] = v;
+                sum += v;
+            }
+            sum = block_sum(sum, red);
+            for (int e = threadIdx.x; e < p.E; e += blockDim.x) scores[e] = scores[e] / sum;
+        } else if (p.scoring == DI_SCORING_SIGMOID) {
+            for (int e = threadIdx.x; e < p.E; e += blockDim.x) scores[e] = 1.f / (1.f + expf(-scores[e]));
+        } else {   // sqrt(softplus(v)); softplus(v) = v above 20, as torch's threshold
+            for (int e = threadIdx.x; e < p.E; e += blockDim.x) {
+                const float v = scores[e];
+                scores[e] = sqrtf(v > 20.f ? v : log1pf(expf(v)));
+            }
+        }
+        for (int e = threadIdx.x; e < p.E; e += blockDim.x)
+            sel[e] = scores[e] + (bias.base ? load_f(bias.dt, bias.base, e) : 0.f);
+        __syncthreads();
+        if (p.hash) {
+            // The table chooses, in table order. A token id outside the table or an entry that is no
+            // expert cannot be reported from here without a sync: the row gets ids -1 and weights 0.
+            if (threadIdx.x == 0) {
+                const int64_t id = load_i(tok.dt, tok.base, t * tok.strides[0]);
+                int ok = id >= 0 && id < p.V;
+                for (int k = 0; k < p.K; ++k) {
+                    const int64_t e = ok ? load_i(table.dt, table.base, id * table.strides[0] + k) : -1;
+                    ok = ok && e >= 0 && e < p.E;
+                    chosen[k] = (int)e;
+                }
+                row_ok = ok;
+            }
+            __syncthreads();
+        } else if (p.G > 1) {
+            const int gs = p.E / p.G;
+            for (int g = threadIdx.x; g < p.G; g += blockDim.x) {
+                float b1 = -INFINITY, b2 = -INFINITY;
+                for (int e = g * gs; e < (g + 1) * gs; ++e) {
+                    float v = sel[e];
+                    if (v > b1) { b2 = b1; b1 = v; }
+                    else if (v > b2) b2 = v;
+                }
+                gsc[g] = p.group_score == DI_GROUP_SCORE_MAX ? b1 : b1 + b2;
+            }
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                // keep the topk_group best groups; mark the rest with a score of NaN-free -inf sentinel
+                for (int r = 0; r < p.topk_group; ++r) {
+                    int bi = -1;
+                    for (int g = 0; g < p.G; ++g) {
+                        if (gsc[g] != gsc[g]) continue;  // already kept (NaN marks kept)
+                        if (bi < 0 || better(gsc[g], g, gsc[bi], bi)) bi = g;
+                    }
+                    if (bi >= 0) gsc[bi] = __uint_as_float(0x7fc00000u);
+                }
+            }
+            __syncthreads();
+            for (int e = threadIdx.x; e < p.E; e += blockDim.x) {
+                float gv = gsc[e / gs];
+                if (gv == gv) sel[e] = -INFINITY;  // group not kept
+            }
+            __syncthreads();
+        }
+        for (int k = 0; k < p.K && !p.hash; ++k) {
+            float bv = -INFINITY;
+            int bi = 0x7fffffff;
+            for (int e = threadIdx.x; e < p.E; e += blockDim.x)
+                if (!taken[e] && better(sel[e], e, bv, bi)) { bv = sel[e]; bi = e; }
+            block_best(bv, bi, redv, redi);
+            if (threadIdx.x == 0) {
+                chosen[k] = bi;
+                if (bi >= 0 && bi < p.E) taken[bi] = 1;
+            }
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) {
+            const bool ok = !p.hash || row_ok;
+            float sum = 0.f;
+            for (int k = 0; k < p.K && ok; ++k) sum += scores[chosen[k]];
+            for (int k = 0; k < p.K; ++k) {
+                float w = ok ? scores[chosen[k]] : 0.f;
+                if (p.norm) w = w / (sum + 1e-20f);
+                w *= p.rsf;
+                reinterpret_cast<int32_t*>(ids.base)[t * ids.strides[0] + k] = ok ? chosen[k] : -1;
+                store_f(wts.dt, wts.base, t * wts.strides[0] + k, ok ? w : 0.f);
+            }
+        }
+        __syncthreads();
+    }
+}
+
+DI_Status op_moe_router(DI_Context* ctx, const DI_MoERouterArgs* a, OpMode* mode) {
+    const char* op = "moe_router";
+    DI_TRY(check_header(ctx, op, a, sizeof(*a), "DI_MoERouterArgs"));
+    QTensor lg, bias, ids, wts, tok, table;
+    DI_TRY(take_tensor(ctx, mode, op, "logits", a->logits, 2, 0, &lg));
+    DI_TRY(take_tensor(ctx, mode, op, "bias", a->bias, 1, T_OPTIONAL, &bias));
+    DI_TRY(take_tensor(ctx, mode, op, "topk_ids", a->topk_ids, 2, 0, &ids));
+    DI_TRY(take_tensor(ctx, mode, op, "topk_weights", a->topk_weights, 2, 0, &wts));
+    DI_NEED_DT(ctx, op, "logits", lg.q.dt, DT_F32);
+    DI_NEED_DT(ctx, op, "topk_ids", ids.q.dt, DT_I32);
+    DI_NEED_DT(ctx, op, "topk_weights", wts.q.dt, DT_F32);
+    RouterP p{};
+    p.T = lg.q.shape[0];
+    const int64_t E = lg.q.shape[1], K = ids.q.shape[1];
+    if (bias.q.base) {
+        DI_NEED_DT(ctx, op, "bias", bias.q.dt, DT_F32);
+        DI_TRY(need_shape(ctx, op, "bias", bias.q, 0, E, "logits.shape[1]"));
+    }
+    DI_TRY(need_shape(ctx, op, "topk_ids", ids.q, 0, p.T, "logits.shape[0]"));
+    DI_TRY(same_shape(ctx, op, "topk_ids", ids.q, "topk_weights", wts.q));
+    // hash routing (1.3): token_ids and hash_table together (both absent for an older caller: api.cu
+    // zeroes the fields it does not know); present in op_query also when data is NULL but a shape is set
+    const bool has_tok = a->token_ids.data || (!mode->launch && a->token_ids.ndim > 0);
+    const bool has_table = a->hash_table.data || (!mode->launch && a->hash_table.ndim > 0);
+    if (has_tok != has_table)
+        return set_error(ctx, DI_INVALID_ARGUMENT, "%s: hash routing needs token_ids and hash_table together (%s without %s)",
+                         op, has_tok ? "token_ids" : "hash_table", has_tok ? "hash_table" : "token_ids");
+    if (has_tok) {
+        DI_TRY(take_tensor(ctx, mode, op, "token_ids", a->token_ids, 1, 0, &tok));
+        DI_TRY(take_tensor(ctx, mode, op, "hash_table", a->hash_table, 2, 0, &table));
+        DI_NEED_DT(ctx, op, "token_ids", tok.q.dt, DT_I32);
+        DI_NEED_DT(ctx, op, "hash_table", table.q.dt, DT_I32);
+        DI_TRY(need_shape(ctx, op, "token_ids", tok.q, 0, p.T, "logits.shape[0]"));
+        DI_TRY(need_shape(ctx, op, "hash_table", table.q, 1, K, "topk_ids.shape[1]"));
+        p.hash = 1;
+        p.V = table.q.shape[0];
+    } else {
+        memset(&tok, 0, sizeof(tok));
+        memset(&table, 0, sizeof(table));
+    }
+    if (a->scoring != DI_SCORING_SOFTMAX && a->scoring != DI_SCORING_SIGMOID && a->scoring != DI_SCORING_SQRTSOFTPLUS)
+        return set_error(ctx, DI_UNIMPLEMENTED, "%s: scoring=%d is not a known DI_Scoring", op, a->scoring);
+    if (a->group_score != DI_GROUP_SCORE_MAX && a->group_score != DI_GROUP_SCORE_SUM_TOP2)
+        return set_error(ctx, DI_UNIMPLEMENTED, "%s: group_score=%d is not a known DI_GroupScore", op, a->group_score);
+    if (E < 1 || E > 8192)
+        return set_error(ctx, E < 1 ? DI_INVALID_ARGUMENT : DI_UNIMPLEMENTED, "%s: E=%lld out of range [1, 8192]", op,
+                         (long long)E);
+    // (a hash table may name an expert twice, so K > E is a selection's limit only)
+    if (K < 1 || K > 64 || (K > E && !p.hash))
+        return set_error(ctx, K > 64 ? DI_UNIMPLEMENTED : DI_INVALID_ARGUMENT, "%s: K=%lld must be in [1, min(E, 64)]",
+                         op, (long long)K);
+    // n_group 0 (a zero-filled struct) and 1 both mean no grouping, as in the reference
+    const int G = a->n_group < 1 ? 1 : a->n_group;
+    if (a->n_group < 0) return set_error(ctx, DI_INVALID_ARGUMENT, "%s: n_group=%d is negative", op, a->n_group);
+    if (E % G) return set_error(ctx, DI_INVALID_ARGUMENT, "%s: E=%lld is not divisible by n_group=%d", op, (long long)E, G);
+    if (G > 1 && (a->topk_group < 1 || a->topk_group > G))
+        return set_error(ctx, DI_INVALID_ARGUMENT, "%s: topk_group=%d must be in [1, n_group=%d]", op, a->topk_group, G);
+    if (G > 1 && a->group_score == DI_GROUP_SCORE_SUM_TOP2 && E / G < 2)
+        return set_error(ctx, DI_INVALID_ARGUMENT, "%s: SUM_TOP2 needs at least 2 experts per group", op);
+    p.E = (int)E;
+    p.K = (int)K;
+    p.scoring = a->scoring;
+    p.G = G;
+    p.topk_group = a->topk_group;
+    p.group_score = a->group_score;
+    p.norm = a->norm_topk_prob ? 1 : 0;
+    p.rsf = a->routed_scaling_factor;
+    const size_t smem = (size_t)(3 * E + G) * 4;
+    if (smem > DYN_SMEM_MAX)
+        return set_error(ctx, DI_UNIMPLEMENTED, "%s: %lld experts need %zu bytes of shared memory, over this GPU "
+                         "kernel's %zu", op, (long long)E, smem, DYN_SMEM_MAX);
+    if (!mode->launch || p.T == 0) return DI_OK;
+    if (smem > 48 * 1024) (void)cudaFuncSetAttribute(k_router, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    k_router<<<grid_for(p.T, 1, 65535), 256, smem, (cudaStream_t)a->header.stream>>>(lg.q, bias.q, ids.q, wts.q, tok.q,
+                                                                                     table.q, p);
+    return launch_status(ctx, op);
+}
 
 // ---------------------------------------------------------------------------------------- SIMT fallback
 constexpr int MOE_CHUNK = 32;        // experts per launch (their pointers travel as kernel params)
