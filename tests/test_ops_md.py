@@ -42,3 +42,25 @@ def test_a_missing_cpu_body_is_an_error(monkeypatch):
         assert "dispatch table names op_embedding" in str(e)
     else:
         raise AssertionError("render() accepted an op without a native body")
+
+
+def test_which_files_count_as_testing_an_op():
+    gen = _generator()
+    tests = gen.TESTS
+    emu_cpp = "static void check_layernorm(int T) {}\n// moe_experts' routing plan scans like this\n"
+    # the op in the C++ that a test builds, not in its .py
+    assert gen._tests_op(tests / "test_gpu_emu_v4.py", 'exe = _build(cxx, "test_v4_ops.cpp")', emu_cpp, "layernorm")
+    # ... but not in a comment there
+    assert not gen._tests_op(tests / "test_gpu_emu.py", "", emu_cpp, "moe_experts")
+    # a quoted name anywhere, for an op not named like a common method
+    assert gen._tests_op(tests / "conformance/test_x.py", 'NEW_OPS = ["hc_pre", "layernorm"]', "", "layernorm")
+    assert not gen._tests_op(tests / "test_x.py", 'ops = ["concat", "add"]', "", "add")
+    assert not gen._tests_op(tests / "test_x.py", 'main(["quantize", src, dst])', "", "quantize")
+    # the family in the name counts only with the op in the text, as a word
+    assert not gen._tests_op(tests / "test_cpu_moe_expert_map.py", "be.moe_experts(**kw)", "", "moe_router")
+    assert gen._tests_op(tests / "test_cpu_moe_expert_map.py", "be.moe_experts(**kw)", "", "moe_experts")
+    assert not gen._tests_op(tests / "test_cpu_norm.py", "w = sd['q_a_layernorm.weight']", "", "layernorm")
+    assert gen._tests_op(tests / "test_cpu_norm.py", '"""layernorm on the CPU"""', "", "layernorm")
+    # tooling tests are left out
+    names = {p.name for p in gen._test_files()}
+    assert "test_device_runner.py" not in names and "test_ops_md.py" not in names

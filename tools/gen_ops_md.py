@@ -36,6 +36,10 @@ NONE = "—"
 # backend or the reference (`be.add(`, `ref.add(`, `backend.add(`).
 COMMON_WORDS = {"add", "mul", "sample", "concat", "linear", "embedding"}
 BACKEND_RECEIVERS = ("ref", "be", "backend", "lib_backend")
+# Ops whose names tests also quote for other reasons: `"quantize"` is the CLI's subcommand
+# (main(["quantize", ...])), `"rope"` a field of ModelConfig. A quoted name counts for these only as
+# the first argument of a call, `("op"`, as for the common words.
+QUOTED_ELSEWHERE = {"quantize", "rope"}
 
 
 class OpsTableError(RuntimeError):
@@ -119,8 +123,24 @@ def family(op: str) -> str:
     return REFERENCE_OPS[op].__module__.rsplit(".", 1)[-1]
 
 
+# Tests about tooling, not ops, that name ops only as text: test_device_runner.py passes
+# `--ops moe_router,moe_experts` to a device command, test_ops_md.py checks this table.
+NOT_OP_TESTS = {"test_device_runner.py", "test_ops_md.py"}
+EMU = TESTS / "gpu_emu"
+EMU_SUFFIXES = (".cpp", ".cu", ".h")
+
+
 def _test_files() -> list[Path]:
-    return sorted(p for p in TESTS.rglob("test_*.py") if "__pycache__" not in p.parts)
+    return sorted(p for p in TESTS.rglob("test_*.py")
+                  if "__pycache__" not in p.parts and p.name not in NOT_OP_TESTS)
+
+
+def _emu_sources(text: str) -> str:
+    """The text of the tests/gpu_emu C++ sources a test names: it builds them, so the ops they run
+    show up there (check_layernorm, k_layernorm), not in the .py."""
+    named = [p for p in sorted(EMU.iterdir())
+             if p.suffix in EMU_SUFFIXES and re.search(rf"(?<![\w.]){re.escape(p.name)}\b", text)]
+    return "\n".join(p.read_text(errors="replace") for p in named)
 
 
 def _names_op(stem: str, op: str) -> bool:
@@ -130,17 +150,45 @@ def _names_op(stem: str, op: str) -> bool:
 
 
 def _calls_op(text: str, op: str) -> bool:
+    """A Python test's text uses the op by name: `"op"` / `'op'` anywhere (a case list, quick("op")) or
+    `.op(`; for an op named like a common method only `("op"` and calls through a backend."""
     if re.search(rf"""\(\s*["']{op}["']""", text):
         return True
     if op in COMMON_WORDS:
         receivers = "|".join(BACKEND_RECEIVERS)
         return re.search(rf"\b(?:{receivers})\.{op}\(", text) is not None
-    return re.search(rf"\.{op}\(", text) is not None
+    if op in QUOTED_ELSEWHERE:
+        return re.search(rf"\.{op}\(", text) is not None
+    return re.search(rf"""["']{op}["']|\.{op}\(""", text) is not None
 
 
-def tests_for(op: str, files: list[tuple[Path, str]]) -> str:
-    hits = [p for p, text in files
-            if _names_op(p.stem, op) or _names_op(p.stem, family(op)) or _calls_op(text, op)]
+def _runs_op(cpp: str, op: str) -> bool:
+    """A gpu_emu C++ source runs the op: its name, or its kernel or check (k_op, check_op), in the code;
+    comments don't count (test_lanes_and_sort.cpp mentions moe_experts as a user of its scans)."""
+    if op in COMMON_WORDS:
+        return False  # C++ has no ("op" or backend call: the strict rule never holds there
+    code = re.sub(r"//[^\n]*", "", cpp)
+    return re.search(rf"\b(?:k_|check_)?{op}\b", code) is not None
+
+
+def _mentions_op(text: str, op: str) -> bool:
+    """The op's name as a word (underscores are word characters: q_a_layernorm is not layernorm);
+    for an op named like a common method, the strict rule of _calls_op."""
+    if op in COMMON_WORDS:
+        return _calls_op(text, op)
+    return re.search(rf"\b{op}\b", text) is not None
+
+
+def _tests_op(path: Path, text: str, cpp: str, op: str) -> bool:
+    if _names_op(path.stem, op):
+        return True
+    if _names_op(path.stem, family(op)) and _mentions_op(text + "\n" + cpp, op):
+        return True
+    return _calls_op(text, op) or _runs_op(cpp, op)
+
+
+def tests_for(op: str, files: list[tuple[Path, str, str]]) -> str:
+    hits = [p for p, text, cpp in files if _tests_op(p, text, cpp, op)]
     if not hits:
         return NONE
     return ", ".join(f"[{p.relative_to(TESTS).as_posix()}]({_rel(p)})" for p in hits)
@@ -160,10 +208,16 @@ renaming an op, its implementation or its tests, run `python tools/gen_ops_md.py
   `backends/cpu/src/plugin.c` / `backends/cuda/src/api.cu` calls for the op; for CUDA also the
   family's kernel header (`<family>.cuh`) where there is one.
 - **conformance**: the module of `deepinfer.conformance.cases.GENERATORS[op]`.
-- **tests**: test files under `tests/` whose name carries the op or its family (split at `_`),
-  or that call the op by name: `.op(` or `("op"`; for ops named like common methods (add, mul,
-  sample, concat, linear, embedding) only `("op"` and `ref.` / `be.` / `backend.` / `lib_backend.`
-  calls count.
+- **tests**: test files `tests/**/test_*.py` that exercise the op; a file's text is its own plus
+  that of the `tests/gpu_emu` C++ sources (`.cpp`, `.cu`, `.h`) it names, which it builds. A file
+  counts when its name carries the op (split at `_`); or its name carries the op's family and its
+  text names the op as a word (`_` is a word character: `q_a_layernorm` is not `layernorm`); or its
+  Python quotes the op, `"op"` / `'op'` anywhere, or calls `.op(`; or the C++ it builds names the op
+  or its kernel or check (`k_op`, `check_op`) outside comments. For ops named like common methods
+  (add, mul, sample, concat, linear, embedding) only `("op"` and `ref.` / `be.` / `backend.` /
+  `lib_backend.` calls count, for a family match too; for `quantize` (a CLI subcommand) and `rope`
+  (a config field) a quoted name counts only as `("op"`. `test_device_runner.py` and
+  `test_ops_md.py` are about tooling and are left out.
 """
 
 
@@ -175,7 +229,10 @@ def render() -> str:
     cuda_prefix = _dispatch_names(cuda_table, r"return (\w+)##name\(ctx, &local\.name")
     cpu_defs = _definitions(CPU_SRC, ".c", cpu_prefix)
     cuda_defs = _definitions(CUDA_SRC, ".cu", cuda_prefix)
-    files = [(p, p.read_text(errors="replace")) for p in _test_files()]
+    files = []
+    for p in _test_files():
+        text = p.read_text(errors="replace")
+        files.append((p, text, _emu_sources(text)))
     out = [PREAMBLE, "| op | header | reference | CPU | CUDA | conformance | tests |",
            "|---|---|---|---|---|---|---|"]
     for op in abi.OP_NAMES:
