@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from deepinfer.conformance import cases as C
+from deepinfer.conformance.harness import ReferenceCache, check_case
 from deepinfer.reference import ReferenceBackend
 from deepinfer.tensor import Tensor
 
@@ -62,3 +63,21 @@ class Lazy(ReferenceBackend):
         super()._run(op, kwargs)
         if before is not None:
             t.numpy()[first] = before
+
+
+def assert_mutant_fails(what, op, backend) -> None:
+    """`backend` (a mutant of op) errs on no case of op's quick profile and fails at least one."""
+    ref = ReferenceCache(ReferenceBackend())
+    outcomes = [check_case(backend, c, ref) for c in quick(op)]
+    assert not [o for o in outcomes if o.status == "error"], [o.message for o in outcomes if o.status == "error"]
+    assert any(o.status == "fail" for o in outcomes), f"{what}: every case passed"
+
+
+def assert_unwritten_element_fails(op, lazy=Lazy) -> None:
+    """A library that leaves the first element of op's checked output unwritten fails every quick case
+    whose output starts poisoned (not accumulate's initial values) and has an element."""
+    out = C.a_valid_case(op).check[0]
+    ref = ReferenceCache(ReferenceBackend())
+    cases = [c for c in quick(op) if c.tensors[out].values is None and np.prod(c.tensors[out].shape)]
+    outcomes = [check_case(lazy(op, out), c, ref) for c in cases]
+    assert outcomes and all(o.status == "fail" for o in outcomes), [(o.case, o.status) for o in outcomes]

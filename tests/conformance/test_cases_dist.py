@@ -19,6 +19,7 @@ from deepinfer.conformance import tolerances as TOL
 from deepinfer.conformance.harness import ReferenceCache, check_case, release_comm
 from deepinfer.reference import ReferenceBackend
 from deepinfer.tensor import Tensor
+from mutant_backends import Lazy
 
 NEW_OPS = ["all_reduce", "all_gather", "all_to_all", "moe_dispatch", "moe_combine"]
 COLLECTIVES = ["all_reduce", "all_gather", "all_to_all"]
@@ -272,21 +273,6 @@ def test_a_library_breaking_one_rule_fails(what):
     outcomes = [check_case(Mutant(op, before, after), c, ref) for c in quick(op)]
     assert not [o for o in outcomes if o.status == "error"], [o.message for o in outcomes if o.status == "error"]
     assert any(o.status == "fail" for o in outcomes), f"{what}: every case passed"
-
-
-class Lazy(ReferenceBackend):
-    """The reference, except that the first element of one output keeps what it held before (poison)."""
-
-    def __init__(self, op, out):
-        self.lop, self.out = op, out
-
-    def _run(self, op, kwargs):
-        t = kwargs.get(self.out) if op == self.lop else None
-        first = (0,) * t.ndim if t is not None else None
-        before = np.array(t.numpy()[first]) if t is not None and t.numel else None
-        super()._run(op, kwargs)
-        if before is not None:
-            t.numpy()[first] = before
 
 
 @pytest.mark.parametrize("op, out", [("all_reduce", "out"), ("all_gather", "out"), ("all_to_all", "recv"),
