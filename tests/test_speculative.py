@@ -13,7 +13,8 @@ import pytest
 import deepinfer
 from deepinfer.engine import Engine, default_model_dir
 from deepinfer.engine.sampling import SamplingParams
-from deepinfer.engine.speculative import Calibration, SpecConfig, StepCosts, admit, survival
+from deepinfer.config import SpecConfig
+from deepinfer.engine.spec_schedule import Calibration, StepCosts, admit, survival
 from deepinfer.engine.model_runner import bucket
 from deepinfer.errors import ConfigError
 

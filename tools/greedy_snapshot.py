@@ -17,7 +17,11 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests"))   # the tiny checkpoint writers
+
+import tiny_checkpoints as tc  # noqa: E402
+import tiny_v4  # noqa: E402
+from deepinfer.engine import Engine, default_model_dir  # noqa: E402
 
 NANO_PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, item):"]
 TINY_PROMPTS = [[0, 5, 9, 17, 33, 2, 80], [0, 7], [0, 200, 3, 3, 3, 41, 12, 9, 100, 101, 102]]
@@ -25,27 +29,20 @@ NEW = 24
 
 
 def nano_cases():
-    import deepinfer
-    from deepinfer.engine import default_model_dir
-
+    model = default_model_dir()
     base = {"max_batch": 4, "max_seq_len": 256}
     for backend in ("reference", "cpu"):
         for precision in ("f32", "bf16", "int8", "int4", "w8a8"):
             if backend == "reference" and precision in ("int4", "w8a8"):
                 continue    # slow on the oracle; int8 covers its quantized path
-            yield f"nano/{backend}/{precision}", default_model_dir(), {**base, "backend": backend,
-                                                                         "precision": precision}
-        yield f"nano/{backend}/expert_cache", default_model_dir(), {
+            yield f"nano/{backend}/{precision}", model, {**base, "backend": backend, "precision": precision}
+        yield f"nano/{backend}/expert_cache", model, {
             **base, "backend": backend, "precision": "f32", "expert_cache": {"capacity": 0.5}}
-        yield f"nano/{backend}/mtp", default_model_dir(), {
+        yield f"nano/{backend}/mtp", model, {
             **base, "backend": backend, "precision": "f32", "speculative": {"method": "mtp", "num_draft": 2}}
-    del deepinfer
 
 
 def tiny_cases(tmp: Path):
-    import tiny_checkpoints as tc
-    import tiny_v4
-
     for family in ("v2", "v2lite", "v3", "v32", "v3fp8"):
         d = tmp / family
         tc.make(family, d, seed=0)
@@ -62,16 +59,12 @@ def tiny_cases(tmp: Path):
 
 
 def run_case(model_dir: Path, config: dict, prompts) -> list:
-    from deepinfer.engine import Engine
-
     engine = Engine.from_pretrained(model_dir, config=config)
     try:
         ids = prompts if isinstance(prompts[0], list) else [engine.tokenizer.encode(p) for p in prompts]
         return engine.generate_ids(ids, max_new_tokens=NEW, ignore_eos=True)
     finally:
-        close = getattr(engine, "close", None)
-        if close:
-            close()
+        engine.close()
 
 
 def main() -> int:

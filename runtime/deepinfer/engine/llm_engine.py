@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Optional, Sequence as Seq, Union
 
 import numpy as np
 
-from ..config import EngineConfig
+from ..config import EngineConfig, SpecConfig
 from ..errors import CheckpointError, ConfigError, DeepinferError, InputTypeError
 from ..loader import get_backend
 from ..model.hub import resolve_model
@@ -30,7 +30,7 @@ from .. import validate as V
 from .runner_factory import load_runner
 from .sampling import SamplingParams, step_seed
 from .scheduler import Scheduler
-from .speculative import SpecConfig, Speculator
+from .speculative import Speculator
 from .sequence import Sequence, Status
 from .tokenizer import Detokenizer, Tokenizer
 

@@ -32,7 +32,7 @@ import numpy as np
 from .. import quant_formats as QF
 from ..errors import ConfigError
 from ..model.checkpoint import Checkpoint
-from ..model.deepseek import StepInputs
+from ..model.graph import StepInputs
 from ..model.expert_cache import ExpertCache, ExpertCacheConfig
 from ..model.family import family_of
 from ..model.plan import Arena, Plan, Tracer

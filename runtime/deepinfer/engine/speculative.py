@@ -55,11 +55,10 @@ from .plan_key import bucket
 from .sampling import step_seed
 from .scheduler import Scheduler
 from .sequence import Sequence
-from ..config import MAX_DRAFT, SpecConfig
-from .spec_schedule import Admission, Calibration, StepCosts, admit, survival
+from ..config import SpecConfig
+from .spec_schedule import Calibration, StepCosts, admit, survival
 
-__all__ = ["MAX_DRAFT", "SpecConfig", "Admission", "Calibration", "StepCosts", "admit", "survival", "SpecEngine",
-           "SpecStats", "Speculator"]
+__all__ = ["SpecEngine", "SpecStats", "Speculator"]
 
 DRAFT_SALT = 0x5DEECE66D  # draft seeds: a stream of their own (engine.sampling.step_seed)
 

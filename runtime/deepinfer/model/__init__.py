@@ -5,7 +5,8 @@ from __future__ import annotations
 from ..errors import CacheFullError
 from .checkpoint import Checkpoint, SafetensorsFile, TensorStore
 from .config import ModelConfig
-from .deepseek import DeepseekGraph, StepInputs
+from .deepseek import DeepseekGraph
+from .graph import StepInputs
 from .kv_cache import PagedKVCache
 from .weights import ModelWeights, WeightLoader
 

@@ -45,10 +45,8 @@ from typing import Optional
 from .. import abi
 from ..tensor import Tensor
 from .config import ModelConfig
-from .graph import ROPE_NONE, ROPE_YARN, ModelGraph, StepInputs, linear, mlp
+from .graph import ModelGraph, StepInputs
 from .weights import AttentionWeights, LayerWeights, ModelWeights, MoEWeights
-
-__all__ = ["DeepseekGraph", "StepInputs", "dsa_cache_pools", "linear", "mlp", "ROPE_NONE", "ROPE_YARN"]
 
 SCORING = {"softmax": abi.const("DI_SCORING_SOFTMAX"), "sigmoid": abi.const("DI_SCORING_SIGMOID")}
 GROUP_MAX, GROUP_SUM_TOP2 = abi.const("DI_GROUP_SCORE_MAX"), abi.const("DI_GROUP_SCORE_SUM_TOP2")
