@@ -63,7 +63,7 @@ int main(int argc, char** argv) {
     const int64_t R = has_draft ? 2 * T : T;
     const SampleP p{R, V, T};
     std::vector<float> k0(R * V), k1(R * V), dense(R * V, NAN);
-    std::vector<int> v0(R * V), v1(R * V), offs(R + 1);
+    std::vector<int> v0(R * V), v1(R * V), offs(2 * R);
     std::vector<int32_t> out(T, 0x7f7f7f7f), acc(T, 0x7f7f7f7f);
     std::vector<float> probs(T, NAN);
     DTensor lg = tensor(logits.data(), DT_F32, T, V), dlg = has_draft ? tensor(draft.data(), DT_F32, T, V) : lg;

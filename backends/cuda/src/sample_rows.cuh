@@ -208,22 +208,22 @@ struct SampleP {
 };
 
 // Row r of the softmax pass: p = softmax(logits / temperature) and the indices (the sort's payload)
-// at keys/vals + r * V; offs[r] (and offs[R]) are the sort's segments. red: MAX_WARPS floats of smem.
+// at keys/vals + r * V; offs[r] and offs[R + r] are where the row's sort segment begins and ends. A
+// greedy row's segment is empty: the sort skips it (sorting a vocabulary nobody reads cost a block
+// ~200 us per row) and its keys are never read (the pick takes the argmax of the logits).
+// red: MAX_WARPS floats of smem.
 __device__ void probs_row(const DTensor& lg, const DTensor& lg2, const DTensor& temp, float* keys, int* vals,
                           int* offs, const SampleP& p, int64_t r, float* red) {
-    if (threadIdx.x == 0) {
-        offs[r] = (int)(r * p.V);
-        if (r == p.R - 1) offs[p.R] = (int)(p.R * p.V);
-    }
     const int64_t b = r % p.nt;
     const float T = load_f(temp.dt, temp.base, b * temp.strides[0]);
+    const bool greedy = !(T > 0.f);
+    if (threadIdx.x == 0) {
+        offs[r] = (int)(r * p.V);
+        offs[p.R + r] = (int)((greedy ? r : r + 1) * p.V);
+    }
+    if (greedy) return;
     float* kr = keys + r * p.V;
     int* vr = vals + r * p.V;
-    if (!(T > 0.f)) {  // greedy row: the sort only has to be harmless
-        for (int64_t i = threadIdx.x; i < p.V; i += blockDim.x) { kr[i] = 0.f; vr[i] = (int)i; }
-        __syncthreads();
-        return;
-    }
     const DTensor& src = r < p.nt ? lg : lg2;
     row_softmax(src, b * src.strides[0], T, kr, vr, p.V, red);
 }

@@ -76,7 +76,7 @@ struct SortLayout {
         vals = keys2 + align256(n * 4);
         vals2 = vals + align256(n * 4);
         offs = vals2 + align256(n * 4);
-        tmp = offs + align256((uint64_t)(R + 1) * 4);
+        tmp = offs + align256((uint64_t)(2 * R) * 4);   // begin[R], end[R]
         extra = tmp + align256(R > 0 ? sample_temp_bytes(R, V) : 0);
         total = extra + align256(extra_bytes);
     }
@@ -96,7 +96,7 @@ static DI_Status sort_rows(DI_Context* ctx, const char* op, cudaStream_t s, cons
 #if DI_SAMPLE_CUB
     size_t tb = (size_t)(L.extra - L.tmp);
     cudaError_t e = cub::DeviceSegmentedRadixSort::SortPairsDescending(
-        w + L.tmp, tb, keys, keys2, vals, vals2, (int)(p.R * p.V), (int)p.R, offs, offs + 1, 0, 32, s);
+        w + L.tmp, tb, keys, keys2, vals, vals2, (int)(p.R * p.V), (int)p.R, offs, offs + p.R, 0, 32, s);
     DI_TRY(cuda_status(ctx, e, "segmented sort"));
     *sk = keys2;
     *sv = vals2;
