@@ -3,6 +3,9 @@
 #include "arg_checks.cuh"
 #include "device.cuh"
 #include "norm.cuh"
+#include "vec8.cuh"
+
+#include <algorithm>
 
 using namespace di;
 
@@ -33,6 +36,69 @@ __global__ void k_rmsnorm(DTensor x, DTensor w, DTensor res, DTensor out, DTenso
     }
 }
 
+// The fast path (every row contiguous and 16-byte aligned, one activation dtype AT, weight WT): a row's
+// elements stay in registers, VPT vectors of 8 per thread, so x and residual are read once with
+// 16-byte loads and the generic loaders' per-element dtype decode is gone. Same math as k_rmsnorm.
+template <int AT, int WT, int VPT>
+__global__ __launch_bounds__(1024) void k_rmsnorm_vec(DTensor x, DTensor w, DTensor res, DTensor out, DTensor res_out,
+                                                      int64_t T, int H, float eps) {
+    __shared__ float red[MAX_WARPS];
+    const int nv = H / 8;
+    for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
+        float v[VPT][8];
+        float ss = 0.f;
+#pragma unroll
+        for (int j = 0; j < VPT; ++j) {
+            const int i = threadIdx.x + j * blockDim.x;
+            if (i >= nv) continue;
+            load8<AT>(x.base, t * x.strides[0] + i * 8, v[j]);
+            if (res.base) {
+                float r8[8];
+                load8<AT>(res.base, t * res.strides[0] + i * 8, r8);
+#pragma unroll
+                for (int k = 0; k < 8; ++k) v[j][k] += r8[k];
+            }
+#pragma unroll
+            for (int k = 0; k < 8; ++k) ss += v[j][k] * v[j][k];
+        }
+        ss = block_sum(ss, red);  // also a barrier: every read of x and residual is done
+        const float r = rsqrtf(ss / (float)H + eps);
+#pragma unroll
+        for (int j = 0; j < VPT; ++j) {
+            const int i = threadIdx.x + j * blockDim.x;
+            if (i >= nv) continue;
+            if (res_out.base) store8<AT>(res_out.base, t * res_out.strides[0] + i * 8, v[j]);
+            float w8[8], o[8];
+            load8<WT>(w.base, i * 8, w8);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) o[k] = v[j][k] * r * w8[k];
+            store8<AT>(out.base, t * out.strides[0] + i * 8, o);
+        }
+    }
+}
+
+template <int AT, int WT>
+static void launch_rmsnorm_vec(const DTensor& x, const DTensor& w, const DTensor& res, const DTensor& out,
+                               const DTensor& ro, int64_t T, int H, float eps, cudaStream_t s) {
+    const int nv = H / 8;
+    const unsigned g = grid_for(T, 1, 65535);
+    auto threads = [&](int vpt) { return (int)std::min<int64_t>(1024, ceil_div(ceil_div(nv, vpt), LANES) * LANES); };
+    if (nv <= 1024) k_rmsnorm_vec<AT, WT, 1><<<g, threads(1), 0, s>>>(x, w, res, out, ro, T, H, eps);
+    else if (nv <= 2048) k_rmsnorm_vec<AT, WT, 2><<<g, threads(2), 0, s>>>(x, w, res, out, ro, T, H, eps);
+    else k_rmsnorm_vec<AT, WT, 4><<<g, threads(4), 0, s>>>(x, w, res, out, ro, T, H, eps);
+}
+
+// rows of at most 4 * 1024 vectors of 8 (H <= 32768), every tensor row-contiguous and aligned, x,
+// residual, out and residual_out of one dtype
+static bool rmsnorm_vec_ok(const QTensor& x, const QTensor& w, const QTensor& res, const QTensor& out,
+                           const QTensor& ro) {
+    const int dt = x.q.dt;
+    if (!vec8_rows(x.q) || !vec8_rows(w.q) || !vec8_rows(out.q) || out.q.dt != dt) return false;
+    if (res.q.base && (!vec8_rows(res.q) || res.q.dt != dt)) return false;
+    if (ro.q.base && (!vec8_rows(ro.q) || ro.q.dt != dt)) return false;
+    return x.q.shape[1] <= 4 * 1024 * 8;
+}
+
 DI_Status op_rmsnorm(DI_Context* ctx, const DI_RMSNormArgs* a, OpMode* mode) {
     const char* op = "rmsnorm";
     DI_TRY(check_header(ctx, op, a, sizeof(*a), "DI_RMSNormArgs"));
@@ -61,9 +127,21 @@ DI_Status op_rmsnorm(DI_Context* ctx, const DI_RMSNormArgs* a, OpMode* mode) {
         return set_error(ctx, DI_UNIMPLEMENTED, "%s: hidden size %lld exceeds this kernel's limit (%zu)", op,
                          (long long)H, DYN_SMEM_MAX / sizeof(float));
     if (!mode->launch || T == 0 || H == 0) return DI_OK;
+    cudaStream_t st = (cudaStream_t)a->header.stream;
+    if (rmsnorm_vec_ok(x, w, res, out, ro)) {
+        const bool wb = w.q.dt == DT_BF16;
+        if (x.q.dt == DT_BF16) {
+            if (wb) launch_rmsnorm_vec<DT_BF16, DT_BF16>(x.q, w.q, res.q, out.q, ro.q, T, (int)H, a->eps, st);
+            else launch_rmsnorm_vec<DT_BF16, DT_F32>(x.q, w.q, res.q, out.q, ro.q, T, (int)H, a->eps, st);
+        } else {
+            if (wb) launch_rmsnorm_vec<DT_F32, DT_BF16>(x.q, w.q, res.q, out.q, ro.q, T, (int)H, a->eps, st);
+            else launch_rmsnorm_vec<DT_F32, DT_F32>(x.q, w.q, res.q, out.q, ro.q, T, (int)H, a->eps, st);
+        }
+        return launch_status(ctx, op);
+    }
     if (smem > 48 * 1024)
         (void)cudaFuncSetAttribute(k_rmsnorm, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    k_rmsnorm<<<grid_for(T, 1, 65535), 512, smem, (cudaStream_t)a->header.stream>>>(x.q, w.q, res.q, out.q, ro.q, T, H,
+    k_rmsnorm<<<grid_for(T, 1, 65535), 512, smem, st>>>(x.q, w.q, res.q, out.q, ro.q, T, H,
                                                                                  a->eps);
     return launch_status(ctx, op);
 }
