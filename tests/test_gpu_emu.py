@@ -99,3 +99,15 @@ def test_sample_and_spec_verify_rows_on_the_cpu(tmp_path):
             msg, _, _ = compare_close(probs[same], want["probs"][same], TOL.lookup("sample", "probs"), "probs")
             assert msg is None, (case.name, msg)
     assert accepted > 10   # the acceptance path ran, not only rejections
+
+
+def test_mla_decode_bf16_fast_path_on_the_cpu(tmp_path):
+    """mla_decode's bf16 kernels (qlat, attn, merge_uv of backends/cuda/src/mla_decode_bf16.cuh) against a
+    float64 transcription of the op, in the host emulation (tests/gpu_emu/test_mla_decode_bf16.cpp)."""
+    cxx = _cxx()
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    exe = _build(cxx, "test_mla_decode_bf16.cpp", tmp_path / "mla_decode_bf16")
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    assert "all checks passed" in run.stdout

@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <algorithm>
 #include <functional>
 #include <stdexcept>
 #include <thread>
@@ -26,6 +27,7 @@
 #define __noinline__ __attribute__((noinline))
 #define __shared__ static
 #define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
 
 #define DI_GPU_AMD 0
 #define DI_WARP_SIZE 32
@@ -143,3 +145,15 @@ inline __half __float2half_rn(float f) {
 }
 inline unsigned short __half_as_ushort(__half h) { return h.bits; }
 inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
+using std::max;   // the device min / max overloads
+using std::min;
+// the vector types and the read-only load of the 16-byte paths (vec8.cuh, mla_decode_bf16.cuh)
+struct __attribute__((aligned(16))) uint4 {
+    uint32_t x, y, z, w;
+};
+struct __attribute__((aligned(16))) float4 {
+    float x, y, z, w;
+};
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+template <class T>
+inline T __ldg(const T* p) { return *p; }

@@ -8,6 +8,7 @@
 #include <algorithm>
 
 #include "device.cuh"
+#include "mla_decode.cuh"
 #include "sparse_api.cuh"
 
 using namespace di;
@@ -350,7 +351,8 @@ DI_Status op_mla_prefill(DI_Context* ctx, const DI_MLAPrefillArgs* a, OpMode* mo
 }
 
 // ---------------------------------------------------------------------------------------- decode
-// Four kernels per call, each shaped so the absorbed weights are read once per step, not once per
+// The generic path: four kernels per call (bf16 weights and cache take the three of
+// mla_decode_bf16.cuh), each shaped so the absorbed weights are read once per step, not once per
 // (token, head) (reading W_uk / W_uv per token and head was most of the op's time at batch 1 and
 // made it L2-bound at batch 32):
 //   qlat   qf[t, h] = [q_nope[t, h] @ W_uk[h] (Dc), q_pe[t, h] (Dr)]: a block owns one head, 64
@@ -365,18 +367,9 @@ DI_Status op_mla_prefill(DI_Context* ctx, const DI_MLAPrefillArgs* a, OpMode* mo
 // turns each row into its distinct valid positions, ascending, and attn walks that list instead of
 // [0, kv_len): a token's "length" is then its count of listed positions, and everything else
 // (chunking, merge) is unchanged.
-struct DecodeDims {
-    int64_t T, H, S, MB, NB, BS;
-    int     Dn, Dr, Dv, Dc, splits;
-    const int* list;   // [T, K] cleaned indices, or NULL: positions [0, kv_len)
-    const int* cnt;    // [T] their counts
-    int64_t    K;
-};
-
 constexpr int MLA_TT = 16;        // tokens per qlat / uv block
 constexpr int MLA_QCOLS = 64;     // latent columns per qlat block
 constexpr int MLA_UV_ROWS = 16;   // value rows per uv block (2 per warp)
-constexpr int MLA_MIN_CHUNK = 16; // positions: smaller chunks cost more in the merge than they save
 
 __global__ __launch_bounds__(256) void k_mla_qlat(DTensor q, DTensor w, float* qf, DecodeDims d, int tt) {
     extern __shared__ float qs[];                      // [tt][Dn] q_nope of the block's tokens
@@ -420,30 +413,6 @@ __global__ __launch_bounds__(256) void k_mla_qlat(DTensor q, DTensor w, float* q
     }
 }
 
-// the number of positions token t attends: kv_len[t], or its count of cleaned indices
-__device__ __forceinline__ int64_t decode_len(const DTensor& seq, const DTensor& kvl, const DecodeDims& d, int64_t t,
-                                              int64_t* s_out) {
-    int64_t s = load_i(seq.dt, seq.base, t * seq.strides[0]);
-    int64_t len = d.list ? d.cnt[t] : load_i(kvl.dt, kvl.base, t * kvl.strides[0]);
-    if (s < 0 || s >= d.S) len = 0;
-    if (len < 0) len = 0;
-    if (len > d.MB * d.BS) len = d.MB * d.BS;  // never index past the block table
-    *s_out = s;
-    return len;
-}
-
-// positions per chunk for a token with `len` keys: the fixed number of splits shares them, in
-// multiples of MLA_MIN_CHUNK; chunks at or past len are inactive (neither written nor merged)
-__device__ __forceinline__ int64_t decode_chunk(int64_t len, int splits) {
-    int64_t c = ceil_div(len, (int64_t)splits);
-    return c < MLA_MIN_CHUNK ? MLA_MIN_CHUNK : ceil_div(c, MLA_MIN_CHUNK) * MLA_MIN_CHUNK;
-}
-
-// partial[(t*H + h) * splits + split] = [m, l, o (Dc)] over the positions of one chunk.
-// A block serves MLA_HG heads of one token, so each latent row read from the cache is used by all of
-// them (the heads share the cache: reading it once per head made decode L2-bound). One warp per
-// position; each warp keeps an online-softmax state per head; the 8 warps merge at the end.
-constexpr int MLA_HG = 4;
 
 template <int NQ>
 __global__ __launch_bounds__(256) void k_mla_attn(const float* qf, DTensor cache, DTensor btab, DTensor seq,
@@ -610,6 +579,21 @@ __global__ __launch_bounds__(256) void k_mla_uv(const float* ol, DTensor w, DTen
     }
 }
 
+#include "mla_decode_bf16.cuh"
+
+// the fast path's three launches (mla_decode_bf16.cuh), TT tokens per qlat / merge_uv block
+template <int TT>
+static void launch_mla_decode_bf16(const QTensor& q, const QTensor& w, const QTensor& cache, const QTensor& btab,
+                                   const QTensor& seq, const QTensor& kvl, const QTensor& out, float* qf, float* part,
+                                   const DecodeDims& d, float scale, cudaStream_t s) {
+    const unsigned tiles = (unsigned)ceil_div(d.T, TT);
+    k_mla_qlat_bf16<TT><<<dim3((unsigned)d.H, (unsigned)(d.Dc / MLAF_COLS), tiles), 256, 0, s>>>(q.q, w.q, qf, d);
+    const dim3 grid((unsigned)(d.T * ceil_div(d.H, MLA_HG)), (unsigned)d.splits);
+    k_mla_attn_bf16<<<grid, 256, 0, s>>>(qf, cache.q, btab.q, seq.q, kvl.q, part, d, scale);
+    k_mla_merge_uv_bf16<TT><<<dim3((unsigned)d.H, (unsigned)ceil_div(d.Dv, MLAF_UV_ROWS), tiles), 256, 0, s>>>(
+        part, seq.q, kvl.q, w.q, out.q, d);
+}
+
 DI_Status op_mla_decode(DI_Context* ctx, const DI_MLADecodeArgs* a, OpMode* mode) {
     const char* op = "mla_decode";
     DI_TRY(check_header(ctx, op, a, sizeof(*a), "DI_MLADecodeArgs"));
@@ -697,6 +681,15 @@ DI_Status op_mla_decode(DI_Context* ctx, const DI_MLADecodeArgs* a, OpMode* mode
         st = launch_clean_indices(ctx, op, idx.q, seq.q, kvl.q, d.S, d.MB * d.BS, 1, clean, s);
         d.list = reinterpret_cast<const int*>(clean);
         d.cnt = reinterpret_cast<const int*>(clean + align256((uint64_t)(d.T * d.K) * 4));
+    }
+    if (st == DI_OK && mla_decode_bf16_ok(q.q, w.q, cache.q, d)) {
+        if (d.T <= 1) launch_mla_decode_bf16<1>(q, w, cache, btab, seq, kvl, out, qf, part, d, a->scale, s);
+        else if (d.T <= 2) launch_mla_decode_bf16<2>(q, w, cache, btab, seq, kvl, out, qf, part, d, a->scale, s);
+        else if (d.T <= 4) launch_mla_decode_bf16<4>(q, w, cache, btab, seq, kvl, out, qf, part, d, a->scale, s);
+        else launch_mla_decode_bf16<MLAF_TT>(q, w, cache, btab, seq, kvl, out, qf, part, d, a->scale, s);
+        st = launch_status(ctx, op);
+        ws.release();
+        return st;
     }
     if (st == DI_OK) {
         dim3 gq((unsigned)d.H, (unsigned)ceil_div(d.Dc, MLA_QCOLS), (unsigned)ceil_div(d.T, tt_q));
