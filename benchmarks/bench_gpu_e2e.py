@@ -294,7 +294,8 @@ def di_profile(runner: ModelRunner, prompts: list, steps: int = 6) -> dict:
 
 def kernel_profile(runner: ModelRunner, prompts: list, steps: int = 5) -> dict:
     """GPU us per kernel of graph-replayed decode steps (torch.profiler through CUPTI sees the
-    library's kernels), top 25 by time, per step."""
+    library's kernels): every kernel name with its time and calls per step, and the kernels of one
+    step in launch order (what a layer runs, kernel by kernel)."""
     from torch.profiler import ProfilerActivity, profile
 
     dec = GreedyDecode(runner, prompts)
@@ -304,16 +305,22 @@ def kernel_profile(runner: ModelRunner, prompts: list, steps: int = 5) -> dict:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for i in range(steps):
                 dec.step()
-        rows = {}
+        rows, seq = {}, []
         for e in prof.events():
             if e.device_type.name == "CUDA":
+                us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
                 r = rows.setdefault(e.name[:90], [0.0, 0])
-                r[0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+                r[0] += us
                 r[1] += 1
+                seq.append((e.time_range.start, e.name[:90], us))
         top = sorted(rows.items(), key=lambda kv: -kv[1][0])
         total = sum(v[0] for v in rows.values()) / steps
-        return {"kernel_us_per_step": total, "kernels_per_step": sum(v[1] for v in rows.values()) / steps,
-                "top": [{"kernel": k, "us": v[0] / steps, "calls": v[1] / steps} for k, v in top[:25]]}
+        per_step = sum(v[1] for v in rows.values()) / steps
+        seq.sort()
+        one = [{"kernel": k, "us": us} for _, k, us in seq[:int(round(per_step))]]
+        return {"kernel_us_per_step": total, "kernels_per_step": per_step,
+                "top": [{"kernel": k, "us": v[0] / steps, "calls": v[1] / steps} for k, v in top],
+                "one_step": one}
     finally:
         dec.close()
 
@@ -343,7 +350,7 @@ def first_diff(a: list, b: list) -> int:
 # ---------------------------------------------------------------------------- report
 def write(res: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"gpu_e2e_{res['date'].replace('-', '')}"
+    stem = f"gpu_e2e_{res['date'].replace('-', '')}{res.get('tag', '')}"
     (out_dir / f"{stem}.json").write_text(json.dumps(res, indent=1))
     lines = [f"# End to end: deepinfer vs HF transformers vs the memory bound ({res['gpu']}, {res['date']}, "
              f"commit {res['commit']})", "",
@@ -381,10 +388,18 @@ def write(res: dict, out_dir: Path) -> None:
             lines.append(f"| {op} | {v['us']:.1f} | {v['calls']} | {v['us'] / max(v['calls'], 1):.1f} |")
         if "kernels" in prof:
             k = prof["kernels"]
+            L = prof.get("layers") or 1
             lines += ["", f"Kernels of one graph-replayed step (torch.profiler): {k['kernel_us_per_step']:.0f} us of GPU "
-                          f"time in {k['kernels_per_step']:.0f} kernels.", "", "| kernel | us | calls |", "|---|---|---|"]
+                          f"time in {k['kernels_per_step']:.0f} kernels ({k['kernels_per_step'] / L:.1f} per layer over "
+                          f"{L} layers).", "", "| kernel | us per step | calls | us per call |", "|---|---|---|---|"]
             for r in k["top"]:
-                lines.append(f"| `{r['kernel'][:80]}` | {r['us']:.1f} | {r['calls']:.0f} |")
+                lines.append(f"| `{r['kernel'][:80]}` | {r['us']:.1f} | {r['calls']:.0f} | "
+                             f"{r['us'] / max(r['calls'], 1):.2f} |")
+            if k.get("one_step"):
+                lines += ["", "The first kernels of one step in launch order (embedding, layer 0 dense, layer 1 MoE, ...):",
+                          "", "| # | kernel | us |", "|---|---|---|"]
+                for i, r in enumerate(k["one_step"][:60]):
+                    lines.append(f"| {i} | `{r['kernel'][:80]}` | {r['us']:.2f} |")
     (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 
@@ -405,25 +420,35 @@ def main() -> int:
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (the debug path)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--ckpt-dir", default=None,
+                    help="keep the random checkpoints here (DIR/L_layers) and reuse them: a second library in "
+                         "the same call measures the same weights without writing them again")
+    ap.add_argument("--tag", default="", help="appended to the result files' names (gpu_e2e_<date><tag>)")
     a = ap.parse_args()
 
     be = load_library(a.lib)
     res = {"gpu": torch.cuda.get_device_name(0), "commit": a.commit, "date": datetime.date.today().isoformat(),
            "command": " ".join(["bench_gpu_e2e.py"] + sys.argv[2:]), "prompt": a.prompt, "new": a.new,
            "copy_gbps": copy_bandwidth() / 1e9, "rows": [], "greedy": [], "profiles": {},
-           "graphs": not a.eager}
+           "graphs": not a.eager, "tag": a.tag}
     print(f"copy bandwidth {res['copy_gbps']:.0f} GB/s", flush=True)
     out_dir = Path(a.out_dir)
     batches = [int(x) for x in a.batches.split(",")]
     qbatches = [int(x) for x in a.quant_batches.split(",")]
     rng = np.random.default_rng(0)
     for li, L in enumerate(int(x) for x in a.layers.split(",")):
-        tmp = Path(tempfile.mkdtemp(prefix=f"di_e2e_{L}_"))
+        keep = a.ckpt_dir is not None
+        tmp = Path(a.ckpt_dir) / f"{L}_layers" if keep else Path(tempfile.mkdtemp(prefix=f"di_e2e_{L}_"))
         try:
             t0 = time.perf_counter()
-            hf = make_checkpoint(tmp, L, "cuda", torch.bfloat16)
-            print(f"[{L} layers] checkpoint written in {time.perf_counter() - t0:.0f} s", flush=True)
-            V = hf.config.vocab_size
+            hf = None
+            if keep and (tmp / "config.json").exists() and a.no_hf:
+                print(f"[{L} layers] reusing the checkpoint in {tmp}", flush=True)
+            else:
+                tmp.mkdir(parents=True, exist_ok=True)
+                hf = make_checkpoint(tmp, L, "cuda", torch.bfloat16)
+                print(f"[{L} layers] checkpoint written in {time.perf_counter() - t0:.0f} s", flush=True)
+            V = json.loads((tmp / "config.json").read_text())["vocab_size"]
             bl = batches if li == 0 else [int(x) for x in a.full_layers_batches.split(",")]
             maxb = max(bl)
             prompts = rng.integers(0, V, (maxb, a.prompt)).tolist()
@@ -484,6 +509,7 @@ def main() -> int:
                               f"{json.dumps({k: round(v) for k, v in pr['per_category_us'].items()})}", flush=True)
                     for B in sorted({1, max(b for b in bl if b <= 32)}):
                         try:
+                            res["profiles"][f"{L} layers, decode B={B}"]["layers"] = L
                             kp = res["profiles"][f"{L} layers, decode B={B}"]["kernels"] = kernel_profile(runner, prompts[:B])
                             print(f"[{L}] kernels B={B}: {kp['kernel_us_per_step']:.0f} us in {kp['kernels_per_step']:.0f} "
                                   f"kernels per step; " + "; ".join(f"{k['kernel'][:50]} {k['us']:.0f}/{k['calls']:.0f}"
@@ -497,9 +523,10 @@ def main() -> int:
                 write(res, out_dir)
                 del runner
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if not keep:
+                shutil.rmtree(tmp, ignore_errors=True)
     write(res, out_dir)
-    print((out_dir / f"gpu_e2e_{res['date'].replace('-', '')}.md").read_text())
+    print((out_dir / f"gpu_e2e_{res['date'].replace('-', '')}{a.tag}.md").read_text())
     return 0
 
 

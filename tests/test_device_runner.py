@@ -30,6 +30,9 @@ CASES = {
         ([COMMIT, "--layers", "8"], {}, ["--ops mla_prefill,mla_decode,mla_cache_write,sample",
                                          "tests/test_model_oracle.py",
                                          f"bench_gpu_e2e.py {{lib}} --commit {COMMIT} --out-dir {{out}} --layers 8"]),
+        ([COMMIT, "--ckpt-dir", "/tmp/ck"], {"E2E_BASE_LIB": "/tmp/base.so", "E2E_ORACLE": "0"},
+         ["bench_gpu_e2e.py /tmp/base.so --commit base --tag _base --out-dir {out} --ckpt-dir /tmp/ck",
+          f"bench_gpu_e2e.py {{lib}} --commit {COMMIT} --out-dir {{out}} --ckpt-dir /tmp/ck"]),
     ],
     "moe": [
         ([COMMIT], {}, ["--ops moe_experts --level L1", "tests/test_gpu_moe_experts_graph.py",

@@ -222,6 +222,12 @@ recipe_e2e() {       # was device_e2e.sh COMMIT [bench args]
       "$PY" -m pytest -q -x -p no:cacheprovider tests/test_model_oracle.py
     show model_oracle_cuda.log tail -6
   fi
+  if [[ -n "${E2E_BASE_LIB:-}" ]]; then   # a baseline library first, same arguments (so the same GPU and run)
+    say "end to end, the baseline library $E2E_BASE_LIB"
+    logged e2e_base.log "$PY" benchmarks/bench_gpu_e2e.py "$E2E_BASE_LIB" --commit "${E2E_BASE_COMMIT:-base}" \
+      --tag _base --out-dir "$OUT" "$@"
+    show e2e_base.log grep -v "Writing model shards"
+  fi
   say "end to end"
   logged e2e.log "$PY" benchmarks/bench_gpu_e2e.py "$LIB" --commit "$commit" --out-dir "$OUT" "$@"
   show e2e.log grep -v "Writing model shards"
