@@ -146,6 +146,81 @@ __global__ __launch_bounds__(256) void k_router(DTensor logits, DTensor bias, DT
     }
 }
 
+// The common case in one warp per token, without a barrier: no grouping, no hash table, E <= 256.
+// Lane l holds experts l + 32 j in registers; the K picks are warp argmaxes carrying the pick's
+// score. Same math and order as k_router (ties to the lower index; the k weights summed in k order).
+constexpr int ROUTER_WARP_MAXE = 256;
+constexpr int ROUTER_WARP_J = ROUTER_WARP_MAXE / LANES;
+
+__global__ __launch_bounds__(128) void k_router_warp(DTensor logits, DTensor bias, DTensor ids, DTensor wts, RouterP p) {
+    const int lane = lane_id();
+    const int64_t t = (int64_t)blockIdx.x * 4 + warp_id();
+    if (t >= p.T) return;
+    float sc[ROUTER_WARP_J], sel[ROUTER_WARP_J];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < ROUTER_WARP_J; ++j) {
+        const int e = lane + LANES * j;
+        sc[j] = e < p.E ? load_f(logits.dt, logits.base, t * logits.strides[0] + e) : -INFINITY;
+        mx = fmaxf(mx, sc[j]);
+    }
+    if (p.scoring == DI_SCORING_SOFTMAX) {
+        mx = warp_max(mx);
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < ROUTER_WARP_J; ++j) {
+            sc[j] = lane + LANES * j < p.E ? expf(sc[j] - mx) : 0.f;
+            sum += sc[j];
+        }
+        sum = warp_sum(sum);
+#pragma unroll
+        for (int j = 0; j < ROUTER_WARP_J; ++j) sc[j] = sc[j] / sum;
+    } else if (p.scoring == DI_SCORING_SIGMOID) {
+#pragma unroll
+        for (int j = 0; j < ROUTER_WARP_J; ++j) sc[j] = 1.f / (1.f + expf(-sc[j]));
+    } else {
+#pragma unroll
+        for (int j = 0; j < ROUTER_WARP_J; ++j) sc[j] = sqrtf(sc[j] > 20.f ? sc[j] : log1pf(expf(sc[j])));
+    }
+#pragma unroll
+    for (int j = 0; j < ROUTER_WARP_J; ++j) {
+        const int e = lane + LANES * j;
+        sel[j] = sc[j] + (bias.base && e < p.E ? load_f(bias.dt, bias.base, e) : 0.f);
+    }
+    uint32_t taken = 0;   // bit j: expert lane + 32 j picked
+    int chosen[64];
+    float picked[64];
+    float sum = 0.f;
+    for (int k = 0; k < p.K; ++k) {
+        float bv = -INFINITY, bs = 0.f;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < ROUTER_WARP_J; ++j) {
+            const int e = lane + LANES * j;
+            if (e < p.E && !(taken >> j & 1u) && better(sel[j], e, bv, bi)) { bv = sel[j]; bi = e; bs = sc[j]; }
+        }
+#pragma unroll
+        for (int o = LANES / 2; o > 0; o >>= 1) {
+            const float v2 = shfl_xor(bv, o), s2 = shfl_xor(bs, o);
+            const int i2 = shfl_xor(bi, o);
+            if (better(v2, i2, bv, bi)) { bv = v2; bi = i2; bs = s2; }
+        }
+        if (bi >= 0 && bi < p.E && bi % LANES == lane) taken |= 1u << (bi / LANES);
+        chosen[k] = bi;
+        picked[k] = bs;
+        sum += bs;
+    }
+    if (lane == 0) {
+        for (int k = 0; k < p.K; ++k) {
+            float w = picked[k];
+            if (p.norm) w = w / (sum + 1e-20f);
+            w *= p.rsf;
+            reinterpret_cast<int32_t*>(ids.base)[t * ids.strides[0] + k] = chosen[k];
+            store_f(wts.dt, wts.base, t * wts.strides[0] + k, w);
+        }
+    }
+}
+
 DI_Status op_moe_router(DI_Context* ctx, const DI_MoERouterArgs* a, OpMode* mode) {
     const char* op = "moe_router";
     DI_TRY(check_header(ctx, op, a, sizeof(*a), "DI_MoERouterArgs"));
@@ -218,6 +293,11 @@ DI_Status op_moe_router(DI_Context* ctx, const DI_MoERouterArgs* a, OpMode* mode
         return set_error(ctx, DI_UNIMPLEMENTED, "%s: %lld experts need %zu bytes of shared memory, over this GPU "
                          "kernel's %zu", op, (long long)E, smem, DYN_SMEM_MAX);
     if (!mode->launch || p.T == 0) return DI_OK;
+    if (!p.hash && G == 1 && E <= ROUTER_WARP_MAXE) {
+        k_router_warp<<<grid_for(p.T, 4, 1 << 30), 128, 0, (cudaStream_t)a->header.stream>>>(lg.q, bias.q, ids.q,
+                                                                                           wts.q, p);
+        return launch_status(ctx, op);
+    }
     if (smem > 48 * 1024) (void)cudaFuncSetAttribute(k_router, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     k_router<<<grid_for(p.T, 1, 65535), 256, smem, (cudaStream_t)a->header.stream>>>(lg.q, bias.q, ids.q, wts.q, tok.q,
                                                                                      table.q, p);
