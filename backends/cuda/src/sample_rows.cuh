@@ -58,9 +58,26 @@ __device__ void row_softmax(const DTensor& lg, int64_t ro, float T, float* kr, i
 __device__ int row_argmax(const DTensor& lg, int64_t ro, int64_t V, float* prob, float* redv, int* redi) {
     float bv = -INFINITY;
     int bi = 0x7fffffff;
-    for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
-        float v = load_f(lg.dt, lg.base, ro + i);
-        if (better(v, (int)i, bv, bi)) { bv = v; bi = (int)i; }
+    const float* row = reinterpret_cast<const float*>(lg.base) + ro;
+    if (lg.dt == DT_F32 && V % 4 == 0 && reinterpret_cast<uintptr_t>(row) % 16 == 0) {
+        // f32 rows (the logits always are): 16-byte loads, four in flight per thread (the scan is
+        // a greedy step's whole sampling cost, so its loads must not wait one by one)
+        const float4* r4 = reinterpret_cast<const float4*>(row);
+        const int64_t n4 = V / 4;
+#pragma unroll 4
+        for (int64_t i = threadIdx.x; i < n4; i += blockDim.x) {
+            const float4 v = r4[i];
+            const int b = (int)(4 * i);
+            if (better(v.x, b, bv, bi)) { bv = v.x; bi = b; }
+            if (better(v.y, b + 1, bv, bi)) { bv = v.y; bi = b + 1; }
+            if (better(v.z, b + 2, bv, bi)) { bv = v.z; bi = b + 2; }
+            if (better(v.w, b + 3, bv, bi)) { bv = v.w; bi = b + 3; }
+        }
+    } else {
+        for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
+            float v = load_f(lg.dt, lg.base, ro + i);
+            if (better(v, (int)i, bv, bi)) { bv = v; bi = (int)i; }
+        }
     }
     block_best(bv, bi, redv, redi);
     if (bi == 0x7fffffff) bi = 0;
