@@ -182,6 +182,16 @@ static GemmBF16 gemm_problem(const QTensor& x, const void* wb, int64_t ldb, cons
     return g;
 }
 
+// DEEPINFER_CUDA_LINEAR_CLUSTER=0: split-K partials through memory and a reduce kernel, as before
+// sm_90's clusters (same bits; for diagnosis and benchmarks)
+static bool lin_cluster_off() {
+    static const bool off = [] {
+        const char* e = getenv("DEEPINFER_CUDA_LINEAR_CLUSTER");
+        return e && !strcmp(e, "0");
+    }();
+    return off;
+}
+
 static int mma_splits(LinShape sh, int64_t N, int64_t K, int f, int sm_count) {
     if (sh == LIN_BATCH) return 1;
     const int64_t blocks = ceil_div(N, lin_rows_per_block(sh));
@@ -194,8 +204,8 @@ static int mma_splits(LinShape sh, int64_t N, int64_t K, int f, int sm_count) {
     return sp < 1 ? 1 : (int)sp;
 }
 
-typedef void (*LinMmaFn)(LinShape, const LinWeight&, const char*, int64_t, int64_t, int, float*, const DTensor&,
-                         const DTensor&, cudaStream_t);
+typedef void (*LinMmaFn)(LinShape, const LinWeight&, const char*, int64_t, int64_t, int, float*, bool,
+                         const DTensor&, const DTensor&, cudaStream_t);
 #if DI_HAVE_MOE_MMA
 static const LinMmaFn kLinMma[MW_COUNT] = {launch_linear_mma_bf16, launch_linear_mma_fp8, launch_linear_mma_i8,
                                            launch_linear_mma_i4, launch_linear_mma_i4g64, launch_linear_mma_i4g32,
@@ -333,9 +343,13 @@ static DI_Status run_linear(DI_Context* ctx, const DI_ArgsHeader& h, OpMode* mod
     const LinShape sh = lin_shape(M);
     int splits = 1;
     int64_t kper = K, dq_rows = 0;
+    // decode shapes on sm_90: split-K blocks reduce in a thread-block cluster (no partials, no reduce kernel)
+    bool cluster = false;
     if (path == LP_MMA) {
         splits = mma_splits(sh, N, K, fm, ctx->sm_count);
-        if (splits > 1) mode->workspace = align256((uint64_t)splits * M * N * 4);
+        cluster = splits > 1 && sh != LIN_BATCH && ctx->prop.major >= 9 && !DI_GPU_AMD && !lin_cluster_off();
+        if (cluster && splits > LIN_MAX_CLUSTER) splits = LIN_MAX_CLUSTER;
+        if (splits > 1 && !cluster) mode->workspace = align256((uint64_t)splits * M * N * 4);
     } else if (path == LP_GEMM90) {
         mode->workspace = align256(gemm_sm90_workspace(g, ctx->sm_count));
     } else if (path == LP_GEMM90_I8) {
@@ -374,10 +388,10 @@ static DI_Status run_linear(DI_Context* ctx, const DI_ArgsHeader& h, OpMode* mod
     if (path == LP_MMA) {
 #if DI_HAVE_MOE_MMA
         LinWeight lw{mat_of(w), w.q.base, w.s.base, w.z.base};
-        float* part = splits > 1 ? static_cast<float*>(ws.ptr) : nullptr;
-        kLinMma[fm](sh, lw, x.q.base, x.q.strides[0] * 2, M, splits, part, bias, out, s);
+        float* part = splits > 1 && !cluster ? static_cast<float*>(ws.ptr) : nullptr;
+        kLinMma[fm](sh, lw, x.q.base, x.q.strides[0] * 2, M, splits, part, cluster, bias, out, s);
         st = launch_status(ctx, op);
-        if (st == DI_OK && splits > 1) {
+        if (st == DI_OK && splits > 1 && !cluster) {
             k_gemv_reduce<<<grid_for(M * N, 256), 256, 0, s>>>(part, splits, M, N, bias, out);
             st = launch_status(ctx, op);
         }

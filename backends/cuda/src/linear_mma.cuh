@@ -10,15 +10,22 @@
 #include "moe_mma.cuh"
 
 #if DI_HAVE_MOE_MMA
+#include <cooperative_groups.h>
 namespace di {
 namespace lin {
 
 using namespace moe;
 
-template <int F, int NT, int KS>
+// CL (sm_90): the split-K blocks of an output tile form one thread-block cluster (1, splits, 1);
+// each leaves its sums in shared memory and block 0 of the cluster adds them, in split order (the
+// order k_gemv_reduce adds partials: the same bits), through distributed shared memory. No
+// partials go through global memory and no reduce kernel follows.
+template <int F, int NT, int KS, bool CL>
 __global__ __launch_bounds__(128, NT == 1 ? decode_min_blocks<F>() : NT == 2 ? 4 : 1) void k_linear(
     const LinWeight wt, const char* x, int64_t x_rs, int M, int splits, float* part, DTensor bias, DTensor out) {
     __shared__ float red[KS > 1 ? (KS - 1) * 2 * NT * 4 * 32 : 1];
+    __shared__ float cbuf[CL ? 2 * NT * 4 * 32 : 1];
+    (void)cbuf;
     const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
     const int64_t N = wt.m.N;
     const int64_t r0 = KS > 1 ? (int64_t)blockIdx.x * 32 : ((int64_t)blockIdx.x * 4 + w) * 32;
@@ -44,7 +51,34 @@ __global__ __launch_bounds__(128, NT == 1 ? decode_min_blocks<F>() : NT == 2 ? 4
     // k-steps interleave over the block's warps and then over the split-K blocks
     kloop<F, NT, 2>(m, a, brow, c, (int)blockIdx.y * KS + (KS > 1 ? w : 0), KS * splits, acc);
     reduce_warps<NT, KS>(acc, red);
-    if (KS > 1 && w != 0) return;
+    if constexpr (CL) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        cooperative_groups::cluster_group cl = cooperative_groups::this_cluster();
+        constexpr int V = 2 * NT * 4;
+        float* f = &acc[0][0][0];
+        if (w == 0) {
+#pragma unroll
+            for (int v = 0; v < V; ++v) cbuf[v * 32 + lane] = f[v];
+        }
+        cl.sync();
+        if (blockIdx.y == 0 && w == 0) {
+#pragma unroll
+            for (int v = 0; v < V; ++v) f[v] = 0.f;
+            for (int r = 0; r < splits; ++r) {
+                const float* rb = cl.map_shared_rank(cbuf, r);
+#pragma unroll
+                for (int v = 0; v < V; ++v) f[v] += rb[v * 32 + lane];
+            }
+        }
+        cl.sync();   // every block's cbuf stays until block 0 has read it
+        if (blockIdx.y != 0 || w != 0) return;
+        part = nullptr;
+#else
+        __trap();    // the host launches CL only on sm_90 and newer
+#endif
+    } else if (KS > 1 && w != 0) {
+        return;
+    }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         if (!a[i].ok) continue;
@@ -66,20 +100,43 @@ __global__ __launch_bounds__(128, NT == 1 ? decode_min_blocks<F>() : NT == 2 ? 4
     }
 }
 
+// one decode-shape launch with its split-K blocks as clusters of (1, splits, 1)
+template <int F, int NT>
+void launch_clustered(const dim3& grid, int splits, const LinWeight& w, const char* x, int64_t x_rs, int M,
+                      const DTensor& bias, const DTensor& out, cudaStream_t s) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(128, 1, 1);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = s;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeClusterDimension;
+    at[0].val.clusterDim.x = 1;
+    at[0].val.clusterDim.y = (unsigned)splits;
+    at[0].val.clusterDim.z = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = 1;
+    (void)cudaLaunchKernelEx(&cfg, k_linear<F, NT, 4, true>, w, x, x_rs, M, splits, (float*)nullptr, bias, out);
+}
+
 template <int F>
 void launch(LinShape sh, const LinWeight& w, const char* x, int64_t x_rs, int64_t M, int splits, float* part,
-            const DTensor& bias, const DTensor& out, cudaStream_t s) {
+            bool cluster, const DTensor& bias, const DTensor& out, cudaStream_t s) {
     const unsigned gx = (unsigned)ceil_div(w.m.N, lin_rows_per_block(sh));
     const unsigned gz = (unsigned)ceil_div(M, lin_tokens_per_block(sh, F));
     const dim3 grid(gx, (unsigned)splits, gz);
-    if (sh == LIN_DECODE8) {
-        k_linear<F, 1, 4><<<grid, 128, 0, s>>>(w, x, x_rs, (int)M, splits, part, bias, out);
+    if (cluster && sh == LIN_DECODE8) {
+        launch_clustered<F, 1>(grid, splits, w, x, x_rs, (int)M, bias, out, s);
+    } else if (cluster && sh == LIN_DECODE16) {
+        launch_clustered<F, 2>(grid, splits, w, x, x_rs, (int)M, bias, out, s);
+    } else if (sh == LIN_DECODE8) {
+        k_linear<F, 1, 4, false><<<grid, 128, 0, s>>>(w, x, x_rs, (int)M, splits, part, bias, out);
     } else if (sh == LIN_DECODE16) {
-        k_linear<F, 2, 4><<<grid, 128, 0, s>>>(w, x, x_rs, (int)M, splits, part, bias, out);
+        k_linear<F, 2, 4, false><<<grid, 128, 0, s>>>(w, x, x_rs, (int)M, splits, part, bias, out);
     } else if constexpr (moe_needs_narrow_prefill(F)) {
-        k_linear<F, 4, 1><<<grid, 128, 0, s>>>(w, x, x_rs, (int)M, splits, part, bias, out);
+        k_linear<F, 4, 1, false><<<grid, 128, 0, s>>>(w, x, x_rs, (int)M, splits, part, bias, out);
     } else {
-        k_linear<F, 8, 1><<<grid, 128, 0, s>>>(w, x, x_rs, (int)M, splits, part, bias, out);
+        k_linear<F, 8, 1, false><<<grid, 128, 0, s>>>(w, x, x_rs, (int)M, splits, part, bias, out);
     }
 }
 
@@ -89,9 +146,9 @@ void launch(LinShape sh, const LinWeight& w, const char* x, int64_t x_rs, int64_
 #define DI_LINEAR_MMA_DEFINE(name, F)                                                                        \
     namespace di {                                                                                           \
     void launch_linear_mma_##name(LinShape sh, const LinWeight& w, const char* x, int64_t x_rs, int64_t M,  \
-                                  int splits, float* part, const DTensor& bias, const DTensor& out,          \
-                                  cudaStream_t s) {                                                          \
-        lin::launch<F>(sh, w, x, x_rs, M, splits, part, bias, out, s);                                       \
+                                  int splits, float* part, bool cluster, const DTensor& bias,                \
+                                  const DTensor& out, cudaStream_t s) {                                      \
+        lin::launch<F>(sh, w, x, x_rs, M, splits, part, cluster, bias, out, s);                              \
     }                                                                                                        \
     }
 #else

@@ -27,10 +27,14 @@ struct LinWeight {
 
 // out[t, n] = sum_k x[t, k] w[n, k] (+ bias[n]) for t < M. x: bf16 rows of x_rs bytes, 16-byte
 // aligned. splits > 1: block y takes the k-steps y, y + splits, ... and writes f32 partials
-// part[y, t, n] instead (reduced by the caller in a fixed order).
+// part[y, t, n] instead (reduced by the caller in a fixed order); or, with cluster (a decode
+// shape, 2 <= splits <= LIN_MAX_CLUSTER, sm_90), the blocks of a tile reduce in a cluster and
+// write out themselves (part unused).
+constexpr int LIN_MAX_CLUSTER = 8;   // the portable cluster size
 #define DI_LINEAR_MMA_DECL(name)                                                                              \
     void launch_linear_mma_##name(LinShape sh, const LinWeight& w, const char* x, int64_t x_rs, int64_t M,   \
-                                  int splits, float* part, const DTensor& bias, const DTensor& out, cudaStream_t s);
+                                  int splits, float* part, bool cluster, const DTensor& bias, const DTensor& out, \
+                                  cudaStream_t s);
 DI_LINEAR_MMA_DECL(bf16)
 DI_LINEAR_MMA_DECL(fp8)
 DI_LINEAR_MMA_DECL(i8)
