@@ -96,6 +96,15 @@ __device__ inline T di_shfl_up(T v, unsigned delta, int width) {
 #define cudaFuncSetAttribute(func, attr, value) \
     hipFuncSetAttribute(reinterpret_cast<const void*>(func), (attr), (value))
 
+// ---- sm_90 launches: thread-block clusters (linear_mma.cuh) and programmatic dependent launch
+// (pdl.cuh) sit in NVIDIA-only branches; these names exist so the shared sources stay one text, and
+// a HIP build that reached them would fail to compile, not misbehave.
+#define cudaLaunchConfig_t                                 di_nvidia_only_cudaLaunchConfig_t
+#define cudaLaunchAttribute                                di_nvidia_only_cudaLaunchAttribute
+#define cudaLaunchAttributeClusterDimension                di_nvidia_only_cluster_dimension
+#define cudaLaunchAttributeProgrammaticStreamSerialization di_nvidia_only_programmatic_serialization
+#define cudaLaunchKernelEx                                 di_nvidia_only_cudaLaunchKernelEx
+
 // ---- memory --------------------------------------------------------------------------------------
 #define cudaMalloc                 hipMalloc
 #define cudaFree                   hipFree

@@ -587,11 +587,11 @@ static void launch_mla_decode_bf16(const QTensor& q, const QTensor& w, const QTe
                                    const QTensor& seq, const QTensor& kvl, const QTensor& out, float* qf, float* part,
                                    const DecodeDims& d, float scale, cudaStream_t s) {
     const unsigned tiles = (unsigned)ceil_div(d.T, TT);
-    k_mla_qlat_bf16<TT><<<dim3((unsigned)d.H, (unsigned)(d.Dc / MLAF_COLS), tiles), 256, 0, s>>>(q.q, w.q, qf, d);
+    launch_pdl(k_mla_qlat_bf16<TT>, dim3((unsigned)d.H, (unsigned)(d.Dc / MLAF_COLS), tiles), 256, 0, s, q.q, w.q, qf, d);
     const dim3 grid((unsigned)(d.T * ceil_div(d.H, MLA_HG)), (unsigned)d.splits);
-    k_mla_attn_bf16<<<grid, 256, 0, s>>>(qf, cache.q, btab.q, seq.q, kvl.q, part, d, scale);
-    k_mla_merge_uv_bf16<TT><<<dim3((unsigned)d.H, (unsigned)ceil_div(d.Dv, MLAF_UV_ROWS), tiles), 256, 0, s>>>(
-        part, seq.q, kvl.q, w.q, out.q, d);
+    launch_pdl(k_mla_attn_bf16, grid, 256, 0, s, (const float*)qf, cache.q, btab.q, seq.q, kvl.q, part, d, scale);
+    launch_pdl(k_mla_merge_uv_bf16<TT>, dim3((unsigned)d.H, (unsigned)ceil_div(d.Dv, MLAF_UV_ROWS), tiles), 256, 0, s,
+               (const float*)part, seq.q, kvl.q, w.q, out.q, d);
 }
 
 DI_Status op_mla_decode(DI_Context* ctx, const DI_MLADecodeArgs* a, OpMode* mode) {

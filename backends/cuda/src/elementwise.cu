@@ -1,6 +1,7 @@
 // Memory-bound elementwise ops: embedding, add, mul, silu_mul, concat.
 // Each works on strided views through the generic loaders; all math in f32.
 #include "device.cuh"
+#include "pdl.cuh"
 
 using namespace di;
 
@@ -94,6 +95,8 @@ DI_Status op_mul(DI_Context* ctx, const DI_BinaryArgs* a, OpMode* mode) { return
 // limit > 0 (1.3): V4's clipped SwiGLU, gate capped above and up clamped on both sides (silu of a
 // large negative gate is 0 anyway, so the gate has no lower clip)
 __global__ void k_silu_mul(DTensor g, DTensor u, DTensor out, int64_t T, int64_t I, float limit) {
+    pdl_wait();
+    pdl_trigger();
     int64_t n = T * I;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
         int64_t t = i / I, c = i % I;
@@ -125,7 +128,7 @@ DI_Status op_silu_mul(DI_Context* ctx, const DI_SiluMulArgs* a, OpMode* mode) {
     if (!mode->launch) return DI_OK;
     int64_t T = g.q.shape[0], I = g.q.shape[1];
     if (T * I == 0) return DI_OK;
-    k_silu_mul<<<grid_for(T * I, 256), 256, 0, (cudaStream_t)a->header.stream>>>(g.q, u.q, out.q, T, I, a->limit);
+    launch_pdl(k_silu_mul, grid_for(T * I, 256), 256, 0, (cudaStream_t)a->header.stream, g.q, u.q, out.q, T, I, a->limit);
     return launch_status(ctx, op);
 }
 

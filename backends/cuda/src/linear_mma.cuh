@@ -48,6 +48,24 @@ __global__ __launch_bounds__(128, NT == 1 ? decode_min_blocks<F>() : NT == 2 ? 4
         brow[n] = t < M ? x + (int64_t)t * x_rs : nullptr;
     }
     float acc[2][NT][4] = {};
+    {   // the weights never depend on an earlier kernel: ask L2 for this warp's first k-steps before
+        // waiting for the activations (pdl.cuh), so the stream starts during the previous kernel's tail
+        constexpr int QS = 4 * Fmt<F>::EPL, BITS = Fmt<F>::BITS;
+        const int nsteps = (int)(wt.m.K / QS), stride = KS * splits;
+        if (c == 0) {
+            int n = 0;
+            for (int st = (int)blockIdx.y * KS + (KS > 1 ? w : 0); st < nsteps && n < 8; st += stride, ++n) {
+                const int64_t kb = (int64_t)st * QS * BITS / 8;
+#pragma unroll
+                for (int i = 0; i < 2; ++i)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+                        if (a[i].ok) prefetch_l2(a[i].q + 8 * h * wt.m.ld + kb);
+            }
+        }
+    }
+    pdl_wait();
+    pdl_trigger();
     // k-steps interleave over the block's warps and then over the split-K blocks
     kloop<F, NT, 2>(m, a, brow, c, (int)blockIdx.y * KS + (KS > 1 ? w : 0), KS * splits, acc);
     reduce_warps<NT, KS>(acc, red);
@@ -109,13 +127,15 @@ void launch_clustered(const dim3& grid, int splits, const LinWeight& w, const ch
     cfg.blockDim = dim3(128, 1, 1);
     cfg.dynamicSmemBytes = 0;
     cfg.stream = s;
-    cudaLaunchAttribute at[1];
+    cudaLaunchAttribute at[2];
     at[0].id = cudaLaunchAttributeClusterDimension;
     at[0].val.clusterDim.x = 1;
     at[0].val.clusterDim.y = (unsigned)splits;
     at[0].val.clusterDim.z = 1;
+    at[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[1].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = at;
-    cfg.numAttrs = 1;
+    cfg.numAttrs = pdl_on() ? 2 : 1;
     (void)cudaLaunchKernelEx(&cfg, k_linear<F, NT, 4, true>, w, x, x_rs, M, splits, (float*)nullptr, bias, out);
 }
 
@@ -130,9 +150,9 @@ void launch(LinShape sh, const LinWeight& w, const char* x, int64_t x_rs, int64_
     } else if (cluster && sh == LIN_DECODE16) {
         launch_clustered<F, 2>(grid, splits, w, x, x_rs, (int)M, bias, out, s);
     } else if (sh == LIN_DECODE8) {
-        k_linear<F, 1, 4, false><<<grid, 128, 0, s>>>(w, x, x_rs, (int)M, splits, part, bias, out);
+        launch_pdl(k_linear<F, 1, 4, false>, grid, 128, 0, s, w, x, x_rs, (int)M, splits, part, bias, out);
     } else if (sh == LIN_DECODE16) {
-        k_linear<F, 2, 4, false><<<grid, 128, 0, s>>>(w, x, x_rs, (int)M, splits, part, bias, out);
+        launch_pdl(k_linear<F, 2, 4, false>, grid, 128, 0, s, w, x, x_rs, (int)M, splits, part, bias, out);
     } else if constexpr (moe_needs_narrow_prefill(F)) {
         k_linear<F, 4, 1, false><<<grid, 128, 0, s>>>(w, x, x_rs, (int)M, splits, part, bias, out);
     } else {

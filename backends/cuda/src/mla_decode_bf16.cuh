@@ -13,6 +13,7 @@
 #pragma once
 
 #include "mla_decode.cuh"
+#include "pdl.cuh"
 #include "vec8.cuh"
 
 namespace di {
@@ -33,6 +34,8 @@ template <int TT>
 __global__ __launch_bounds__(256) void k_mla_qlat_bf16(DTensor q, DTensor w, float* qf, DecodeDims d) {
     __shared__ float qs[TT][MLAF_MAXDN];
     __shared__ float red[8][TT][MLAF_COLS];
+    pdl_wait();
+    pdl_trigger();
     const int warp = warp_id(), lane = lane_id();
     const int64_t h = blockIdx.x, c0 = (int64_t)blockIdx.y * MLAF_COLS, t0 = (int64_t)blockIdx.z * TT;
     const int Dk = d.Dc + d.Dr;
@@ -115,6 +118,8 @@ __global__ __launch_bounds__(256) void k_mla_attn_bf16(const float* qf, DTensor 
     __shared__ float sm_m[8][MLA_HG], sm_l[8][MLA_HG];
     __shared__ float sm_o[8][2 * MLAF_NP * LANES];
     __shared__ float sm_q[MLA_HG][2 * MLAF_NP * LANES];
+    pdl_wait();
+    pdl_trigger();
     const int warp = warp_id(), lane = lane_id();
     const int Dk = d.Dc + d.Dr;
     const int64_t groups = ceil_div(d.H, MLA_HG);
@@ -228,6 +233,8 @@ __global__ __launch_bounds__(256) void k_mla_merge_uv_bf16(const float* part, DT
     __shared__ float wgt[TT][MLAF_MAX_SPLITS];
     __shared__ float inv[TT];
     __shared__ int nact[TT];
+    pdl_wait();
+    pdl_trigger();
     const int warp = warp_id(), lane = lane_id();
     const int64_t h = blockIdx.x, t0 = (int64_t)blockIdx.z * TT;
     const int nt = (int)min((int64_t)TT, d.T - t0);
@@ -259,8 +266,18 @@ __global__ __launch_bounds__(256) void k_mla_merge_uv_bf16(const float* part, DT
     for (int i = threadIdx.x; i < nt * d.Dc; i += blockDim.x) {
         const int t = i / d.Dc, c = i % d.Dc;
         const float* src = part + ((t0 + t) * d.H + h) * d.splits * stride + 2 + c;
+        const int n = nact[t];
         float o = 0.f;
-        for (int sp = 0; sp < nact[t]; ++sp) o += src[sp * stride] * wgt[t][sp];
+        int sp = 0;
+        for (; sp + 4 <= n; sp += 4) {   // four loads in flight; the sum keeps chunk order
+            const float a0 = src[sp * stride], a1 = src[(sp + 1) * stride];
+            const float a2 = src[(sp + 2) * stride], a3 = src[(sp + 3) * stride];
+            o += a0 * wgt[t][sp];
+            o += a1 * wgt[t][sp + 1];
+            o += a2 * wgt[t][sp + 2];
+            o += a3 * wgt[t][sp + 3];
+        }
+        for (; sp < n; ++sp) o += src[sp * stride] * wgt[t][sp];
         ol[t][c] = o * inv[t];
     }
     __syncthreads();

@@ -21,6 +21,7 @@
 #include "device.cuh"
 #include "moe_mma_api.cuh"
 #include "block_best.cuh"
+#include "pdl.cuh"
 #include "tile_mm.cuh"
 
 using namespace di;
@@ -153,6 +154,8 @@ constexpr int ROUTER_WARP_MAXE = 256;
 constexpr int ROUTER_WARP_J = ROUTER_WARP_MAXE / LANES;
 
 __global__ __launch_bounds__(128) void k_router_warp(DTensor logits, DTensor bias, DTensor ids, DTensor wts, RouterP p) {
+    pdl_wait();
+    pdl_trigger();
     const int lane = lane_id();
     const int64_t t = (int64_t)blockIdx.x * 4 + warp_id();
     if (t >= p.T) return;
@@ -187,7 +190,7 @@ __global__ __launch_bounds__(128) void k_router_warp(DTensor logits, DTensor bia
         const int e = lane + LANES * j;
         sel[j] = sc[j] + (bias.base && e < p.E ? load_f(bias.dt, bias.base, e) : 0.f);
     }
-    uint32_t taken = 0;   // bit j: expert lane + 32 j picked
+    uint32_t taken = 0;   // bit j: expert lane + LANES * j picked
     int chosen[64];
     float picked[64];
     float sum = 0.f;
@@ -294,8 +297,8 @@ DI_Status op_moe_router(DI_Context* ctx, const DI_MoERouterArgs* a, OpMode* mode
                          "kernel's %zu", op, (long long)E, smem, DYN_SMEM_MAX);
     if (!mode->launch || p.T == 0) return DI_OK;
     if (!p.hash && G == 1 && E <= ROUTER_WARP_MAXE) {
-        k_router_warp<<<grid_for(p.T, 4, 1 << 30), 128, 0, (cudaStream_t)a->header.stream>>>(lg.q, bias.q, ids.q,
-                                                                                           wts.q, p);
+        launch_pdl(k_router_warp, grid_for(p.T, 4, 1 << 30), 128, 0, (cudaStream_t)a->header.stream, lg.q, bias.q,
+                   ids.q, wts.q, p);
         return launch_status(ctx, op);
     }
     if (smem > 48 * 1024) (void)cudaFuncSetAttribute(k_router, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
@@ -474,6 +477,8 @@ __global__ __launch_bounds__(ALIGN_THREADS) void k_moe_align(DTensor ids, int64_
                                                             int4* items, int* n_items, uint8_t* pair_ok) {
     __shared__ int cnt[MOE_MAX_E], fill[MOE_MAX_E], off[MOE_MAX_E], ioff[MOE_MAX_E];
     __shared__ int scan_red[MAX_WARPS];
+    pdl_wait();
+    pdl_trigger();
     const int tid = threadIdx.x;
     const int64_t P = T * Ktop;
     for (int e = tid; e < E; e += blockDim.x) cnt[e] = fill[e] = 0;
@@ -515,6 +520,8 @@ __global__ __launch_bounds__(ALIGN_THREADS) void k_moe_align(DTensor ids, int64_
 // (per_pair) or per expert.
 __global__ void k_moe_combine(const float* y, DTensor ids, DTensor tw, const uint8_t* ok, int per_pair, int64_t E,
                               int64_t T, int64_t Ktop, int64_t H, DTensor out, int accumulate) {
+    pdl_wait();
+    pdl_trigger();
     int64_t n = T * H;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
         int64_t t = i / H, c = i % H;
@@ -751,8 +758,8 @@ DI_Status run_mma(DI_Context* ctx, const DI_MoEExpertsArgs* a, const Call& c, co
     ResidentMask res{};
     for (int64_t e = 0; e < c.E; ++e)
         if (c.resident[(size_t)e]) res.w[e >> 5] |= 1u << (e & 31);
-    k_moe_align<<<1, ALIGN_THREADS, 0, s>>>(c.ids.q, c.T, (int)c.Ktop, (int)c.E, res, map_of(c), pl.bn, pl.max_items,
-                                            sorted, items, n_items, pair_ok);
+    launch_pdl(k_moe_align, 1, ALIGN_THREADS, 0, s, c.ids.q, c.T, (int)c.Ktop, (int)c.E, res, map_of(c), pl.bn,
+               pl.max_items, sorted, items, n_items, pair_ok);
     DI_TRY(launch_status(ctx, op));
     // the pointer tables travel by value in the launches (static: 18 KB is too much for the stack
     // of a host thread that calls in from a small-stack runtime; one op at a time per thread)
@@ -766,8 +773,8 @@ DI_Status run_mma(DI_Context* ctx, const DI_MoEExpertsArgs* a, const Call& c, co
     DI_TRY(launch_status(ctx, op));
     kDown[pl.fd](pl.shape, pl.max_items, pl.md, pd, plan, h, y, s);
     DI_TRY(launch_status(ctx, op));
-    k_moe_combine<<<grid_for(c.T * c.H, 256), 256, 0, s>>>(y, c.ids.q, c.tw.q, pair_ok, 1, c.E, c.T, c.Ktop, c.H,
-                                                          c.out.q, a->accumulate ? 1 : 0);
+    launch_pdl(k_moe_combine, grid_for(c.T * c.H, 256), 256, 0, s, (const float*)y, c.ids.q, c.tw.q,
+               (const uint8_t*)pair_ok, 1, c.E, c.T, c.Ktop, c.H, c.out.q, a->accumulate ? 1 : 0);
     return launch_status(ctx, op);
 #else
     return set_error(ctx, DI_INTERNAL, "moe_experts: tensor-core path not built");

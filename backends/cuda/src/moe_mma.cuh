@@ -25,6 +25,7 @@
 
 #include "device.cuh"
 #include "moe_mma_api.cuh"
+#include "pdl.cuh"
 
 #if DI_HAVE_MOE_MMA
 namespace di {
@@ -357,6 +358,8 @@ __global__ __launch_bounds__(128, NT == 1 ? decode_min_blocks<F>() : 1) void k_g
                                                  MoePlan plan, const char* x, int64_t x_rs, int Ktop,
                                                  float limit, uint16_t* h) {
     __shared__ float red[KS > 1 ? (KS - 1) * 2 * NT * 4 * 32 : 1];
+    pdl_wait();
+    pdl_trigger();
     const int item_i = blockIdx.y;
     if (item_i >= *plan.n_items) return;
     const int4 item = plan.items[item_i];
@@ -407,6 +410,8 @@ template <int F, int NT, int KS>
 __global__ __launch_bounds__(128, NT == 1 ? decode_min_blocks<F>() : 1) void k_down(const MoeMat md, const __grid_constant__ MoePtrs pd, MoePlan plan,
                                               const uint16_t* h, float* y) {
     __shared__ float red[KS > 1 ? (KS - 1) * 2 * NT * 4 * 32 : 1];
+    pdl_wait();
+    pdl_trigger();
     const int item_i = blockIdx.y;
     if (item_i >= *plan.n_items) return;
     const int4 item = plan.items[item_i];
@@ -455,7 +460,7 @@ void launch_gate_up(MoeShape sh, int max_items, const MoeMat& mg, const MoePtrs&
                     cudaStream_t s) {
     if (sh == MOE_DECODE) {
         dim3 grid((unsigned)ceil_div(mg.N, 16), (unsigned)max_items);
-        k_gate_up<F, 1, KS_DECODE><<<grid, 128, 0, s>>>(mg, pg, mu, pu, plan, x, x_rs, Ktop, limit, h);
+        launch_pdl(k_gate_up<F, 1, KS_DECODE>, grid, 128, 0, s, mg, pg, mu, pu, plan, x, x_rs, Ktop, limit, h);
     } else if (sh == MOE_PREFILL) {  // never planned for the narrow formats (moe_needs_narrow_prefill)
         dim3 grid((unsigned)ceil_div(mg.N, 64), (unsigned)max_items);
         if constexpr (!moe_needs_narrow_prefill(F))
@@ -471,7 +476,7 @@ void launch_down(MoeShape sh, int max_items, const MoeMat& md, const MoePtrs& pd
                  float* y, cudaStream_t s) {
     if (sh == MOE_DECODE) {
         dim3 grid((unsigned)ceil_div(md.N, 32), (unsigned)max_items);
-        k_down<F, 1, KS_DECODE><<<grid, 128, 0, s>>>(md, pd, plan, h, y);
+        launch_pdl(k_down<F, 1, KS_DECODE>, grid, 128, 0, s, md, pd, plan, h, y);
     } else if (sh == MOE_PREFILL) {
         dim3 grid((unsigned)ceil_div(md.N, 128), (unsigned)max_items);
         if constexpr (!moe_needs_narrow_prefill(F)) k_down<F, 8, 1><<<grid, 128, 0, s>>>(md, pd, plan, h, y);

@@ -3,6 +3,7 @@
 #include "arg_checks.cuh"
 #include "device.cuh"
 #include "norm.cuh"
+#include "pdl.cuh"
 #include "vec8.cuh"
 
 #include <algorithm>
@@ -43,6 +44,8 @@ template <int AT, int WT, int VPT>
 __global__ __launch_bounds__(1024) void k_rmsnorm_vec(DTensor x, DTensor w, DTensor res, DTensor out, DTensor res_out,
                                                       int64_t T, int H, float eps) {
     __shared__ float red[MAX_WARPS];
+    pdl_wait();
+    pdl_trigger();
     const int nv = H / 8;
     for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
         float v[VPT][8];
@@ -83,9 +86,9 @@ static void launch_rmsnorm_vec(const DTensor& x, const DTensor& w, const DTensor
     const int nv = H / 8;
     const unsigned g = grid_for(T, 1, 65535);
     auto threads = [&](int vpt) { return (int)std::min<int64_t>(1024, ceil_div(ceil_div(nv, vpt), LANES) * LANES); };
-    if (nv <= 1024) k_rmsnorm_vec<AT, WT, 1><<<g, threads(1), 0, s>>>(x, w, res, out, ro, T, H, eps);
-    else if (nv <= 2048) k_rmsnorm_vec<AT, WT, 2><<<g, threads(2), 0, s>>>(x, w, res, out, ro, T, H, eps);
-    else k_rmsnorm_vec<AT, WT, 4><<<g, threads(4), 0, s>>>(x, w, res, out, ro, T, H, eps);
+    if (nv <= 1024) launch_pdl(k_rmsnorm_vec<AT, WT, 1>, g, threads(1), 0, s, x, w, res, out, ro, T, H, eps);
+    else if (nv <= 2048) launch_pdl(k_rmsnorm_vec<AT, WT, 2>, g, threads(2), 0, s, x, w, res, out, ro, T, H, eps);
+    else launch_pdl(k_rmsnorm_vec<AT, WT, 4>, g, threads(4), 0, s, x, w, res, out, ro, T, H, eps);
 }
 
 // rows of at most 4 * 1024 vectors of 8 (H <= 32768), every tensor row-contiguous and aligned, x,

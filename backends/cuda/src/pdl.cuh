@@ -1,0 +1,80 @@
+// Programmatic dependent launch (sm_90): a kernel launched with launch_pdl may start while the kernel
+// before it in the stream is still running; it must call pdl_wait() before it reads anything an earlier
+// kernel wrote or writes anything an earlier kernel reads (every block, first thing, unless it only
+// prefetches weights before). pdl_trigger() lets the next PDL kernel launch early. Both are no-ops on
+// older GPUs, on AMD and for a plain launch; a captured graph keeps the programmatic edges, so a
+// decode step's kernels overlap launch and prologue with their predecessor's tail.
+// DEEPINFER_CUDA_PDL=0 turns it off (plain launches, for diagnosis and benchmarks).
+#pragma once
+
+#include "gpu_runtime.cuh"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include <utility>
+
+namespace di {
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !DI_GPU_AMD
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !DI_GPU_AMD
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// the L2 prefetch of a weight a kernel will read (no dependence on earlier kernels: it may precede pdl_wait)
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#if defined(__CUDA_ARCH__) && !DI_GPU_AMD
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
+
+// whether launch_pdl adds the attribute: the current device is sm_90 or newer and it is not turned off
+inline bool pdl_on() {
+#if DI_GPU_AMD || defined(DI_GPU_HOST_EMU)
+    return false;
+#else
+    static const bool off = [] {
+        const char* e = getenv("DEEPINFER_CUDA_PDL");
+        return e && !strcmp(e, "0");
+    }();
+    if (off) return false;
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+        return false;
+    return major >= 9;
+#endif
+}
+
+// kernel<<<grid, block, smem, s>>>(args...), with programmatic stream serialization where pdl_on();
+// errors surface through cudaGetLastError as for <<<>>>
+template <class... P, class... A>
+inline void launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, A&&... args) {
+#if DI_GPU_AMD || defined(DI_GPU_HOST_EMU)
+    kernel<<<grid, block, smem, s>>>(std::forward<A>(args)...);
+#else
+    if (!pdl_on()) {
+        kernel<<<grid, block, smem, s>>>(std::forward<A>(args)...);
+        return;
+    }
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = 1;
+    (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
+#endif
+}
+
+}  // namespace di
