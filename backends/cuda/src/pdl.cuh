@@ -35,9 +35,10 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 #endif
 }
 
+#if !defined(DI_GPU_HOST_EMU)   // host launches (tests/gpu_emu runs the kernels alone)
 // whether launch_pdl adds the attribute: the current device is sm_90 or newer and it is not turned off
 inline bool pdl_on() {
-#if DI_GPU_AMD || defined(DI_GPU_HOST_EMU)
+#if DI_GPU_AMD
     return false;
 #else
     static const bool off = [] {
@@ -56,7 +57,7 @@ inline bool pdl_on() {
 // errors surface through cudaGetLastError as for <<<>>>
 template <class... P, class... A>
 inline void launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, A&&... args) {
-#if DI_GPU_AMD || defined(DI_GPU_HOST_EMU)
+#if DI_GPU_AMD
     kernel<<<grid, block, smem, s>>>(std::forward<A>(args)...);
 #else
     if (!pdl_on()) {
@@ -76,5 +77,7 @@ inline void launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
     (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
 #endif
 }
+
+#endif  // !DI_GPU_HOST_EMU
 
 }  // namespace di
