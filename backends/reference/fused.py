@@ -53,7 +53,8 @@ def mla_rope_cache_write(q=None, kv=None, norm_weight=None, positions=None, slot
 
     # the cache rows first (kv_out may alias kv), each part written by its op in the cache's dtype,
     # which is then the one rounding mla_cache_write's copy leaves them with
-    rows = Tensor.empty((T, W), cache.dtype)
+    # (a NumPy scratch like every reference op's, not a Tensor.empty: a decode step allocates no tensor)
+    rows = Tensor(np.empty((T, W), cache.dtype.np), (T, W), cache.dtype)
     _as_op(op, rmsnorm, x=latent_in, weight=norm_weight, out=rows.narrow(1, 0, Dc), eps=eps)
     _as_op(op, rope, x=kpe_in, positions=positions, out=rows.narrow(1, Dc, Dr), **rot)
     if kv_out is not None:
