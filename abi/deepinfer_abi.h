@@ -1,5 +1,5 @@
 /*
- * deepinfer kernel ABI, version 1.5 (abi/CHANGELOG.md lists what each minor version added).
+ * deepinfer kernel ABI, version 1.6 (abi/CHANGELOG.md lists what each minor version added).
  *
  * A vendor library (libdeepinfer_<name>.so) is built against this header alone. It exports one
  * frozen symbol, deepinfer_plugin_info(), which returns a DI_PluginInfo. The host asks that struct
@@ -40,7 +40,7 @@ extern "C" {
 /* DI_CDEF_BEGIN */
 
 #define DI_ABI_MAJOR 1
-#define DI_ABI_MINOR 5
+#define DI_ABI_MINOR 6
 #define DI_MAX_DIMS 6
 
 /* ---------------------------------------------------------------- status codes */
@@ -225,7 +225,9 @@ enum DI_OpId {
     DI_OP_MOE_DISPATCH    = 26,
     DI_OP_MOE_COMBINE     = 27,
     DI_OP_COUNT_V1_4      = 28,
-    DI_OP_COUNT_V1_5      = 28   /* 1.5 added no ops (moe_experts' expert_map and misses) */
+    DI_OP_COUNT_V1_5      = 28,  /* 1.5 added no ops (moe_experts' expert_map and misses) */
+    DI_OP_MLA_ROPE_CACHE_WRITE = 28,  /* 1.6: fused ops */
+    DI_OP_COUNT_V1_6      = 29
 };
 
 /* ---------------------------------------------------------------- op args (README: semantics) */
@@ -585,6 +587,32 @@ typedef struct DI_MoECombineArgs {
     uint32_t  reserved;      /* 0 */
 } DI_MoECombineArgs;
 
+/* ---- 1.6: fused ops (optional entries: a library without one leaves it NULL, and the runtime
+ * runs the ops it stands for instead) ---- */
+
+/* MLA's prologue in one call: q's rope dims and kv's k_pe rotated, kv's latent rmsnormed, and the
+ * pair written to the paged cache; exactly rope + rmsnorm + rope + mla_cache_write (README section 8) */
+typedef struct DI_MLARopeCacheWriteArgs {
+    DI_ArgsHeader header;
+    DI_Tensor q;            /* [T, H, Dq] f32 | bf16, Dq >= Dr: q[..., Dq-Dr:] is rotated in place */
+    DI_Tensor kv;           /* [T, Dc + Dr]: kv_a's output, latent then k_pe (neither normed nor rotated) */
+    DI_Tensor norm_weight;  /* [Dc]: the latent's rmsnorm weight (Dc = its length) */
+    DI_Tensor positions;    /* [T] int32 */
+    DI_Tensor slots;        /* [T] int32; < 0 or >= NB*BS: no cache write for that token */
+    DI_Tensor cache;        /* [NB, BS, Dc + Dr] (Dr = cache.shape[2] - Dc) */
+    DI_Tensor kv_out;       /* [T, Dc + Dr] or absent: normed latent then rotated k_pe; may alias kv */
+    float     eps;          /* rmsnorm epsilon */
+    int32_t   interleaved;  /* the rope fields, as in DI_RopeArgs */
+    int32_t   scaling;      /* DI_RopeScaling */
+    float     theta;
+    float     factor;
+    int32_t   original_max_position;
+    float     beta_fast;
+    float     beta_slow;
+    float     attn_factor;
+    uint32_t  reserved;     /* 0 */
+} DI_MLARopeCacheWriteArgs;
+
 /* ---------------------------------------------------------------- the function table */
 typedef struct DI_Api {
     uint32_t struct_size;
@@ -679,7 +707,12 @@ typedef struct DI_Api {
     DI_Status (*comm_create)(DI_Context* ctx, const DI_CommId* id, int32_t nranks, int32_t rank,
                              DI_Comm** out);
     DI_Status (*comm_destroy)(DI_Context* ctx, DI_Comm* comm);
-    /* v1.5 and later append here */
+    /* 1.5 appended no entry */
+
+    /* ---- v1.6 (present when abi_minor >= 6 and the offset is below struct_size) ---- */
+    /* fused ops (optional: NULL, or DI_UNIMPLEMENTED for a call, and the host runs the unfused ops) */
+    DI_Status (*mla_rope_cache_write)(DI_Context* ctx, const DI_MLARopeCacheWriteArgs* args);
+    /* v1.7 and later append here */
 } DI_Api;
 
 /*
@@ -711,8 +744,9 @@ const DI_PluginInfo* deepinfer_plugin_info(void);
  * Python runtime parses this block, so keep each entry on one line in exactly this form.
  *
  * DI_OPS(X): X(op id, name (= the DI_Api entry), args struct, minor version that added it)
- *   The op entries of DI_Api are in id order: ids 0..15 (1.0) follow `embedding`, ids from 16
- *   (1.2 on) follow the 1.1 entries, starting at `spec_verify`.
+ *   The op entries of DI_Api are in id order: ids 0..15 (1.0) follow `embedding`, ids 16..27
+ *   (1.2 to 1.4) follow the 1.1 entries, starting at `spec_verify`, and ids from 28 (1.6 on) follow
+ *   1.4's communicator entries, starting at `mla_rope_cache_write`.
  * DI_ARGS_<name>(T, A, S): one row per DI_Tensor field of the args struct S, in field order:
  *   T(S, field, role, presence, ndim_lo, ndim_hi, plain dtypes, quantized storage dtypes)
  *   A(S, field, role, presence, ndim_lo, ndim_hi, plain dtypes, quantized storage dtypes, count field)
@@ -770,7 +804,8 @@ const DI_PluginInfo* deepinfer_plugin_info(void);
     X(DI_OP_ALL_GATHER, all_gather, DI_AllGatherArgs, 4) \
     X(DI_OP_ALL_TO_ALL, all_to_all, DI_AllToAllArgs, 4) \
     X(DI_OP_MOE_DISPATCH, moe_dispatch, DI_MoEDispatchArgs, 4) \
-    X(DI_OP_MOE_COMBINE, moe_combine, DI_MoECombineArgs, 4)
+    X(DI_OP_MOE_COMBINE, moe_combine, DI_MoECombineArgs, 4) \
+    X(DI_OP_MLA_ROPE_CACHE_WRITE, mla_rope_cache_write, DI_MLARopeCacheWriteArgs, 6)
 
 #define DI_ARGS_embedding(T, A, S) \
     T(S, ids, IN, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
@@ -936,6 +971,14 @@ const DI_PluginInfo* deepinfer_plugin_info(void);
     T(S, back, IN, REQ, 3, 3, DI_DTS_FLOAT, DI_DTS_NONE) \
     T(S, route, IN, REQ, 2, 2, DI_DTS_INDEX, DI_DTS_NONE) \
     T(S, out, OUT, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE)
+#define DI_ARGS_mla_rope_cache_write(T, A, S) \
+    T(S, q, INOUT, REQ, 3, 3, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, kv, IN, REQ, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, norm_weight, IN, REQ, 1, 1, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, positions, IN, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, slots, IN, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, cache, INOUT, REQ, 3, 3, DI_DTS_FLOAT, DI_DTS_NONE) \
+    T(S, kv_out, OUT, OPT, 2, 2, DI_DTS_FLOAT, DI_DTS_NONE)
 
 /*
  * DI_ARGS_SINCE(F): F(op name, args struct, field, minor) for every field appended to an op's args

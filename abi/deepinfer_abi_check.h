@@ -76,20 +76,24 @@ typedef struct DI_FieldSince {
     {id, #name, #S, (uint32_t)sizeof(S), minor, di_argtab_##name, (int32_t)(sizeof(di_argtab_##name) / sizeof(DI_ArgInfo))},
 
 /* Compile-time agreement of the op table with DI_Api: each op's entry sits at its id's position
- * (ids 0..15 from `embedding`, ids from 16 from `spec_verify`, after the 1.1 entries) and takes the
- * table's args struct (a mismatch fails to compile, wherever this is included). */
+ * (ids 0..15 from `embedding`, ids 16..27 from `spec_verify`, after the 1.1 entries, ids from 28 (1.6)
+ * after 1.4's communicator entries) and takes the table's args struct (a mismatch fails to compile,
+ * wherever this is included). */
 #define DI_STATIC_CHECK_(name, cond) typedef char di_static_check_##name[(cond) ? 1 : -1]
 #define DI_APIPOS_(id, name, S, minor)                                                                     \
     DI_STATIC_CHECK_(position_##name,                                                                     \
                      (id) < DI_OP_COUNT_V1_0                                                              \
                          ? offsetof(DI_Api, name) == offsetof(DI_Api, embedding) + (size_t)(id) * sizeof(void*) \
-                         : offsetof(DI_Api, name) == offsetof(DI_Api, spec_verify) +                      \
-                                                         (size_t)((id) - DI_OP_SPEC_VERIFY) * sizeof(void*)); \
+                     : (id) < DI_OP_COUNT_V1_5                                                            \
+                         ? offsetof(DI_Api, name) == offsetof(DI_Api, spec_verify) +                      \
+                                                         (size_t)((id) - DI_OP_SPEC_VERIFY) * sizeof(void*) \
+                         : offsetof(DI_Api, name) == offsetof(DI_Api, comm_destroy) +                     \
+                                                         (size_t)((id) - DI_OP_COUNT_V1_5 + 1) * sizeof(void*)); \
     DI_STATIC_CHECK_(args_##name, sizeof(((DI_Api*)0)->name((DI_Context*)0, (const S*)0)) == sizeof(DI_Status)); \
     DI_STATIC_CHECK_(minor_##name, ((id) < DI_OP_COUNT_V1_0) == ((minor) == 0) && (minor) <= DI_ABI_MINOR);
 DI_OPS(DI_APIPOS_)
 enum { DI_OPS(DI_OPCOUNT_) di_op_table_count_ };
-DI_STATIC_CHECK_(op_count, (int)di_op_table_count_ == (int)DI_OP_COUNT_V1_5);
+DI_STATIC_CHECK_(op_count, (int)di_op_table_count_ == (int)DI_OP_COUNT_V1_6);
 /* each DI_ARGS_SINCE row names a field of its op's args struct */
 #define DI_SINCEPOS_(op, S, f, minor)                                                                      \
     DI_STATIC_CHECK_(since_##op##_##f, sizeof(((DI_Api*)0)->op((DI_Context*)0, (const S*)0)) == sizeof(DI_Status) && \

@@ -37,7 +37,7 @@ def as_torch(t: Tensor) -> torch.Tensor:
 def test_backend_identity_and_ops():
     assert isinstance(ref, Backend)
     assert ref.info.name == "reference" and ref.info.device == "cpu"
-    assert ref.ops() == abi.OP_NAMES and len(ref.ops()) == abi.const("DI_OP_COUNT_V1_5")
+    assert ref.ops() == abi.OP_NAMES and len(ref.ops()) == abi.const("DI_OP_COUNT_V1_6")
 
 
 @pytest.mark.parametrize("op", abi.OP_NAMES)

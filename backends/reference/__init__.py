@@ -18,6 +18,7 @@ from .common import unsupported, write, write_4bit
 from . import dist
 from .dist import all_gather, all_reduce, all_to_all, moe_combine, moe_dispatch
 from .elementwise import add, concat, embedding, mul, silu_mul
+from .fused import mla_rope_cache_write
 from .linear import linear
 from .hyper import hc_post, hc_pre
 from .moe import moe_experts, moe_router
@@ -57,6 +58,7 @@ OPS = {
     "all_to_all": all_to_all,
     "moe_dispatch": moe_dispatch,
     "moe_combine": moe_combine,
+    "mla_rope_cache_write": mla_rope_cache_write,
 }
 
 if list(OPS) != abi.OP_NAMES:  # the header is the source of truth for the op set

@@ -20,6 +20,8 @@ ABI_V1_2_DIR = Path(__file__).resolve().parent / "abi_v1_2"
 ABI_V1_3_DIR = Path(__file__).resolve().parent / "abi_v1_3"
 # and of the 1.4 headers: every 1.4 library already shipped
 ABI_V1_4_DIR = Path(__file__).resolve().parent / "abi_v1_4"
+# and of the 1.5 headers: every 1.5 library already shipped
+ABI_V1_5_DIR = Path(__file__).resolve().parent / "abi_v1_5"
 PLUGINS = Path(__file__).resolve().parent / "plugins"
 THOROUGH = os.environ.get("DEEPINFER_CONFORMANCE_THOROUGH", "") not in ("", "0")
 PROFILE = "thorough" if THOROUGH else "quick"

@@ -66,17 +66,17 @@ def _pair_kinds(c) -> np.ndarray:
 
 
 def test_1_5_appends_two_moe_experts_fields_and_nothing_else():
-    assert abi.ABI_MINOR == 5
+    assert abi.ABI_MINOR >= 5
     assert not [op for op in abi.OP_NAMES if abi.OP_SPECS[op].since_minor == 5]
     assert not [f for f, m in abi.API_ENTRY_SINCE.items() if m == 5]
-    assert abi.const("DI_OP_COUNT_V1_5") == abi.const("DI_OP_COUNT_V1_4") == len(abi.OP_NAMES)
+    assert abi.const("DI_OP_COUNT_V1_5") == abi.const("DI_OP_COUNT_V1_4")
     assert [(op, f, m) for op in abi.OP_NAMES for f, m in abi.OP_SPECS[op].appended if m == 5] == \
         [("moe_experts", f, m) for f, m in NEW_FIELDS]
     spec = abi.OP_SPECS["moe_experts"]
     assert not spec.arg("expert_map").written and spec.arg("misses").written
     # a 1.4 caller's struct ends where expert_map begins
     assert abi.args_struct_size("moe_experts", 4) == abi.ffi.offsetof("DI_MoEExpertsArgs", "expert_map")
-    assert TOL.TOLERANCES_VERSION == "v5" and TOL.lookup("moe_experts", "exact").exact
+    assert TOL.lookup("moe_experts", "exact").exact and TOL.TOLERANCES_V5["moe_experts"]["exact"].exact
 
 
 def test_the_mapped_cases_cover_what_the_spec_names():

@@ -355,6 +355,17 @@ static inline float di_swiglu(float g, float u, float limit) {
     return g / (1.0f + expf(-g)) * u;
 }
 
+/* Row math of rmsnorm (norm.c) and rope (rope.c), shared with the fused mla_rope_cache_write
+ * (fused.c) so that it computes exactly the unfused ops' bits. f32 rows; inv [D/2], c and s [D/2]. */
+DI_HIDDEN void rmsnorm_row(const float* s, const float* w, int64_t H, float eps, float* out);
+DI_HIDDEN DI_Status rope_check_params(DI_Context* ctx, const char* op, int32_t interleaved, int32_t scaling,
+                                      float theta, float factor, int32_t original_max_position, float beta_fast,
+                                      float beta_slow);
+DI_HIDDEN void rope_inv_freq(int64_t D, int32_t scaling, float theta, float factor, int32_t original_max_position,
+                             float beta_fast, float beta_slow, double* inv);
+DI_HIDDEN void rope_cos_sin(double pos, const double* inv, int64_t half, float attn_factor, float* c, float* s);
+DI_HIDDEN void rope_rotate(float* row, const float* c, const float* s, int64_t D, int inter);
+
 /* returned by an op in query mode only: supported, but by a fallback (op_query says SLOW) */
 #define DI_QUERY_SLOW 1000
 

@@ -30,24 +30,24 @@
  * first context is destroyed, or at exit (where a replayed step spends its time, without Python in
  * the way). */
 static int g_profile = -1;
-static double g_prof_s[DI_OP_COUNT_V1_4 + 1];
-static int64_t g_prof_n[DI_OP_COUNT_V1_4 + 1];
+static double g_prof_s[DI_OP_COUNT_V1_6 + 1];
+static int64_t g_prof_n[DI_OP_COUNT_V1_6 + 1];
 static int64_t g_prof_launches;
 
 void graph_profile_report(void) {
     if (g_profile != 1 || !g_prof_launches) return;
     static int done;
     if (done++) return;
-    static const char* names[DI_OP_COUNT_V1_4 + 1] = {
+    static const char* names[DI_OP_COUNT_V1_6 + 1] = {
 #define N(id, name, T, minor) [id] = #name,
         DI_OPS(N)
 #undef N
-        [DI_OP_COUNT_V1_4] = "(copy)"};
+        [DI_OP_COUNT_V1_6] = "(copy)"};
     double tot = 0;
-    for (int i = 0; i <= DI_OP_COUNT_V1_4; i++) tot += g_prof_s[i];
+    for (int i = 0; i <= DI_OP_COUNT_V1_6; i++) tot += g_prof_s[i];
     fprintf(stderr, "deepinfer cpu graph profile: %lld launches, %.1f us per launch\n", (long long)g_prof_launches,
             1e6 * tot / (double)g_prof_launches);
-    for (int i = 0; i <= DI_OP_COUNT_V1_4; i++)
+    for (int i = 0; i <= DI_OP_COUNT_V1_6; i++)
         if (g_prof_n[i])
             fprintf(stderr, "  %-16s %6lld calls/launch %9.1f us/launch %5.1f%%\n", names[i],
                     (long long)(g_prof_n[i] / g_prof_launches), 1e6 * g_prof_s[i] / (double)g_prof_launches,
@@ -69,7 +69,7 @@ DI_OPS(FIELDS)
 #undef TF
 #undef AF
 
-static const struct { const TField* f; int n; } k_fields[DI_OP_COUNT_V1_4] = {
+static const struct { const TField* f; int n; } k_fields[DI_OP_COUNT_V1_6] = {
 #define E(id, name, T, minor) [id] = {k_f_##name, (int)(sizeof k_f_##name / sizeof k_f_##name[0])},
     DI_OPS(E)
 #undef E
@@ -242,7 +242,7 @@ DI_Status graph_launch(DI_Context* ctx, DI_Graph* g, DI_Stream stream) {
         }
         if (g_profile) {
             double t1 = 1e-9 * (double)di_now_ns();
-            int k = nd->kind == NODE_COPY ? DI_OP_COUNT_V1_4 : nd->op;
+            int k = nd->kind == NODE_COPY ? DI_OP_COUNT_V1_6 : nd->op;
             g_prof_s[k] += t1 - t;
             g_prof_n[k]++;
             t = t1;

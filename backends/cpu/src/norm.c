@@ -8,6 +8,15 @@
 #include "op_rows.h"
 
 /* ------------------------------------------------------------------ rmsnorm */
+/* out = s * rsqrt(mean(s^2) + eps) * w over one f32 row (the sum of squares in f64); rmsnorm and the
+ * fused mla_rope_cache_write (fused.c) share it, so their outputs have the same bits */
+void rmsnorm_row(const float* s, const float* w, int64_t H, float eps, float* out) {
+    double ss = 0.0;
+    for (int64_t h = 0; h < H; h++) ss += (double)s[h] * s[h];
+    float r = 1.0f / sqrtf((float)(ss / (double)(H ? H : 1)) + eps);
+    for (int64_t h = 0; h < H; h++) out[h] = s[h] * r * w[h];
+}
+
 typedef struct {
     const DI_RMSNormArgs* a;
     int xd, wd, rd, od, rod, has_res, has_ro;
@@ -28,11 +37,8 @@ static void rmsnorm_task(void* arg, int64_t task, int worker) {
             load_row(j->rd, t_row(&a->residual, j->rd, t), 0, j->H, rbuf);
             for (int64_t h = 0; h < j->H; h++) sbuf[h] += rbuf[h];
         }
-        double ss = 0.0;
-        for (int64_t h = 0; h < j->H; h++) ss += (double)sbuf[h] * sbuf[h];
-        float r = 1.0f / sqrtf((float)(ss / (double)(j->H ? j->H : 1)) + a->eps);
         if (j->has_ro) store_row(j->rod, t_row(&a->residual_out, j->rod, t), sbuf, j->H);
-        for (int64_t h = 0; h < j->H; h++) rbuf[h] = sbuf[h] * r * j->w[h];
+        rmsnorm_row(sbuf, j->w, j->H, a->eps, rbuf);
         store_row(j->od, t_row(&a->out, j->od, t), rbuf, j->H);
     }
 }

@@ -524,7 +524,7 @@ static DI_Status api_device_count(int32_t* out) {
 /* One row per op of the header's op table (DI_OPS): its name and body (args struct sizes are
  * di_check_args_size's, from the same table). */
 typedef DI_Status (*op_impl)(DI_Context*, const void*, int);
-static const struct { const char* name; op_impl fn; } k_ops[DI_OP_COUNT_V1_4] = {
+static const struct { const char* name; op_impl fn; } k_ops[DI_OP_COUNT_V1_6] = {
 #define E(id, name, T, minor) [id] = {#name, (op_impl)op_##name},
     DI_OPS(E)
 #undef E
@@ -569,7 +569,7 @@ static DI_Status api_op_query(DI_Context* ctx, int32_t op, const void* args, DI_
     if (st) return st;
     out->support = DI_SUPPORT_NO;
     out->workspace_size = 0;
-    if (op < 0 || op >= DI_OP_COUNT_V1_4) {
+    if (op < 0 || op >= DI_OP_COUNT_V1_6) {
         di_fail(ctx, DI_OK, "op_query: op %d is not an op of ABI 1.%d", op, DI_ABI_MINOR);
         return DI_OK;
     }
@@ -698,6 +698,7 @@ static const DI_Api k_api = {
     .all_to_all = api_all_to_all,
     .moe_dispatch = api_moe_dispatch,
     .moe_combine = api_moe_combine,
+    .mla_rope_cache_write = api_mla_rope_cache_write,
     .comm_unique_id = api_comm_unique_id,
     .comm_create = api_comm_create,
     .comm_destroy = api_comm_destroy,

@@ -303,7 +303,7 @@ static DI_Status op_query(DI_Context* ctx, int32_t op, const void* args, DI_OpQu
     out->support = DI_SUPPORT_NO;
     out->workspace_size = 0;
     if (op < 0) return set_error(ctx, DI_INVALID_ARGUMENT, "op_query: op id %d is negative", op);
-    if (op >= DI_OP_COUNT_V1_4) return DI_OK;  // an op from a newer ABI: not supported here
+    if (op >= DI_OP_COUNT_V1_6) return DI_OK;  // an op from a newer ABI: not supported here
     if (!args) return set_error(ctx, DI_INVALID_ARGUMENT, "op_query: args is NULL");
     DI_GUARD_BEGIN
     OpMode m{false, false, DI_SUPPORT_YES, 0};

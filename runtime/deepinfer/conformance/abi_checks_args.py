@@ -210,9 +210,9 @@ class ArgumentChecks(L0Base):
             w = D.get("f32") if D.get(name).bits >= 32 else D.get("uint8") if name == "int8" else D.get("int8")
         return w.name, w.code, w.bits
 
-    # ops whose output's last dimension no input fixes (indexer_topk's K): the shape check shrinks
-    # another dimension of theirs
-    FREE_LAST_DIM = ("indexer_topk",)
+    # ops whose output's last dimension no input fixes (indexer_topk's K, mla_rope_cache_write's Dq >= Dr):
+    # the shape check shrinks another dimension of theirs
+    FREE_LAST_DIM = ("indexer_topk", "mla_rope_cache_write")
 
     @staticmethod
     def _shrink(t, dims=None):

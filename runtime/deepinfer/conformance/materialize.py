@@ -59,6 +59,8 @@ def _host(spec: TSpec) -> tuple[Tensor, Tensor, int, int]:
         return t, t, 0, 0
     lo, hi = spec.pad
     shape = tuple(spec.shape)
+    if spec.row_pad:
+        return _host_row_padded(spec, dt, quant)
     if lo or hi:
         wide = np.empty(shape[:-1] + (lo + shape[-1] + hi,), dt.np)
         wide.view(np.uint8)[...] = PAD_BYTE
@@ -75,6 +77,23 @@ def _host(spec: TSpec) -> tuple[Tensor, Tensor, int, int]:
         view = Tensor(wide, shape, dt, base.strides, dt.nbytes(lo), quant)
         return view, base, lo, hi
     return base, base, 0, 0
+
+
+def _host_row_padded(spec: TSpec, dt, quant) -> tuple[Tensor, Tensor, int, int]:
+    """A [T, ...] view over the first columns of a [T, inner + row_pad] buffer (TSpec.row_pad): the
+    padding is the last row_pad columns of the 2-d base, so padding_damage checks it as any pad."""
+    shape = tuple(spec.shape)
+    inner = int(np.prod(shape[1:]))
+    wide = np.empty((shape[0], inner + spec.row_pad), dt.np)
+    wide.view(np.uint8)[...] = PAD_BYTE
+    part = wide[:, :inner]
+    if spec.values is None:
+        _poison(part, spec.dtype)
+    else:
+        part[...] = np.asarray(spec.values, dt.np).reshape(shape[0], inner)
+    base = Tensor(wide, wide.shape, dt)
+    strides = (inner + spec.row_pad,) + tuple(Tensor(None, shape[1:], dt).strides)
+    return Tensor(wide, shape, dt, strides, 0, quant), base, 0, spec.row_pad
 
 
 def _host_quant(q: QSpec) -> Quant:
@@ -164,7 +183,8 @@ class Materialized:
         h = self.held[name]
         whole = np.array(self.backend.to_numpy(h.base))
         if h.lo or h.hi:
-            return np.ascontiguousarray(whole[..., h.lo:whole.shape[-1] - h.hi])
+            part = np.ascontiguousarray(whole[..., h.lo:whole.shape[-1] - h.hi])
+            return part.reshape(h.view.shape)   # a row-padded view's base is 2-d (TSpec.row_pad)
         return whole
 
     def padding_damage(self) -> list[str]:

@@ -2,7 +2,8 @@
 
 The table is versioned: a certificate records TOLERANCES_VERSION and the exact values it used, so a
 certificate stays meaningful after the bounds are tightened. Never edit a published table in
-place; add the next version (v2 for ABI 1.2, v3 for 1.3, v4 for 1.4, v5 for 1.5) and point CURRENT at it.
+place; add the next version (v2 for ABI 1.2, v3 for 1.3, v4 for 1.4, v5 for 1.5, v6 for 1.6) and point
+CURRENT at it.
 
 An element passes when |got - want| <= rtol * |want| + atol_rel * rms(want), where rms(want) is
 the root mean square of the whole expected tensor (so elements near zero after cancellation are
@@ -128,6 +129,14 @@ TOLERANCES_V5: dict[str, dict[str, Tol]] = {
     "moe_experts":      {**TOLERANCES_V4["moe_experts"], "exact": EXACT},
 }
 
+# v6 (ABI 1.6): v5 unchanged, plus the fused mla_rope_cache_write, judged as tightly as rope: its norm
+# is rmsnorm's (a sum over Dc and an rsqrt, well inside rope's f32 bound) and the rest is rope's math and
+# copies. Every output (q, cache, kv_out) has the case's key; a bf16 cache of an f32 kv is keyed bf16.
+TOLERANCES_V6: dict[str, dict[str, Tol]] = {
+    **TOLERANCES_V5,
+    "mla_rope_cache_write": dict(TOLERANCES_V1["rope"]),
+}
+
 SAMPLE_BOUNDARY_EPS = 1e-5
 ROUTER_TIE_EPS = 1e-5
 # indexer_topk: two entries' scores tie when they differ by at most this times the sum of their terms'
@@ -135,8 +144,8 @@ ROUTER_TIE_EPS = 1e-5
 # moves a score by at most about (Di + NI) * 2^-24 of that (1.1e-5 for V4's 128 and 64), typically far less
 INDEXER_TIE_EPS = 1e-5
 
-TOLERANCES_VERSION = "v5"
-CURRENT = TOLERANCES_V5
+TOLERANCES_VERSION = "v6"
+CURRENT = TOLERANCES_V6
 
 
 def lookup(op: str, key: str, table: dict | None = None) -> Tol:

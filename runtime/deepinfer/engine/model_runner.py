@@ -32,7 +32,7 @@ import numpy as np
 from .. import quant_formats as QF
 from ..errors import ConfigError
 from ..model.checkpoint import Checkpoint
-from ..model.graph import StepInputs
+from ..model.graph import StepInputs, native_fused_ops
 from ..model.expert_cache import ExpertCache, ExpertCacheConfig
 from ..model.family import family_of
 from ..model.plan import Arena, Plan, Tracer
@@ -123,6 +123,7 @@ class ModelRunner:
         self.graph = fam.graph(c, self.weights, [], dtype, self.act_quant)
         self.graph.block_size = self.block_size
         self.graph.par = self.group       # the collectives of a split model (model.deepseek)
+        self.graph.fused_ops = native_fused_ops(backend)
         self.arena = Arena(backend)
         self.plans: "OrderedDict[PlanKey, Plan]" = OrderedDict()
         # persistent final hidden states for the MTP head, and the stores of speculative decoding

@@ -13,7 +13,8 @@ Shape of one step (T tokens of S sequences, hidden H, heads NH):
     h = rmsnorm(x + m);  logits = lm_head(h[last token of each sequence])   (f32)
 
 MLA: q = q_b(rmsnorm(q_a(n))) or q_proj(n); [latent | k_pe] = kv_a(n); latent = rmsnorm(latent);
-rope on q's last Dr dims and on k_pe; (latent, k_pe) go to the paged cache. A batch in which every
+rope on q's last Dr dims and on k_pe; (latent, k_pe) go to the paged cache (those four in one
+mla_rope_cache_write where the backend has that ABI 1.6 fused op). A batch in which every
 sequence starts at position 0 runs mla_prefill on the un-absorbed keys and values (kv_b(latent));
 any other batch (decode, chunked prefill, speculative verification) runs mla_decode, which absorbs
 kv_b into the query and reads the latent cache directly.
@@ -107,11 +108,7 @@ class DeepseekGraph(ModelGraph):
         else:
             # [T, NH, Dn + Dr] over the q columns (rows may be longer than NH * (Dn + Dr))
             q3 = Tensor(first.buffer, (T, NH, c.qk_head_dim), dt, (first.strides[0], c.qk_head_dim, 1), first.offset)
-        self.rope(g, q3.narrow(2, Dn, Dr), meta.positions)
-        latent = self.norm(g, kva.narrow(1, 0, Dc), w.kv_a_norm, "latent")
-        k_pe = kva.narrow(1, Dc, Dr)
-        self.rope(g, k_pe, meta.positions)
-        g.mla_cache_write(latent=latent, k_pe=k_pe, slots=meta.slots, cache=cache)
+        latent, k_pe = self.mla_prologue(g, w, q3, kva, cache, meta)
         idx = self.dsa_indexer(g, w, pools, x, qa, meta) if w.indexer is not None else None
         o = g.empty((T, NH, Dv), dt, "attn")
         if meta.mode == "prefill":
@@ -124,6 +121,25 @@ class DeepseekGraph(ModelGraph):
         out = self.proj(g, o.view(T, NH * Dv), w.o, "attn_out", w.o_bias)
         self.all_reduce(g, out)        # tensor parallel: each rank's heads gave a partial sum
         return out
+
+    def mla_prologue(self, g, w: AttentionWeights, q3, kva, cache, meta: StepInputs) -> tuple:
+        """rope on q's last Dr dims; latent = rmsnorm(kva[:, :Dc]); rope on k_pe = kva[:, Dc:]; both into
+        the cache. Returns (latent, k_pe), which only the prefill path reads again. One fused op where
+        the backend has it (ABI 1.6): prefill has it write the pair back into kva, in place."""
+        c = self.cfg
+        Dc, Dr, Dn = c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim
+        if "mla_rope_cache_write" in self.fused_ops:
+            prefill = meta.mode == "prefill"
+            g.mla_rope_cache_write(q=q3, kv=kva, norm_weight=w.kv_a_norm, positions=meta.positions,
+                                   slots=meta.slots, cache=cache, kv_out=kva if prefill else None,
+                                   eps=c.rms_norm_eps, **self.rope_fields())
+            return kva.narrow(1, 0, Dc), kva.narrow(1, Dc, Dr)
+        self.rope(g, q3.narrow(2, Dn, Dr), meta.positions)
+        latent = self.norm(g, kva.narrow(1, 0, Dc), w.kv_a_norm, "latent")
+        k_pe = kva.narrow(1, Dc, Dr)
+        self.rope(g, k_pe, meta.positions)
+        g.mla_cache_write(latent=latent, k_pe=k_pe, slots=meta.slots, cache=cache)
+        return latent, k_pe
 
     def router_options(self, w: MoEWeights, meta: StepInputs) -> dict:
         c = self.cfg

@@ -21,6 +21,15 @@ from .moe_strategy import experts_for
 from .weights import MLPWeights, MoEWeights
 
 ROPE_NONE, ROPE_YARN = abi.const("DI_ROPE_NONE"), abi.const("DI_ROPE_YARN")
+# fused ops (ABI 1.6) a graph runs in place of the ops they stand for, where the backend has them
+FUSED_OPS = ("mla_rope_cache_write",)
+
+
+def native_fused_ops(backend) -> frozenset:
+    """The fused ops the backend's own library implements. A FallbackBackend's reference copy does not
+    count: running the fused op there would only be slower than the primary's unfused ops."""
+    primary = getattr(backend, "primary", backend)
+    return frozenset(op for op in FUSED_OPS if primary.has_op(op))
 
 
 def linear(g, x, w, out, act_quant: bool, bias=None) -> None:
@@ -99,6 +108,8 @@ class ModelGraph:
         # parallel.group.ParallelGroup of a split model, or None: this rank's cfg has NH / tp heads and
         # its MLPs I / tp, and each sublayer's partial output is all-reduced (set by the runner)
         self.par = None
+        # the fused ops (FUSED_OPS) to use instead of their unfused ops (set by the runner)
+        self.fused_ops: frozenset = frozenset()
 
     # ------------------------------------------------------------------ a split model
     @property
@@ -141,12 +152,15 @@ class ModelGraph:
 
     def rope(self, g, x, positions, r: Optional[RopeConfig] = None, interleaved: Optional[int] = None) -> None:
         """Rotary embedding of x in place (default: the model's rope and pair layout)."""
+        g.rope(x=x, positions=positions, out=x, **self.rope_fields(r, interleaved))
+
+    def rope_fields(self, r: Optional[RopeConfig] = None, interleaved: Optional[int] = None) -> dict:
+        """The rope scalars of an args struct (DI_RopeArgs' and the fused ops' that rotate)."""
         r = self.cfg.rope if r is None else r
-        g.rope(x=x, positions=positions, out=x,
-               interleaved=int(self.cfg.rope_interleave) if interleaved is None else interleaved,
-               scaling=ROPE_YARN if r.type == "yarn" else ROPE_NONE, theta=r.theta, factor=r.factor,
-               original_max_position=r.original_max_position, beta_fast=r.beta_fast, beta_slow=r.beta_slow,
-               attn_factor=r.attn_factor)
+        return dict(interleaved=int(self.cfg.rope_interleave) if interleaved is None else interleaved,
+                    scaling=ROPE_YARN if r.type == "yarn" else ROPE_NONE, theta=r.theta, factor=r.factor,
+                    original_max_position=r.original_max_position, beta_fast=r.beta_fast, beta_slow=r.beta_slow,
+                    attn_factor=r.attn_factor)
 
     # ------------------------------------------------------------------ MLP and MoE
     def mlp(self, g, m: MLPWeights, x, T, out=None, reduce: bool = True) -> Tensor:

@@ -16,7 +16,8 @@ import dataclasses
 from typing import Callable
 
 from ... import abi
-from . import attention, dist, elementwise, hyper, linear as _linear, moe, norm, quant, rope as _rope, sampling, sparse
+from . import (attention, dist, elementwise, fused, hyper, linear as _linear, moe, norm, quant, rope as _rope, sampling,
+               sparse)
 # every name the one-file cases.py had, which callers import from here
 from .attention import gen_mla_cache_write, gen_mla_decode, gen_mla_prefill, mla_cache_write, mla_decode, mla_prefill
 from .common import (ACT_FORMATS, FLOATS, PROFILES, QMAX, QUANTIZE_FORMATS, WEIGHT_FORMATS, Case, Format, OpCases,
@@ -25,6 +26,7 @@ from .common import (ACT_FORMATS, FLOATS, PROFILES, QMAX, QUANTIZE_FORMATS, WEIG
 from .dist import (COMM_DTYPES, _expert_ids, all_gather, all_reduce, all_to_all, comm_values, gen_all_gather,
                    gen_all_reduce, gen_all_to_all, gen_moe_combine, gen_moe_dispatch, moe_combine, moe_dispatch)
 from .elementwise import _gen_binary, binary, concat, embedding, gen_concat, gen_embedding, gen_silu_mul, silu_mul
+from .fused import gen_mla_rope_cache_write, mla_rope_cache_write
 from .hyper import gen_hc_post, gen_hc_pre, hc_post, hc_pre
 from .linear import gen_linear, linear
 from .moe import (ROUTER_CONFIGS, _expert_map, gen_moe_experts, gen_moe_experts_errors, gen_moe_router, moe_experts,
@@ -36,7 +38,7 @@ from .sampling import gen_sample, gen_spec_verify, sample, spec_verify
 from .sparse import (KV_COMPRESS_CONFIGS, _block_table, _rows_over, gen_indexer_topk, gen_kv_compress,
                      gen_sparse_attention, indexer_topk, kv_compress, sparse_attention)
 
-FAMILIES = (elementwise, norm, _linear, quant, _rope, attention, moe, sampling, hyper, sparse, dist)
+FAMILIES = (elementwise, norm, _linear, quant, _rope, attention, moe, sampling, hyper, sparse, dist, fused)
 
 
 def _collect() -> dict[str, OpCases]:

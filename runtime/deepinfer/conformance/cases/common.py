@@ -32,7 +32,9 @@ class QSpec:
 class TSpec:
     """One tensor argument. values: logical elements (dtype's NumPy type, 4-bit types unpacked);
     None for an output, which the harness poisons. pad=(lo, hi): the tensor is a column slice of a
-    buffer lo + C + hi wide (a strided view); alias: the name of another argument this one *is*."""
+    buffer lo + C + hi wide (a strided view); row_pad: the tensor [T, ...] is the first columns of a
+    [T, prod(...) + row_pad] buffer, its inner dims contiguous (only dim 0's stride is wider: the
+    runtime's q heads inside a fused projection's rows); alias: the name of another argument this one *is*."""
 
     dtype: str
     shape: tuple
@@ -41,6 +43,7 @@ class TSpec:
     out: bool = False
     pad: tuple[int, int] = (0, 0)
     alias: Optional[str] = None
+    row_pad: int = 0
 
 
 TArg = Union[TSpec, list]   # a list of Optional[TSpec] for the expert arrays of moe_experts

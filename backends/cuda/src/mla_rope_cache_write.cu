@@ -1,0 +1,187 @@
+// mla_rope_cache_write (ABI 1.6): MLA's prologue (q's rope dims, the latent's rmsnorm, k_pe's rope, the
+// paged cache row and kv_out) in one launch instead of four: at batch 1 each of those was a tiny,
+// launch-bound kernel. One block per token; the math is rmsnorm's (norm.cu) and rope's (rope.cu), term
+// for term, so the outputs match the unfused kernels' up to the order of the sum of squares.
+//
+// tests/gpu_emu/test_fused_ops.cpp includes this file with DI_GPU_HOST_EMU defined and runs the kernel
+// on the CPU, one emulated block at a time; the host side below is left out there.
+#include "device.cuh"
+#include "kernel_util.cuh"
+
+namespace di {
+
+// 512 threads: the block rmsnorm's k_rmsnorm launches with, so the latent's sum of squares is reduced
+// in the same order (the same bits for Dc <= 512) and V3's 16 heads x 32 rope pairs take one pass.
+constexpr int FUSED_ROPE_THREADS = 512;
+
+struct FusedRopeP {
+    int64_t T, H, Dq, Dc, Dr, NB, BS;
+    int32_t interleaved, yarn;
+    double  theta, factor, low, high, attn;
+    float   eps;
+    int32_t pad_;
+};
+
+// Dynamic shared memory: the latent row [Dc] and k_pe [Dr] as read (f32), then cos and sin of each of
+// the Dr / 2 rope pairs.
+__global__ void k_mla_rope_cache_write(DTensor q, DTensor kv, DTensor w, DTensor pos, DTensor slots, DTensor cache,
+                                       DTensor kv_out, FusedRopeP p) {
+    DI_DYN_SMEM(float, sm);
+    __shared__ float red[MAX_WARPS];
+    const int64_t Dc = p.Dc, Dr = p.Dr, half = Dr / 2;
+    float* lat = sm;
+    float* kpe = lat + Dc;
+    float* cs = kpe + Dr;   // cos of pair j at j, sin at half + j
+    for (int64_t t = blockIdx.x; t < p.T; t += gridDim.x) {
+        // (a) kv's row, read once: every read happens before the barrier of block_sum, every write after
+        // it, which is what lets kv_out be kv
+        const int64_t ko = t * kv.strides[0];
+        float ss = 0.f;
+        for (int64_t h = threadIdx.x; h < Dc; h += blockDim.x) {
+            const float v = load_f(kv.dt, kv.base, ko + h);
+            lat[h] = v;
+            ss += v * v;
+        }
+        for (int64_t i = threadIdx.x; i < Dr; i += blockDim.x) kpe[i] = load_f(kv.dt, kv.base, ko + Dc + i);
+        // (b) each pair's angle once per token, in f64 as rope.cu computes it
+        const double pp = (double)load_i(pos.dt, pos.base, t * pos.strides[0]);
+        for (int64_t j = threadIdx.x; j < half; j += blockDim.x) {
+            double inv = pow(p.theta, -2.0 * (double)j / (double)Dr);
+            if (p.yarn) {
+                double ramp = ((double)j - p.low) / (p.high - p.low);
+                ramp = ramp < 0 ? 0 : (ramp > 1 ? 1 : ramp);
+                inv = inv / p.factor * ramp + inv * (1.0 - ramp);
+            }
+            const double ang = pp * inv;
+            cs[j] = (float)(cos(ang) * p.attn);
+            cs[half + j] = (float)(sin(ang) * p.attn);
+        }
+        ss = block_sum(ss, red);   // also the barrier after which lat, kpe and cs are complete
+        const float r = rsqrtf(ss / (float)Dc + p.eps);
+        // (c) the cache row (slots outside [0, NB*BS) write nothing) and kv_out
+        const int64_t slot = load_i(slots.dt, slots.base, t * slots.strides[0]);
+        const bool to_cache = slot >= 0 && slot < p.NB * p.BS;
+        const int64_t co = to_cache ? (slot / p.BS) * cache.strides[0] + (slot % p.BS) * cache.strides[1] : 0;
+        const int64_t oo = kv_out.base ? t * kv_out.strides[0] : 0;
+        for (int64_t h = threadIdx.x; h < Dc; h += blockDim.x) {
+            const float v = lat[h] * r * load_f(w.dt, w.base, h);
+            if (to_cache) store_f(cache.dt, cache.base, co + h, v);
+            if (kv_out.base) store_f(kv_out.dt, kv_out.base, oo + h, v);
+        }
+        for (int64_t j = threadIdx.x; j < half; j += blockDim.x) {
+            const int64_t i0 = p.interleaved ? 2 * j : j, i1 = p.interleaved ? 2 * j + 1 : j + half;
+            const float c = cs[j], s = cs[half + j], u = kpe[i0], v = kpe[i1];
+            const float ru = u * c - v * s, rv = v * c + u * s;
+            if (to_cache) {
+                store_f(cache.dt, cache.base, co + Dc + i0, ru);
+                store_f(cache.dt, cache.base, co + Dc + i1, rv);
+            }
+            if (kv_out.base) {
+                store_f(kv_out.dt, kv_out.base, oo + Dc + i0, ru);
+                store_f(kv_out.dt, kv_out.base, oo + Dc + i1, rv);
+            }
+        }
+        // every head's q_pe, in place: H * Dr / 2 pairs, each read and written by one thread
+        for (int64_t i = threadIdx.x; i < p.H * half; i += blockDim.x) {
+            const int64_t h = i / half, j = i % half;
+            const int64_t qo = t * q.strides[0] + h * q.strides[1] + (p.Dq - Dr);
+            const int64_t i0 = p.interleaved ? 2 * j : j, i1 = p.interleaved ? 2 * j + 1 : j + half;
+            const float c = cs[j], s = cs[half + j];
+            const float u = load_f(q.dt, q.base, qo + i0), v = load_f(q.dt, q.base, qo + i1);
+            store_f(q.dt, q.base, qo + i0, u * c - v * s);
+            store_f(q.dt, q.base, qo + i1, v * c + u * s);
+        }
+        __syncthreads();   // the next token's reads must not overwrite this one's shared rows early
+    }
+}
+
+// bytes of k_mla_rope_cache_write's dynamic shared memory
+inline size_t fused_rope_smem(int64_t Dc, int64_t Dr) { return (size_t)(Dc + 2 * Dr) * sizeof(float); }
+
+}  // namespace di
+
+#if !defined(DI_GPU_HOST_EMU)
+#include "arg_checks.cuh"
+
+using namespace di;
+
+#define FLOATS DT_F32, DT_BF16   // DI_DTS_FLOAT of the op table
+
+DI_Status op_mla_rope_cache_write(DI_Context* ctx, const DI_MLARopeCacheWriteArgs* a, OpMode* mode) {
+    const char* op = "mla_rope_cache_write";
+    DI_TRY(check_header(ctx, op, a, sizeof(*a), "DI_MLARopeCacheWriteArgs"));
+    QTensor q, kv, w, pos, slots, cache, kvo;
+    bool has_out;
+    DI_TRY(take_tensor(ctx, mode, op, "q", a->q, 3, 0, &q));
+    DI_TRY(take_tensor(ctx, mode, op, "kv", a->kv, 2, 0, &kv));
+    DI_TRY(take_tensor(ctx, mode, op, "norm_weight", a->norm_weight, 1, 0, &w));
+    DI_TRY(take_tensor(ctx, mode, op, "positions", a->positions, 1, 0, &pos));
+    DI_TRY(take_tensor(ctx, mode, op, "slots", a->slots, 1, 0, &slots));
+    DI_TRY(take_tensor(ctx, mode, op, "cache", a->cache, 3, 0, &cache));
+    DI_TRY(take_opt(ctx, mode, op, "kv_out", a->kv_out, 2, &kvo, &has_out));
+    DI_NEED_DT(ctx, op, "q", q.q.dt, FLOATS);
+    DI_NEED_DT(ctx, op, "kv", kv.q.dt, FLOATS);
+    DI_NEED_DT(ctx, op, "norm_weight", w.q.dt, FLOATS);
+    DI_NEED_DT(ctx, op, "positions", pos.q.dt, DT_I32);
+    DI_NEED_DT(ctx, op, "slots", slots.q.dt, DT_I32);
+    DI_NEED_DT(ctx, op, "cache", cache.q.dt, FLOATS);
+    if (has_out) DI_NEED_DT(ctx, op, "kv_out", kvo.q.dt, FLOATS);
+    FusedRopeP p{};
+    p.T = q.q.shape[0];
+    p.H = q.q.shape[1];
+    p.Dq = q.q.shape[2];
+    p.Dc = w.q.shape[0];
+    p.Dr = kv.q.shape[1] - p.Dc;
+    DI_TRY(need_shape(ctx, op, "kv", kv.q, 0, p.T, "q.shape[0]"));
+    DI_TRY(need_shape(ctx, op, "positions", pos.q, 0, p.T, "q.shape[0]"));
+    DI_TRY(need_shape(ctx, op, "slots", slots.q, 0, p.T, "q.shape[0]"));
+    DI_TRY(need_shape(ctx, op, "cache", cache.q, 2, kv.q.shape[1], "kv.shape[1]"));
+    if (has_out) DI_TRY(same_shape(ctx, op, "kv", kv.q, "kv_out", kvo.q));
+    if (p.Dr < 0 || p.Dr % 2)
+        return set_error(ctx, DI_INVALID_ARGUMENT, "%s: Dr = kv.shape[1] - norm_weight.shape[0] = %lld must be even "
+                         "and >= 0", op, (long long)p.Dr);
+    if (p.Dq < p.Dr)
+        return set_error(ctx, DI_INVALID_ARGUMENT, "%s: q.shape[2]=%lld < Dr=%lld", op, (long long)p.Dq,
+                         (long long)p.Dr);
+    DI_TRY(need_finite(ctx, op, "eps", a->eps, true));
+    if (a->interleaved != 0 && a->interleaved != 1)
+        return set_error(ctx, DI_INVALID_ARGUMENT, "%s: interleaved=%d, expected 0 or 1", op, a->interleaved);
+    if (a->scaling != DI_ROPE_NONE && a->scaling != DI_ROPE_YARN)
+        return set_error(ctx, DI_UNIMPLEMENTED, "%s: scaling=%d is not a known DI_RopeScaling", op, a->scaling);
+    if (!(a->theta > 0.f) || !isfinite(a->theta))
+        return set_error(ctx, DI_INVALID_ARGUMENT, "%s: theta=%g must be > 0", op, a->theta);
+    p.interleaved = a->interleaved;
+    p.theta = a->theta;
+    p.attn = a->attn_factor;
+    p.eps = a->eps;
+    p.NB = cache.q.shape[0];
+    p.BS = cache.q.shape[1];
+    if (a->scaling == DI_ROPE_YARN) {
+        if (!(a->factor > 0.f) || a->original_max_position <= 0 || !(a->beta_fast > 0.f) || !(a->beta_slow > 0.f))
+            return set_error(ctx, DI_INVALID_ARGUMENT,
+                             "%s: yarn needs factor, original_max_position, beta_fast and beta_slow > 0", op);
+        // the ramp's ends as rope.cu finds them, D being the rotated width Dr
+        const double PI = 3.14159265358979323846, D = (double)p.Dr;
+        auto dim = [&](double b) {
+            return D * log((double)a->original_max_position / (2.0 * PI * b)) / (2.0 * log((double)a->theta));
+        };
+        double lo = floor(dim(a->beta_fast)), hi = ceil(dim(a->beta_slow));
+        lo = lo < 0 ? 0 : (lo > D - 1 ? D - 1 : lo);
+        hi = hi < 0 ? 0 : (hi > D - 1 ? D - 1 : hi);
+        if (lo == hi) hi += 0.001;
+        p.yarn = 1;
+        p.factor = a->factor;
+        p.low = lo;
+        p.high = hi;
+    }
+    const size_t smem = fused_rope_smem(p.Dc, p.Dr);
+    if (smem > DYN_SMEM_MAX)
+        return set_error(ctx, DI_UNIMPLEMENTED, "%s: Dc + 2 * Dr = %lld floats exceed this library's shared memory",
+                         op, (long long)(p.Dc + 2 * p.Dr));
+    if (!mode->launch || p.T == 0) return DI_OK;
+    allow_smem(k_mla_rope_cache_write, smem);
+    k_mla_rope_cache_write<<<grid_for(p.T, 1, 65535), FUSED_ROPE_THREADS, smem, (cudaStream_t)a->header.stream>>>(
+        q.q, kv.q, w.q, pos.q, slots.q, cache.q, kvo.q, p);
+    return launch_status(ctx, op);
+}
+#endif
