@@ -7,6 +7,7 @@
 // on the CPU, one emulated block at a time; the host side below is left out there.
 #include "device.cuh"
 #include "kernel_util.cuh"
+#include "pdl.cuh"
 
 namespace di {
 
@@ -28,6 +29,8 @@ __global__ void k_mla_rope_cache_write(DTensor q, DTensor kv, DTensor w, DTensor
                                        DTensor kv_out, FusedRopeP p) {
     DI_DYN_SMEM(float, sm);
     __shared__ float red[MAX_WARPS];
+    pdl_wait();
+    pdl_trigger();
     const int64_t Dc = p.Dc, Dr = p.Dr, half = Dr / 2;
     float* lat = sm;
     float* kpe = lat + Dc;
@@ -180,8 +183,8 @@ DI_Status op_mla_rope_cache_write(DI_Context* ctx, const DI_MLARopeCacheWriteArg
                          op, (long long)(p.Dc + 2 * p.Dr));
     if (!mode->launch || p.T == 0) return DI_OK;
     allow_smem(k_mla_rope_cache_write, smem);
-    k_mla_rope_cache_write<<<grid_for(p.T, 1, 65535), FUSED_ROPE_THREADS, smem, (cudaStream_t)a->header.stream>>>(
-        q.q, kv.q, w.q, pos.q, slots.q, cache.q, kvo.q, p);
+    launch_pdl(k_mla_rope_cache_write, grid_for(p.T, 1, 65535), FUSED_ROPE_THREADS, smem,
+               (cudaStream_t)a->header.stream, q.q, kv.q, w.q, pos.q, slots.q, cache.q, kvo.q, p);
     return launch_status(ctx, op);
 }
 #endif
