@@ -225,7 +225,7 @@ recipe_e2e() {       # was device_e2e.sh COMMIT [bench args]
   if [[ -n "${E2E_BASE_LIB:-}" ]]; then   # a baseline library first, same arguments (so the same GPU and run)
     say "end to end, the baseline library $E2E_BASE_LIB"
     logged e2e_base.log "$PY" benchmarks/bench_gpu_e2e.py "$E2E_BASE_LIB" --commit "${E2E_BASE_COMMIT:-base}" \
-      --tag _base --out-dir "$OUT" "$@"
+      --tag _base --out-dir "$OUT" "$@" ${E2E_BASE_ARGS:-}
     show e2e_base.log grep -v "Writing model shards"
   fi
   say "end to end"
