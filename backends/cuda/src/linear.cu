@@ -182,14 +182,15 @@ static GemmBF16 gemm_problem(const QTensor& x, const void* wb, int64_t ldb, cons
     return g;
 }
 
-// DEEPINFER_CUDA_LINEAR_CLUSTER=0: split-K partials through memory and a reduce kernel, as before
-// sm_90's clusters (same bits; for diagnosis and benchmarks)
-static bool lin_cluster_off() {
-    static const bool off = [] {
+// DEEPINFER_CUDA_LINEAR_CLUSTER=1: the decode shapes' split-K blocks reduce in a cluster (sm_90).
+// Opt-in until a GPU run has certified and measured it; otherwise partials through memory and the
+// reduce kernel (the same bits).
+static bool lin_cluster_on() {
+    static const bool on = [] {
         const char* e = getenv("DEEPINFER_CUDA_LINEAR_CLUSTER");
-        return e && !strcmp(e, "0");
+        return e && !strcmp(e, "1");
     }();
-    return off;
+    return on;
 }
 
 static int mma_splits(LinShape sh, int64_t N, int64_t K, int f, int sm_count) {
@@ -347,7 +348,7 @@ static DI_Status run_linear(DI_Context* ctx, const DI_ArgsHeader& h, OpMode* mod
     bool cluster = false;
     if (path == LP_MMA) {
         splits = mma_splits(sh, N, K, fm, ctx->sm_count);
-        cluster = splits > 1 && sh != LIN_BATCH && ctx->prop.major >= 9 && !DI_GPU_AMD && !lin_cluster_off();
+        cluster = splits > 1 && sh != LIN_BATCH && ctx->prop.major >= 9 && !DI_GPU_AMD && lin_cluster_on();
         if (cluster && splits > LIN_MAX_CLUSTER) splits = LIN_MAX_CLUSTER;
         if (splits > 1 && !cluster) mode->workspace = align256((uint64_t)splits * M * N * 4);
     } else if (path == LP_GEMM90) {

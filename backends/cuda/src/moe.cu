@@ -151,6 +151,15 @@ __global__ __launch_bounds__(256) void k_router(DTensor logits, DTensor bias, DT
 // Lane l holds experts l + 32 j in registers; the K picks are warp argmaxes carrying the pick's
 // score. Same math and order as k_router (ties to the lower index; the k weights summed in k order).
 constexpr int ROUTER_WARP_MAXE = 256;
+
+// DEEPINFER_CUDA_ROUTER_WARP=1 selects it: opt-in until a GPU run has certified and measured it
+static bool router_warp_on() {
+    static const bool on = [] {
+        const char* e = getenv("DEEPINFER_CUDA_ROUTER_WARP");
+        return e && !strcmp(e, "1");
+    }();
+    return on;
+}
 constexpr int ROUTER_WARP_J = ROUTER_WARP_MAXE / LANES;
 
 __global__ __launch_bounds__(128) void k_router_warp(DTensor logits, DTensor bias, DTensor ids, DTensor wts, RouterP p) {
@@ -296,7 +305,7 @@ DI_Status op_moe_router(DI_Context* ctx, const DI_MoERouterArgs* a, OpMode* mode
         return set_error(ctx, DI_UNIMPLEMENTED, "%s: %lld experts need %zu bytes of shared memory, over this GPU "
                          "kernel's %zu", op, (long long)E, smem, DYN_SMEM_MAX);
     if (!mode->launch || p.T == 0) return DI_OK;
-    if (!p.hash && G == 1 && E <= ROUTER_WARP_MAXE) {
+    if (!p.hash && G == 1 && E <= ROUTER_WARP_MAXE && router_warp_on()) {
         launch_pdl(k_router_warp, grid_for(p.T, 4, 1 << 30), 128, 0, (cudaStream_t)a->header.stream, lg.q, bias.q,
                    ids.q, wts.q, p);
         return launch_status(ctx, op);

@@ -4,7 +4,8 @@
 // prefetches weights before). pdl_trigger() lets the next PDL kernel launch early. Both are no-ops on
 // older GPUs, on AMD and for a plain launch; a captured graph keeps the programmatic edges, so a
 // decode step's kernels overlap launch and prologue with their predecessor's tail.
-// DEEPINFER_CUDA_PDL=0 turns it off (plain launches, for diagnosis and benchmarks).
+// Opt-in until a GPU run has certified and measured it: DEEPINFER_CUDA_PDL=1 turns it on (the kernels'
+// waits are in place either way; without it every launch is a plain one).
 #pragma once
 
 #include "gpu_runtime.cuh"
@@ -41,11 +42,11 @@ inline bool pdl_on() {
 #if DI_GPU_AMD
     return false;
 #else
-    static const bool off = [] {
+    static const bool on = [] {
         const char* e = getenv("DEEPINFER_CUDA_PDL");
-        return e && !strcmp(e, "0");
+        return e && !strcmp(e, "1");
     }();
-    if (off) return false;
+    if (!on) return false;
     int dev = 0, major = 0;
     if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
         return false;
