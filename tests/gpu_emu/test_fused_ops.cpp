@@ -133,14 +133,15 @@ static void run_case(const Case& c) {
 
     FusedRopeP p{};
     p.T = T; p.H = H; p.Dq = Dq; p.Dc = Dc; p.Dr = Dr; p.NB = c.NB; p.BS = c.BS;
-    p.interleaved = c.interleaved; p.theta = theta; p.attn = attn; p.eps = (float)eps;
+    p.interleaved = c.interleaved; p.eps = (float)eps;
+    p.f.D = Dr; p.f.theta = theta; p.f.attn = attn;
     if (c.yarn) {   // the host side's ramp ends (mla_rope_cache_write.cu), as rope.cu finds them
         auto d = [&](double b) { return (double)Dr * std::log(omp / (2.0 * PI_ * b)) / (2.0 * std::log(theta)); };
         double lo = std::floor(d(bfast)), hi = std::ceil(d(bslow));
         lo = lo < 0 ? 0 : (lo > Dr - 1 ? Dr - 1 : lo);
         hi = hi < 0 ? 0 : (hi > Dr - 1 ? Dr - 1 : hi);
         if (lo == hi) hi += 0.001;
-        p.yarn = 1; p.factor = factor; p.low = lo; p.high = hi;
+        p.f.yarn = 1; p.f.factor = factor; p.f.low = lo; p.f.high = hi;
     }
     DTensor none;
     memset(&none, 0, sizeof none);

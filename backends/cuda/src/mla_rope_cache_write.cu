@@ -8,6 +8,7 @@
 #include "device.cuh"
 #include "kernel_util.cuh"
 #include "pdl.cuh"
+#include "rope.cuh"
 
 namespace di {
 
@@ -16,11 +17,10 @@ namespace di {
 constexpr int FUSED_ROPE_THREADS = 512;
 
 struct FusedRopeP {
-    int64_t T, H, Dq, Dc, Dr, NB, BS;
-    int32_t interleaved, yarn;
-    double  theta, factor, low, high, attn;
-    float   eps;
-    int32_t pad_;
+    int64_t  T, H, Dq, Dc, Dr, NB, BS;
+    int32_t  interleaved;
+    float    eps;
+    RopeFreq f;   // of the Dr rotated dims
 };
 
 // Dynamic shared memory: the latent row [Dc] and k_pe [Dr] as read (f32), then cos and sin of each of
@@ -48,17 +48,7 @@ __global__ void k_mla_rope_cache_write(DTensor q, DTensor kv, DTensor w, DTensor
         for (int64_t i = threadIdx.x; i < Dr; i += blockDim.x) kpe[i] = load_f(kv.dt, kv.base, ko + Dc + i);
         // (b) each pair's angle once per token, in f64 as rope.cu computes it
         const double pp = (double)load_i(pos.dt, pos.base, t * pos.strides[0]);
-        for (int64_t j = threadIdx.x; j < half; j += blockDim.x) {
-            double inv = pow(p.theta, -2.0 * (double)j / (double)Dr);
-            if (p.yarn) {
-                double ramp = ((double)j - p.low) / (p.high - p.low);
-                ramp = ramp < 0 ? 0 : (ramp > 1 ? 1 : ramp);
-                inv = inv / p.factor * ramp + inv * (1.0 - ramp);
-            }
-            const double ang = pp * inv;
-            cs[j] = (float)(cos(ang) * p.attn);
-            cs[half + j] = (float)(sin(ang) * p.attn);
-        }
+        for (int64_t j = threadIdx.x; j < half; j += blockDim.x) rope_cos_sin(p.f, j, pp, &cs[j], &cs[half + j]);
         ss = block_sum(ss, red);   // also the barrier after which lat, kpe and cs are complete
         const float r = rsqrtf(ss / (float)Dc + p.eps);
         // (c) the cache row (slots outside [0, NB*BS) write nothing) and kv_out
@@ -149,34 +139,12 @@ DI_Status op_mla_rope_cache_write(DI_Context* ctx, const DI_MLARopeCacheWriteArg
     DI_TRY(need_finite(ctx, op, "eps", a->eps, true));
     if (a->interleaved != 0 && a->interleaved != 1)
         return set_error(ctx, DI_INVALID_ARGUMENT, "%s: interleaved=%d, expected 0 or 1", op, a->interleaved);
-    if (a->scaling != DI_ROPE_NONE && a->scaling != DI_ROPE_YARN)
-        return set_error(ctx, DI_UNIMPLEMENTED, "%s: scaling=%d is not a known DI_RopeScaling", op, a->scaling);
-    if (!(a->theta > 0.f) || !isfinite(a->theta))
-        return set_error(ctx, DI_INVALID_ARGUMENT, "%s: theta=%g must be > 0", op, a->theta);
+    DI_TRY(rope_freq(ctx, op, p.Dr, a->scaling, a->theta, a->factor, a->original_max_position, a->beta_fast,
+                     a->beta_slow, a->attn_factor, true, &p.f));
     p.interleaved = a->interleaved;
-    p.theta = a->theta;
-    p.attn = a->attn_factor;
     p.eps = a->eps;
     p.NB = cache.q.shape[0];
     p.BS = cache.q.shape[1];
-    if (a->scaling == DI_ROPE_YARN) {
-        if (!(a->factor > 0.f) || a->original_max_position <= 0 || !(a->beta_fast > 0.f) || !(a->beta_slow > 0.f))
-            return set_error(ctx, DI_INVALID_ARGUMENT,
-                             "%s: yarn needs factor, original_max_position, beta_fast and beta_slow > 0", op);
-        // the ramp's ends as rope.cu finds them, D being the rotated width Dr
-        const double PI = 3.14159265358979323846, D = (double)p.Dr;
-        auto dim = [&](double b) {
-            return D * log((double)a->original_max_position / (2.0 * PI * b)) / (2.0 * log((double)a->theta));
-        };
-        double lo = floor(dim(a->beta_fast)), hi = ceil(dim(a->beta_slow));
-        lo = lo < 0 ? 0 : (lo > D - 1 ? D - 1 : lo);
-        hi = hi < 0 ? 0 : (hi > D - 1 ? D - 1 : hi);
-        if (lo == hi) hi += 0.001;
-        p.yarn = 1;
-        p.factor = a->factor;
-        p.low = lo;
-        p.high = hi;
-    }
     const size_t smem = fused_rope_smem(p.Dc, p.Dr);
     if (smem > DYN_SMEM_MAX)
         return set_error(ctx, DI_UNIMPLEMENTED, "%s: Dc + 2 * Dr = %lld floats exceed this library's shared memory",
