@@ -25,6 +25,7 @@
 #include "gemm_sm90_api.cuh"
 #include "gemv_api.cuh"
 #include "linear_mma_api.cuh"
+#include "pdl.cuh"
 
 using namespace di;
 
@@ -186,10 +187,7 @@ static GemmBF16 gemm_problem(const QTensor& x, const void* wb, int64_t ldb, cons
 // Opt-in until a GPU run has certified and measured it; otherwise partials through memory and the
 // reduce kernel (the same bits).
 static bool lin_cluster_on() {
-    static const bool on = [] {
-        const char* e = getenv("DEEPINFER_CUDA_LINEAR_CLUSTER");
-        return e && !strcmp(e, "1");
-    }();
+    static const bool on = env_opt_in("DEEPINFER_CUDA_LINEAR_CLUSTER");
     return on;
 }
 

@@ -118,37 +118,19 @@ __global__ __launch_bounds__(128, NT == 1 ? decode_min_blocks<F>() : NT == 2 ? 4
     }
 }
 
-// one decode-shape launch with its split-K blocks as clusters of (1, splits, 1)
-template <int F, int NT>
-void launch_clustered(const dim3& grid, int splits, const LinWeight& w, const char* x, int64_t x_rs, int M,
-                      const DTensor& bias, const DTensor& out, cudaStream_t s) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(128, 1, 1);
-    cfg.dynamicSmemBytes = 0;
-    cfg.stream = s;
-    cudaLaunchAttribute at[2];
-    at[0].id = cudaLaunchAttributeClusterDimension;
-    at[0].val.clusterDim.x = 1;
-    at[0].val.clusterDim.y = (unsigned)splits;
-    at[0].val.clusterDim.z = 1;
-    at[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[1].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = at;
-    cfg.numAttrs = pdl_on() ? 2 : 1;
-    (void)cudaLaunchKernelEx(&cfg, k_linear<F, NT, 4, true>, w, x, x_rs, M, splits, (float*)nullptr, bias, out);
-}
-
 template <int F>
 void launch(LinShape sh, const LinWeight& w, const char* x, int64_t x_rs, int64_t M, int splits, float* part,
             bool cluster, const DTensor& bias, const DTensor& out, cudaStream_t s) {
     const unsigned gx = (unsigned)ceil_div(w.m.N, lin_rows_per_block(sh));
     const unsigned gz = (unsigned)ceil_div(M, lin_tokens_per_block(sh, F));
     const dim3 grid(gx, (unsigned)splits, gz);
+    // cluster: the split-K blocks of a tile as clusters of (1, splits, 1), no partials
     if (cluster && sh == LIN_DECODE8) {
-        launch_clustered<F, 1>(grid, splits, w, x, x_rs, (int)M, bias, out, s);
+        launch_sm90(k_linear<F, 1, 4, true>, grid, 128, 0, s, (unsigned)splits, w, x, x_rs, (int)M, splits,
+                    (float*)nullptr, bias, out);
     } else if (cluster && sh == LIN_DECODE16) {
-        launch_clustered<F, 2>(grid, splits, w, x, x_rs, (int)M, bias, out, s);
+        launch_sm90(k_linear<F, 2, 4, true>, grid, 128, 0, s, (unsigned)splits, w, x, x_rs, (int)M, splits,
+                    (float*)nullptr, bias, out);
     } else if (sh == LIN_DECODE8) {
         launch_pdl(k_linear<F, 1, 4, false>, grid, 128, 0, s, w, x, x_rs, (int)M, splits, part, bias, out);
     } else if (sh == LIN_DECODE16) {

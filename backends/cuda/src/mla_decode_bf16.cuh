@@ -27,7 +27,7 @@ constexpr int MLAF_NP = 9;          // bf16 pairs per lane in attn: Dc + Dr <= 5
 constexpr int MLAF_MAX_SPLITS = 512;
 
 __device__ __forceinline__ float bf16_at(const char* base, int64_t e) {
-    return __uint_as_float((uint32_t)reinterpret_cast<const uint16_t*>(base)[e] << 16);
+    return bf16_to_f(reinterpret_cast<const uint16_t*>(base)[e]);
 }
 
 template <int TT>

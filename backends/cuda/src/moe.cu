@@ -154,10 +154,7 @@ constexpr int ROUTER_WARP_MAXE = 256;
 
 // DEEPINFER_CUDA_ROUTER_WARP=1 selects it: opt-in until a GPU run has certified and measured it
 static bool router_warp_on() {
-    static const bool on = [] {
-        const char* e = getenv("DEEPINFER_CUDA_ROUTER_WARP");
-        return e && !strcmp(e, "1");
-    }();
+    static const bool on = env_opt_in("DEEPINFER_CUDA_ROUTER_WARP");
     return on;
 }
 constexpr int ROUTER_WARP_J = ROUTER_WARP_MAXE / LANES;

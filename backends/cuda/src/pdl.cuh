@@ -37,15 +37,19 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 }
 
 #if !defined(DI_GPU_HOST_EMU)   // host launches (tests/gpu_emu runs the kernels alone)
+// Whether the environment variable `name` is "1": the opt-in switch of a decode path still waiting for
+// a GPU run (backends/cuda/README.md). Callers keep the answer in a static: read once per process.
+inline bool env_opt_in(const char* name) {
+    const char* e = getenv(name);
+    return e && !strcmp(e, "1");
+}
+
 // whether launch_pdl adds the attribute: the current device is sm_90 or newer and it is not turned off
 inline bool pdl_on() {
 #if DI_GPU_AMD
     return false;
 #else
-    static const bool on = [] {
-        const char* e = getenv("DEEPINFER_CUDA_PDL");
-        return e && !strcmp(e, "1");
-    }();
+    static const bool on = env_opt_in("DEEPINFER_CUDA_PDL");
     if (!on) return false;
     int dev = 0, major = 0;
     if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
@@ -54,14 +58,18 @@ inline bool pdl_on() {
 #endif
 }
 
-// kernel<<<grid, block, smem, s>>>(args...), with programmatic stream serialization where pdl_on();
-// errors surface through cudaGetLastError as for <<<>>>
+// kernel<<<grid, block, smem, s>>>(args...) with the sm_90 launch attributes: programmatic stream
+// serialization where pdl_on(), and thread-block clusters of (1, cluster_y, 1) when cluster_y > 1
+// (the caller checked the GPU has them). Errors surface through cudaGetLastError as for <<<>>>.
 template <class... P, class... A>
-inline void launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, A&&... args) {
+inline void launch_sm90(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, unsigned cluster_y,
+                        A&&... args) {
 #if DI_GPU_AMD
+    (void)cluster_y;
     kernel<<<grid, block, smem, s>>>(std::forward<A>(args)...);
 #else
-    if (!pdl_on()) {
+    const bool pdl = pdl_on();
+    if (!pdl && cluster_y <= 1) {
         kernel<<<grid, block, smem, s>>>(std::forward<A>(args)...);
         return;
     }
@@ -70,13 +78,30 @@ inline void launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.stream = s;
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchAttribute at[2];
+    unsigned n = 0;
+    if (cluster_y > 1) {
+        at[n].id = cudaLaunchAttributeClusterDimension;
+        at[n].val.clusterDim.x = 1;
+        at[n].val.clusterDim.y = cluster_y;
+        at[n].val.clusterDim.z = 1;
+        ++n;
+    }
+    if (pdl) {
+        at[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        at[n].val.programmaticStreamSerializationAllowed = 1;
+        ++n;
+    }
     cfg.attrs = at;
-    cfg.numAttrs = 1;
+    cfg.numAttrs = n;
     (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
 #endif
+}
+
+// kernel<<<grid, block, smem, s>>>(args...), a programmatic dependent launch where pdl_on()
+template <class... P, class... A>
+inline void launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, A&&... args) {
+    launch_sm90(kernel, grid, block, smem, s, 1u, std::forward<A>(args)...);
 }
 
 #endif  // !DI_GPU_HOST_EMU
