@@ -42,6 +42,8 @@ def step_bytes(weights, cfg, B: int, context: int) -> dict:
             parts["router"] += nbytes(m.gate) + nbytes(m.gate_bias)
             if m.shared is not None:
                 parts["shared_experts"] += nbytes(m.shared.gate) + nbytes(m.shared.up) + nbytes(m.shared.down)
+            if m.shared_experts is not None:     # the shared experts loaded as routed ones
+                parts["shared_experts"] += sum(nbytes(t) for ts in m.shared_experts for t in ts)
             per_expert = nbytes(m.experts_gate[0]) + nbytes(m.experts_up[0]) + nbytes(m.experts_down[0])
             parts["routed_experts"] += int(distinct * per_expert)
     parts["kv_cache"] = B * context * len(w.layers) * c.cache_width * 2

@@ -419,6 +419,8 @@ def main() -> int:
     ap.add_argument("--full-layers-batches", default="1", help="batches for layer counts above the first")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (the debug path)")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--separate-shared", action="store_true",
+                    help="shared experts as their own MLP, not inside moe_experts (RunnerConfig.shared_experts_routed)")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--ckpt-dir", default=None,
                     help="keep the random checkpoints here (DIR/L_layers) and reuse them: a second library in "
@@ -430,7 +432,7 @@ def main() -> int:
     res = {"gpu": torch.cuda.get_device_name(0), "commit": a.commit, "date": datetime.date.today().isoformat(),
            "command": " ".join(["bench_gpu_e2e.py"] + sys.argv[2:]), "prompt": a.prompt, "new": a.new,
            "copy_gbps": copy_bandwidth() / 1e9, "rows": [], "greedy": [], "profiles": {},
-           "graphs": not a.eager, "tag": a.tag}
+           "graphs": not a.eager, "tag": a.tag, "shared_experts_routed": not a.separate_shared}
     print(f"copy bandwidth {res['copy_gbps']:.0f} GB/s", flush=True)
     out_dir = Path(a.out_dir)
     batches = [int(x) for x in a.batches.split(",")]
@@ -474,6 +476,7 @@ def main() -> int:
                 runner = ModelRunner(Checkpoint(tmp), be, RunnerConfig(
                     max_batch=max(bl), max_seq_len=ctx + 16, dtype="bf16",
                     precision=PRECISION_ARG[prec], load_mtp=False, enforce_eager=a.eager,
+                    shared_experts_routed=not a.separate_shared,
                     num_cache_blocks=max(bl) * (-(-(a.prompt + a.new + 16) // 16)) + 2 * (-(-ctx // 16)),
                     max_num_batched_tokens=max(ttft_prompts)))
                 print(f"[{L}] deepinfer {prec} loaded in {time.perf_counter() - t0:.0f} s", flush=True)

@@ -124,7 +124,10 @@ _BASELINES: dict = {}
 def _baseline(bname, cpu_lib, path, precision, vocab, **kw) -> list:
     key = (bname, str(path), precision, tuple(sorted(kw.items())))
     if key not in _BASELINES:
-        r = _runner(path, _backend(bname, cpu_lib), precision, **kw)
+        # a cached model runs its shared experts as their own MLP (the cache streams the routed ones),
+        # so the resident model it is compared with does too (resident, they join moe_experts and
+        # their sum is rounded once: other bits)
+        r = _runner(path, _backend(bname, cpu_lib), precision, shared_experts_routed=False, **kw)
         assert r.experts is None and r.weights.layers[1].moe.experts_gate is not None
         _BASELINES[key] = _workload(r, vocab)
     return _BASELINES[key]

@@ -104,7 +104,8 @@ class ModelRunner:
             raise ConfigError("expert_cache: this model has no routed experts (n_routed_experts is 0); drop the option")
         loader = fam.weight_loader(
             ckpt, backend, dtype, precision, rc.group_size, quantize_lm_head=rc.quantize_lm_head,
-            stream_experts=ec is not None, **({"shard": self.group.shard} if self.group is not None else {}))
+            stream_experts=ec is not None, shared_as_routed=rc.shared_experts_routed,
+            **({"shard": self.group.shard} if self.group is not None else {}))
         self.weights = loader.load(self.has_mtp)
         if self.group is not None:
             self.cfg = c = loader.cfg      # the dimensions this rank computes (heads / tp, ...)

@@ -31,6 +31,9 @@ class RunnerConfig:
     enforce_eager: bool = False                     # never capture graphs
     quantize_lm_head: bool = False
     expert_cache: object = None                     # model.expert_cache.ExpertCacheConfig.parse's input
+    # the shared experts run inside moe_experts, as routed experts every token takes (where the
+    # weights' layout allows it: model.weights.WeightLoader._shared_as_experts); False: as their own MLP
+    shared_experts_routed: bool = True
 
     def check(self) -> None:
         """The errors a malformed runner config raises before anything is loaded."""

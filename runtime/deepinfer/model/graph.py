@@ -177,15 +177,16 @@ class ModelGraph:
         """moe_router's scoring and selection arguments (the family's)."""
         raise NotImplementedError
 
-    def route(self, g, w: MoEWeights, x, meta: StepInputs, name: str = "topk", ids=None):
-        """Router logits in f32, then moe_router: (topk_ids, topk_weights) [T, K] (ids: where the
-        ids go, default a new tensor)."""
+    def route(self, g, w: MoEWeights, x, meta: StepInputs, name: str = "topk", ids=None, wts=None):
+        """Router logits in f32, then moe_router: (topk_ids, topk_weights) [T, K] (ids, wts: where
+        they go, default new tensors)."""
         T, E, K = meta.T, self.cfg.n_routed_experts, self.cfg.num_experts_per_tok
         logits = g.empty((T, E), "f32", "router_logits")
         g.linear(x=x, w=w.gate, out=logits)
         if ids is None:
             ids = g.empty((T, K), "int32", f"{name}_ids")
-        wts = g.empty((T, K), "f32", f"{name}_weights")
+        if wts is None:
+            wts = g.empty((T, K), "f32", f"{name}_weights")
         g.moe_router(logits=logits, bias=w.gate_bias, topk_ids=ids, topk_weights=wts,
                      **self.router_options(w, meta))
         return ids, wts
@@ -195,7 +196,8 @@ class ModelGraph:
         strategy (model.moe_strategy; `experts`: one already chosen). predict: traces the next
         layer's router and returns its ids, for a strategy that prefetches."""
         experts = experts_for(self, w) if experts is None else experts
-        ids, wts = self.route(g, w, x, meta, ids=experts.route_into(meta.T))
+        into_ids, into_wts = experts.route_into(g, meta.T)
+        ids, wts = self.route(g, w, x, meta, ids=into_ids, wts=into_wts)
         out = g.empty((meta.T, self.cfg.hidden_size), self.dtype, "moe_out")
         return experts(g, x, ids, wts, out, predict)
 

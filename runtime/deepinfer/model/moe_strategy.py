@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import numpy as np
+
 from ..tensor import Tensor
 from .weights import MoEWeights
 
@@ -35,9 +37,9 @@ class RoutedExperts:
     def __init__(self, graph, w: MoEWeights):
         self.graph, self.w = graph, w
 
-    def route_into(self, T: int) -> Optional[Tensor]:
-        """Where the router writes the ids (None: a new tensor)."""
-        return None
+    def route_into(self, g, T: int) -> tuple:
+        """(ids, weights): where the router writes them (None: a new tensor)."""
+        return None, None
 
     def predicts(self) -> bool:
         """Whether this layer's step guesses the next layer's experts (prefetch)."""
@@ -45,18 +47,38 @@ class RoutedExperts:
 
 
 class ResidentExperts(RoutedExperts):
-    """Routed experts whose weights are all in place: the shared experts, then moe_experts on top."""
+    """Routed experts whose weights are all in place: the shared experts, then moe_experts on top.
+    Shared experts loaded as routed ones (MoEWeights.shared_experts) run in the same moe_experts:
+    the router writes the first K columns of [T, K + S] ids and weights whose last S columns are
+    constant inputs (experts E .. E + S - 1, weight 1)."""
 
     def __init__(self, graph, w: MoEWeights, weights: tuple):
         super().__init__(graph, w)
         self.gate, self.up, self.down = weights
+        self.routing = None      # (ids, weights) [T, K + S] with the shared experts' columns
+
+    def route_into(self, g, T: int) -> tuple:
+        if self.w.shared_experts is None:
+            return None, None
+        E, K, S = len(self.gate), self.graph.cfg.num_experts_per_tok, len(self.w.shared_experts[0])
+        tail = np.arange(E, E + S, dtype=np.int32)
+        ids = g.constant(f"shared_expert_ids_{T}_{K}_{E}_{S}", np.tile(np.r_[np.full(K, -1, np.int32), tail], (T, 1)))
+        wts = g.constant(f"shared_expert_weights_{T}_{K}_{S}",
+                         np.tile(np.r_[np.zeros(K, np.float32), np.ones(S, np.float32)], (T, 1)), "f32")
+        self.routing = ids, wts
+        return ids.narrow(1, 0, K), wts.narrow(1, 0, K)
 
     def __call__(self, g, x, ids, wts, out, predict: Optional[Callable] = None) -> Tensor:
         gr, w = self.graph, self.w
-        if w.shared is not None:
+        gate, up, down = self.gate, self.up, self.down
+        if self.routing is not None:
+            ids, wts = self.routing
+            sg, su, sd = w.shared_experts
+            gate, up, down = list(gate) + sg, list(up) + su, list(down) + sd
+        elif w.shared is not None:
             gr.mlp(g, w.shared, x, x.shape[0], out=out, reduce=False)
-        g.moe_experts(x=x, topk_ids=ids, topk_weights=wts, num_experts=gr.cfg.n_routed_experts,
-                      accumulate=int(w.shared is not None), w_gate=self.gate, w_up=self.up, w_down=self.down,
+        g.moe_experts(x=x, topk_ids=ids, topk_weights=wts, num_experts=len(gate),
+                      accumulate=int(w.shared is not None), w_gate=gate, w_up=up, w_down=down,
                       out=out, **gr.expert_options)
         # tensor parallel without expert parallelism: every expert's I / tp columns, partial sums
         gr.all_reduce(g, out)
@@ -77,12 +99,12 @@ class CachedExperts(RoutedExperts):
         self.s = w.streamed
         self.record = None       # (ids, misses) [T, K] of a pause-free step
 
-    def route_into(self, T: int) -> Optional[Tensor]:
+    def route_into(self, g, T: int) -> tuple:
         s = self.s
         if s.pause_free:
             self.record = s.record(T, s.pos)
-            return self.record[0]
-        return None
+            return self.record[0], None
+        return None, None
 
     def predicts(self) -> bool:
         return bool(self.s.predict) and not self.s.pause_free

@@ -79,6 +79,7 @@ class Tracer:
         self.syms: list[SymBuf] = []
         self.inputs: dict[str, Tensor] = {}
         self.outputs: dict[str, Tensor] = {}
+        self.constants: dict[str, np.ndarray] = {}
 
     # -- buffers
     def empty(self, shape, dtype, name: str = "act") -> Tensor:
@@ -95,6 +96,18 @@ class Tracer:
         self.syms.append(sb)
         t.buffer = sb
         self.inputs[name] = t
+        return t
+
+    def constant(self, name: str, value: np.ndarray, dtype="int32") -> Tensor:
+        """An input whose value never changes (written once when the plan is bound, then sent with
+        the other inputs on every run): ops may write parts of it during the step, which the next
+        run's input copy puts back. The same name gives the same tensor."""
+        t = self.inputs.get(name)
+        if t is None:
+            t = self.input(name, value.shape, dtype)
+            self.constants[name] = np.asarray(value, dtype=t.dtype.np)
+        elif tuple(t.shape) != tuple(value.shape) or not np.array_equal(self.constants.get(name), value):
+            raise RuntimeError(f"plan: constant {name!r} traced twice with different values")
         return t
 
     def output(self, name: str, t: Tensor) -> None:
@@ -173,6 +186,7 @@ class Plan:
     calls: list = field(default_factory=list)          # (op, kwargs) with symbolic tensors
     syms: list = field(default_factory=list)
     inputs: dict = field(default_factory=dict)         # name -> symbolic Tensor
+    constants: dict = field(default_factory=dict)      # name -> the value of a constant input
     outputs: dict = field(default_factory=dict)
     arena_bytes: int = 0
     total_activation_bytes: int = 0
@@ -193,7 +207,8 @@ class Plan:
 
     @classmethod
     def from_tracer(cls, key, tr: Tracer) -> "Plan":
-        p = cls(key=key, calls=tr.calls, syms=tr.syms, inputs=tr.inputs, outputs=tr.outputs)
+        p = cls(key=key, calls=tr.calls, syms=tr.syms, inputs=tr.inputs, outputs=tr.outputs,
+                constants=tr.constants)
         n = len(tr.calls)
         # outputs stay live to the end of the plan (the caller reads them after the run)
         for t in tr.outputs.values():
@@ -254,6 +269,8 @@ class Plan:
         for k, v in self.inputs.items():
             off = v.buffer.offset
             self._host_inputs[k] = raw[off:off + v.nbytes].view(v.dtype.np).reshape(v.shape)
+        for k, value in self.constants.items():
+            self._host_inputs[k][...] = value
 
     def host_input(self, name: str) -> np.ndarray:
         """The host view of an input; fill it, then `run` makes it the device's."""

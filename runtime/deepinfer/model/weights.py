@@ -70,6 +70,10 @@ class MoEWeights:
     experts_up: Optional[list]      # E x [I, H]
     experts_down: Optional[list]    # E x [H, I]
     shared: Optional[MLPWeights]    # the shared experts as one MLP, or None
+    # or the shared experts as routed experts that every token takes with weight 1 (n_shared x [I, H],
+    # [I, H], [H, I], laid out as the routed ones): moe_experts runs them with the routed (WeightLoader.
+    # _shared_as_experts); then `shared` is None
+    shared_experts: Optional[tuple] = None
     prefix: str = ""                # checkpoint name prefix of the layer's MLP ("model.layers.3.mlp.")
     streamed: object = None         # model.expert_cache.StreamedLayer when the experts stream
     hash_table: Optional[Tensor] = None   # V4's hash routing: [V, K] int32 experts of each token id
@@ -137,7 +141,8 @@ class WeightLoader:
     """Reads a Checkpoint onto a backend in one precision (None: as stored)."""
 
     def __init__(self, ckpt: Checkpoint, backend, dtype: str, precision: Optional[str], group_size: int,
-                 quantize_lm_head: bool = False, stream_experts: bool = False, shard=None):
+                 quantize_lm_head: bool = False, stream_experts: bool = False, shard=None,
+                 shared_as_routed: bool = False):
         # shard (parallel.shard.ShardPlan): this rank's part of a tensor / expert parallel model; the
         # checkpoint is then read through a view that returns only that part, with the local config
         self.shard = shard
@@ -146,6 +151,8 @@ class WeightLoader:
         self.ckpt, self.cfg, self.backend, self.dtype = ckpt, ckpt.config, backend, dtype
         # routed experts are left on disk for an ExpertCache (model.expert_cache) to load on demand
         self.stream_experts = bool(stream_experts)
+        # the shared experts become routed experts every token takes (where the layouts allow it)
+        self.shared_as_routed = bool(shared_as_routed)
         self.quantize_lm_head = quantize_lm_head
         self.precision = precision
         self.weight_format = QF.weight_format_of(precision)
@@ -217,34 +224,49 @@ class WeightLoader:
         double the bytes decode reads (V2-Lite's lm_head: 420 MB more per token)."""
         return self.weight_format not in (None, "f32") and self.ckpt.array(name).dtype == D.get("bf16").np
 
-    def _w(self, name, shape) -> Tensor:
+    def _w(self, name, shape, part=None) -> Tensor:
+        """A linear weight in the model's precision on the backend; part (axis, lo, hi): only those
+        rows (axis 0) or columns (1) of a plain float stored weight, converted as the whole would be
+        (the shared experts' pieces, _shared_as_experts)."""
         be, fmt = self.backend, self.weight_format
         if not QF.is_quantizable(name, shape) and self._keeps_bf16(name):
-            t = self.ckpt.weight(name, shape)
+            t = self._stored(name, shape, None, part)
             if t.quant is None:
                 return be.upload(t)
         if fmt is None or not QF.is_quantizable(name, shape):
-            t = self.ckpt.weight(name, shape, self.dtype)
+            t = self._stored(name, shape, self.dtype, part)
             if t.quant is not None and not QF.is_quantizable(name, shape) and fmt is not None:
                 return self.dequantized(be.upload(t), self.dtype)
             return be.upload(t)
-        t = self.ckpt.weight(name, shape)
+        t = self._stored(name, shape, None, part)
         if fmt in ("f32", "bf16"):
             # float precisions keep these weights in that dtype (activations may differ)
             return self.dequantized(be.upload(t), fmt) if t.quant is not None else be.upload(
-                self.ckpt.weight(name, shape, fmt))
+                self._stored(name, shape, fmt, part))
         qdt, block = self._quantized_as(fmt)
         if t.quant is not None:
             if t.dtype.name == qdt and tuple(t.quant.block) == block:
                 return be.upload(t)
             raise CheckpointError(f"{self.ckpt.file_of(name)}: {name!r} is stored as {t.quant.describe(t.dtype)}; "
                                   f"precision {self.precision} would re-quantize it (load it as stored, bf16 or f32)")
-        N, K = shape
+        N, K = t.shape
         grid = (-(-N // block[0]) if block[0] else 1, -(-K // block[1]) if block[1] else 1)
         q = be.empty((N, K), qdt)
         q.quant = Quant(be.empty(grid, "f32"), block)
         be.quantize(x=be.upload(t), out=q, scale_pow2=0)
         return q
+
+    def _stored(self, name, shape, dtype=None, part=None) -> Tensor:
+        """The checkpoint's host tensor (ckpt.weight), or a contiguous copy of a part of it: rows
+        (axis 0) or columns (axis 1) [lo, hi)."""
+        t = self.ckpt.weight(name, shape, dtype)
+        if part is None:
+            return t
+        if t.quant is not None:
+            raise ValueError(f"{name}: a slice of a weight stored quantized")
+        axis, lo, hi = part
+        a = t.numpy()
+        return Tensor.from_numpy(np.ascontiguousarray(a[lo:hi] if axis == 0 else a[:, lo:hi]))
 
     def _quantized_as(self, fmt: str) -> tuple:
         """(storage dtype, quantization block) of a quantized weight format at this load."""
@@ -396,8 +418,8 @@ class WeightLoader:
             Ir = self.ckpt.global_config.moe_intermediate_size
         if self.stream_experts:
             self.check_streamed_experts(m)
-        return MoEWeights(
-            prefix=m,
+        w = MoEWeights(
+            prefix=m, shared=None,
             # the router's logits are f32 like transformers'. A bf16 router weight stays bf16 when the
             # activations are bf16: transformers upcasts both to f32, which changes no value, and the
             # linear multiplies bf16 exactly into f32 sums (only the summation order differs), at half
@@ -409,8 +431,45 @@ class WeightLoader:
             experts_up=None if self.stream_experts else
             [self._w(f"{m}experts.{e}.up_proj.weight", (Ir, H)) for e in mine],
             experts_down=None if self.stream_experts else
-            [self._w(f"{m}experts.{e}.down_proj.weight", (H, Ir)) for e in mine],
-            shared=self._mlp(m + "shared_experts.", I * c.n_shared_experts) if c.n_shared_experts else None)
+            [self._w(f"{m}experts.{e}.down_proj.weight", (H, Ir)) for e in mine])
+        if c.n_shared_experts:
+            w.shared_experts = self._shared_as_experts(m, w, c.n_shared_experts, I)
+            if w.shared_experts is None:
+                w.shared = self._mlp(m + "shared_experts.", I * c.n_shared_experts)
+        return w
+
+    def _shared_as_experts(self, m: str, w: MoEWeights, n: int, I: int) -> Optional[tuple]:
+        """The n shared experts of the MoE layer at m as n routed experts (gates, ups, downs): pieces
+        j of the shared MLP's intermediate columns [j I, (j + 1) I), which sum to the MLP (silu_mul is
+        per column, down sums over them). moe_experts then runs them with the routed experts in one
+        op: three launches fewer per layer (gate_up, silu_mul, down), and their sum is rounded once.
+        None where that would change what the model computes or how moe_experts runs it: not asked
+        for, streamed or expert-parallel experts (the shared MLP runs apart there), a stored format
+        other than the routed experts', pieces that split a quantization block or a per-row scale,
+        a slice of a weight stored quantized, activations quantized per token."""
+        E = len(w.experts_gate or ())
+        if not self.shared_as_routed or not E or (self.shard is not None and self.shard.ep > 1):
+            return None
+        if self.precision is not None and QF.PRECISION_PATHS[self.precision].activations == "int8":
+            return None         # the shared MLP's linears quantize their input (w8a8, w4a8); moe_experts does not
+        H, p = self.cfg.hidden_size, m + "shared_experts."
+        names = [(p + f"{k}_proj.weight", shape) for k, shape in
+                 (("gate", (n * I, H)), ("up", (n * I, H)), ("down", (H, n * I)))]
+        stored = [self.ckpt.weight(nm, shape) for nm, shape in names]
+        routed = [self.ckpt.weight(f"{m}experts.0.{k}_proj.weight", shape) for k, shape in
+                  (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))]
+        for a, b in zip(stored, routed):
+            if a.dtype != b.dtype or (a.quant is None) != (b.quant is None):
+                return None
+            if a.quant is not None and (n > 1 or tuple(a.quant.block) != tuple(b.quant.block)):
+                return None
+        if n > 1 and self.weight_format not in (None, "f32", "bf16"):
+            rows, cols = self._quantized_as(self.weight_format)[1]
+            if (rows > 1 and I % rows) or not cols or I % cols:
+                return None     # a piece would get scales of its own: other values than the whole's
+        # gate and up: rows of the pieces; down: their columns
+        return tuple([self._w(nm, shape, None if n == 1 else (int(k == 2), j * I, (j + 1) * I)) for j in range(n)]
+                     for k, (nm, shape) in enumerate(names))
 
     def _router_weight(self, name, shape) -> Tensor:
         a = self.ckpt.array(name, shape)
