@@ -13,6 +13,9 @@ Per-step inputs (token ids, positions, slots, block tables...) are small int32 b
 the arena, all in one input store. The host writes them through `host_input` views: on a host
 backend those views are the store itself; on a device backend they are views of one pinned
 staging buffer with the store's layout, which `run` sends in one asynchronous copy.
+Constant inputs (`tracer.constant`) live in the same store, written once at bind: ops may write
+parts of them in a step (the router writes its columns of the shared experts' routing), and the next
+run's input copy restores them.
 
 A plan can also be captured as a graph (`capture`): the bound calls are recorded once on the
 backend's working stream and every later `run` is the input copy plus one graph launch. The
