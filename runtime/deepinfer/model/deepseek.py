@@ -20,7 +20,8 @@ any other batch (decode, chunked prefill, speculative verification) runs mla_dec
 kv_b into the query and reads the latent cache directly.
 
 MoE: router logits in f32, moe_router (softmax greedy / group_limited_greedy / noaux_tc sigmoid
-with e_score_correction_bias), shared experts first, then routed experts accumulated on top; how
+with e_score_correction_bias), shared experts first, then routed experts accumulated on top (or
+both in one moe_experts, model.weights.WeightLoader._shared_as_experts); how
 the routed experts run (resident, through an expert cache with its pauses, or spread over the
 ranks) is the layer's strategy in model.moe_strategy. With an expert cache the next layer's router
 may run early, on this layer's residual, to predict what to pre-load while this layer computes.

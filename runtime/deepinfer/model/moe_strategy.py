@@ -7,7 +7,8 @@ top, and whatever the placement needs around them (vLLM's modular MoE kernel spl
 prepare / finalize around an experts kernel).
 
     ResidentExperts   every expert's weights in memory (or a filled expert cache, whose slots are in
-                      expert order): shared experts, then moe_experts accumulated on top; under tensor
+                      expert order): shared experts, then moe_experts accumulated on top, or the shared
+                      experts inside that moe_experts where they were loaded as routed ones; under tensor
                       parallelism every rank holds I / tp columns of every expert, so one all_reduce
     CachedExperts     the experts stream through an expert cache (model.expert_cache): the step pauses
                       where the host reads the routing, loads the misses and sends the layer's
