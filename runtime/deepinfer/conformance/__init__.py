@@ -15,12 +15,13 @@ machinery against the reference itself (a smoke test).
 from .cli import main
 from .levels import LEVELS, MULTI_RANK
 from .tolerances import (TOLERANCES_V1, TOLERANCES_V2, TOLERANCES_V3, TOLERANCES_V4, TOLERANCES_V5,
-                         TOLERANCES_V6, TOLERANCES_VERSION)
+                         TOLERANCES_V6, TOLERANCES_V7, TOLERANCES_VERSION)
 
 _RUNNER_NAMES = ("run_conformance", "run_level", "summary")
 
 __all__ = ["main", "run_conformance", "run_level", "summary", "LEVELS", "MULTI_RANK", "TOLERANCES_V1", "TOLERANCES_V2",
-           "TOLERANCES_V3", "TOLERANCES_V4", "TOLERANCES_V5", "TOLERANCES_V6", "TOLERANCES_VERSION"]
+           "TOLERANCES_V3", "TOLERANCES_V4", "TOLERANCES_V5", "TOLERANCES_V6", "TOLERANCES_V7",
+           "TOLERANCES_VERSION"]
 
 
 def __getattr__(name: str):

@@ -2,7 +2,7 @@
 
 The table is versioned: a certificate records TOLERANCES_VERSION and the exact values it used, so a
 certificate stays meaningful after the bounds are tightened. Never edit a published table in
-place; add the next version (v2 for ABI 1.2, v3 for 1.3, v4 for 1.4, v5 for 1.5, v6 for 1.6) and point
+place; add the next version (v2 for ABI 1.2, v3 for 1.3, v4 for 1.4, v5 for 1.5, v6 and v7 for 1.6) and point
 CURRENT at it.
 
 An element passes when |got - want| <= rtol * |want| + atol_rel * rms(want), where rms(want) is
@@ -15,7 +15,8 @@ Keys of the inner dicts:
   f32, bf16, f16   plain float inputs/outputs of that dtype
   q/f32, q/bf16    a quantized operand (weights or activations), output of that dtype; the reference
                    computes on its own dequantized values, the library may accumulate in any order or
-                   in integers, so only f32 rounding of the accumulation separates them
+                   in integers, so only f32 rounding of the accumulation separates them (from v7, a bf16
+                   output of linear and moe_experts also allows the dequantized weight rounded to bf16)
   exact            integer outputs, copies and casts, quantize and dequantize
 """
 from __future__ import annotations
@@ -137,6 +138,17 @@ TOLERANCES_V6: dict[str, dict[str, Tol]] = {
     "mla_rope_cache_write": dict(TOLERANCES_V1["rope"]),
 }
 
+# v7 (still ABI 1.6): v6 unchanged but for linear with a quantized operand and a bf16 output, which is
+# judged as moe_experts' q/bf16 always was: one bf16 rounding in the middle is allowed. A tensor-core
+# library dequantizes the weight into bf16 tiles (Marlin, transformers' fp8 and GPTQ paths do the same);
+# (q * s) rounded to bf16 is up to 2^-8 off per element, and on an output column whose errors happen to
+# line up that reaches ~1.3% of the output's rms (conformance's 300 x 256 x 272 e4m3 case on H100,
+# 2026-12-07), past v6's 1% + 1%. An f32 output keeps the tight q/f32 bound: libraries take exact paths for it.
+TOLERANCES_V7: dict[str, dict[str, Tol]] = {
+    **TOLERANCES_V6,
+    "linear":           {**TOLERANCES_V6["linear"], "q/bf16": _BF16_CHAINED},
+}
+
 SAMPLE_BOUNDARY_EPS = 1e-5
 ROUTER_TIE_EPS = 1e-5
 # indexer_topk: two entries' scores tie when they differ by at most this times the sum of their terms'
@@ -144,8 +156,8 @@ ROUTER_TIE_EPS = 1e-5
 # moves a score by at most about (Di + NI) * 2^-24 of that (1.1e-5 for V4's 128 and 64), typically far less
 INDEXER_TIE_EPS = 1e-5
 
-TOLERANCES_VERSION = "v6"
-CURRENT = TOLERANCES_V6
+TOLERANCES_VERSION = "v7"
+CURRENT = TOLERANCES_V7
 
 
 def lookup(op: str, key: str, table: dict | None = None) -> Tol:
