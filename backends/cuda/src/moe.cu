@@ -152,9 +152,9 @@ __global__ __launch_bounds__(256) void k_router(DTensor logits, DTensor bias, DT
 // score. Same math and order as k_router (ties to the lower index; the k weights summed in k order).
 constexpr int ROUTER_WARP_MAXE = 256;
 
-// DEEPINFER_CUDA_ROUTER_WARP=1 selects it: opt-in until a GPU run has certified and measured it
+// the default (certified on H100, 2026-12-07); DEEPINFER_CUDA_ROUTER_WARP=0 takes k_router instead
 static bool router_warp_on() {
-    static const bool on = env_opt_in("DEEPINFER_CUDA_ROUTER_WARP");
+    static const bool on = env_switch_on("DEEPINFER_CUDA_ROUTER_WARP");
     return on;
 }
 constexpr int ROUTER_WARP_J = ROUTER_WARP_MAXE / LANES;
@@ -450,12 +450,16 @@ __global__ __launch_bounds__(256) void k_moe_down(const float* h, DTensor ids, Q
     }
 }
 
+// The direct plan of one token's decode (moe_mma_api.cuh) is the default; DEEPINFER_CUDA_MOE_DIRECT=0 runs
+// moe_align and moe_combine instead (the same bits)
+static bool moe_direct_on() {
+    static const bool on = env_switch_on("DEEPINFER_CUDA_MOE_DIRECT");
+    return on;
+}
+
 // ---------------------------------------------------------------------------------------- routing plan
 // Groups the pairs routed to resident experts by expert: sorted[] (expert-major), one work item per
 // BN pairs of an expert, pair_ok[p] for the combine. One block: E <= MOE_MAX_E <= blockDim.
-struct ResidentMask {
-    uint32_t w[MOE_MAX_E / 32];
-};
 constexpr int ALIGN_THREADS = 1024;
 
 // 1.5: an expert cache's table. map == NULL: ids name descriptors directly.
@@ -725,7 +729,7 @@ MmaPlan plan_mma(DI_Context* ctx, const DI_MoEExpertsArgs* a, const Call& c, con
 uint64_t mma_workspace(const Call& c, const MmaPlan& pl) {
     const uint64_t P = (uint64_t)(c.T * c.Ktop);
     return align256(P * c.I * 2) + align256(P * c.H * 4) + align256(P * 4) + align256((uint64_t)pl.max_items * 16) +
-           align256(P) + 256;
+           align256(P) + align256((uint64_t)ceil_div(c.H, MOE_DOWN_DECODE_ROWS) * 4) + 256;
 }
 
 uint64_t simt_workspace(const Call& c) {
@@ -759,26 +763,48 @@ DI_Status run_mma(DI_Context* ctx, const DI_MoEExpertsArgs* a, const Call& c, co
     ws += align256((uint64_t)pl.max_items * 16);
     uint8_t* pair_ok = reinterpret_cast<uint8_t*>(ws);
     ws += align256((uint64_t)P);
+    int* tile_cnt = reinterpret_cast<int*>(ws);
+    ws += align256((uint64_t)ceil_div(c.H, MOE_DOWN_DECODE_ROWS) * 4);
     int* n_items = reinterpret_cast<int*>(ws);
 
     ResidentMask res{};
     for (int64_t e = 0; e < c.E; ++e)
         if (c.resident[(size_t)e]) res.w[e >> 5] |= 1u << (e & 31);
-    launch_pdl(k_moe_align, 1, ALIGN_THREADS, 0, s, c.ids.q, c.T, (int)c.Ktop, (int)c.E, res, map_of(c), pl.bn,
-               pl.max_items, sorted, items, n_items, pair_ok);
-    DI_TRY(launch_status(ctx, op));
+    MoePlan plan{};
+    plan.sorted = sorted;
+    plan.items = items;
+    plan.n_items = n_items;
+    // one token without an expert map: the direct plan (moe_mma_api.cuh), two launches instead of four
+    const bool direct = pl.shape == MOE_DECODE && c.T == 1 && !c.mapped && moe_direct_on();
+    if (direct) {
+        plan.direct = 1;
+        plan.E = (int)c.E;
+        plan.Ktop = (int)c.Ktop;
+        plan.accumulate = a->accumulate ? 1 : 0;
+        plan.n_tiles = (int)ceil_div(c.H, MOE_DOWN_DECODE_ROWS);
+        plan.tile_cnt = tile_cnt;
+        plan.ids = c.ids.q;
+        plan.tw = c.tw.q;
+        plan.out = c.out.q;
+        plan.res = res;
+    } else {
+        launch_pdl(k_moe_align, 1, ALIGN_THREADS, 0, s, c.ids.q, c.T, (int)c.Ktop, (int)c.E, res, map_of(c), pl.bn,
+                   pl.max_items, sorted, items, n_items, pair_ok);
+        DI_TRY(launch_status(ctx, op));
+    }
+    const int n_items_max = direct ? (int)P : pl.max_items;
     // the pointer tables travel by value in the launches (static: 18 KB is too much for the stack
     // of a host thread that calls in from a small-stack runtime; one op at a time per thread)
     static thread_local MoePtrs pg, pu, pd;
     fill_ptrs(c.ptrs[0], c, &pg);
     fill_ptrs(c.ptrs[1], c, &pu);
     fill_ptrs(c.ptrs[2], c, &pd);
-    const MoePlan plan{sorted, items, n_items};
-    kGateUp[pl.fg](pl.shape, pl.max_items, pl.mg, pg, pl.mg, pu, plan, c.x.q.base, c.x.q.strides[0] * 2,
+    kGateUp[pl.fg](pl.shape, n_items_max, pl.mg, pg, pl.mg, pu, plan, c.x.q.base, c.x.q.strides[0] * 2,
                    (int)c.Ktop, a->swiglu_limit, h, s);
     DI_TRY(launch_status(ctx, op));
-    kDown[pl.fd](pl.shape, pl.max_items, pl.md, pd, plan, h, y, s);
+    kDown[pl.fd](pl.shape, n_items_max, pl.md, pd, plan, h, y, s);
     DI_TRY(launch_status(ctx, op));
+    if (direct) return DI_OK;
     launch_pdl(k_moe_combine, grid_for(c.T * c.H, 256), 256, 0, s, (const float*)y, c.ids.q, c.tw.q,
                (const uint8_t*)pair_ok, 1, c.E, c.T, c.Ktop, c.H, c.out.q, a->accumulate ? 1 : 0);
     return launch_status(ctx, op);

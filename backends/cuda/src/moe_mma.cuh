@@ -352,6 +352,46 @@ template <int F> constexpr int decode_min_blocks() {
     return (F == MW_I4 || F == MW_FP8 || F == MW_U4) ? 5 : 6;
 }
 
+// Work item i of the plan into *item; false when it has nothing to run (past n_items, or a direct
+// plan's pair whose expert is out of range or has no weights in this call: it is skipped, as moe_align
+// leaves it out).
+__device__ __forceinline__ bool plan_item(const MoePlan& p, int i, int4* item) {
+    if (p.direct) {
+        const int64_t e = load_i(p.ids.dt, p.ids.base, i);
+        *item = make_int4((int)e, i, 1, 0);
+        return e >= 0 && e < p.E && ((p.res.w[e >> 5] >> (e & 31)) & 1u);
+    }
+    if (i >= *p.n_items) return false;
+    *item = p.items[i];
+    return true;
+}
+
+// The pair at position pos of the plan's order
+__device__ __forceinline__ int plan_pair(const MoePlan& p, int pos) { return p.direct ? pos : p.sorted[pos]; }
+
+// A direct plan's combine, run by warp 0 of each down block once its y rows are written (or skipped):
+// the last block of the tile to arrive sums the tile's rows of out over the K pairs that ran, in k
+// order, exactly as k_moe_combine does.
+__device__ __forceinline__ void direct_combine(const MoePlan& p, const float* y, int64_t H, int lane) {
+    __threadfence();   // this block's y rows are visible to whichever block sums them
+    __syncwarp();
+    int last = 0;
+    if (lane == 0) last = atomicAdd(&p.tile_cnt[blockIdx.x], 1) == (int)gridDim.y - 1;
+    last = __shfl_sync(0xffffffffu, last, 0);
+    if (!last) return;
+    __threadfence();
+    const int64_t c = (int64_t)blockIdx.x * MOE_DOWN_DECODE_ROWS + lane;
+    if (c >= H) return;
+    float acc = 0.f;
+    for (int k = 0; k < p.Ktop; ++k) {
+        const int64_t e = load_i(p.ids.dt, p.ids.base, k);
+        if (e < 0 || e >= p.E || !((p.res.w[e >> 5] >> (e & 31)) & 1u)) continue;
+        acc += load_f(p.tw.dt, p.tw.base, k) * __ldcg(&y[(int64_t)k * H + c]);
+    }
+    if (p.accumulate) acc += load_f(p.out.dt, p.out.base, c);
+    store_f(p.out.dt, p.out.base, c, acc);
+}
+
 template <int F, int NT, int KS>
 __global__ __launch_bounds__(128, NT == 1 ? decode_min_blocks<F>() : 1) void k_gate_up(const MoeMat mg, const __grid_constant__ MoePtrs pg,
                                                  const MoeMat mu, const __grid_constant__ MoePtrs pu,
@@ -360,9 +400,10 @@ __global__ __launch_bounds__(128, NT == 1 ? decode_min_blocks<F>() : 1) void k_g
     __shared__ float red[KS > 1 ? (KS - 1) * 2 * NT * 4 * 32 : 1];
     pdl_wait();
     pdl_trigger();
-    const int item_i = blockIdx.y;
-    if (item_i >= *plan.n_items) return;
-    const int4 item = plan.items[item_i];
+    if (plan.direct && blockIdx.x == 0 && blockIdx.y == 0)   // down's tile counters, fresh each call
+        for (int i = threadIdx.x; i < plan.n_tiles; i += blockDim.x) plan.tile_cnt[i] = 0;
+    int4 item;
+    if (!plan_item(plan, (int)blockIdx.y, &item)) return;
     const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
     const int64_t I = mg.N;
     const int64_t r0 = KS > 1 ? (int64_t)blockIdx.x * 16 : ((int64_t)blockIdx.x * 4 + w) * 16;
@@ -383,7 +424,7 @@ __global__ __launch_bounds__(128, NT == 1 ? decode_min_blocks<F>() : 1) void k_g
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
         const int j = n * 8 + g;
-        brow[n] = j < item.z ? x + (int64_t)(plan.sorted[item.y + j] / Ktop) * x_rs : nullptr;
+        brow[n] = j < item.z ? x + (int64_t)(plan_pair(plan, item.y + j) / Ktop) * x_rs : nullptr;
     }
     float acc[2][NT][4] = {};
     kloop<F, NT, 2>(m, a, brow, c, KS > 1 ? w : 0, KS, acc);
@@ -412,11 +453,16 @@ __global__ __launch_bounds__(128, NT == 1 ? decode_min_blocks<F>() : 1) void k_d
     __shared__ float red[KS > 1 ? (KS - 1) * 2 * NT * 4 * 32 : 1];
     pdl_wait();
     pdl_trigger();
-    const int item_i = blockIdx.y;
-    if (item_i >= *plan.n_items) return;
-    const int4 item = plan.items[item_i];
+    int4 item;
+    const bool run = plan_item(plan, (int)blockIdx.y, &item);
     const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
     const int64_t H = md.N, I = md.K;
+    if (!run) {   // a direct plan's skipped pair still counts towards its tiles
+        if constexpr (KS > 1)
+            if (plan.direct && w == 0) direct_combine(plan, y, H, lane);
+        return;
+    }
+    static_assert(KS == 1 || MOE_DOWN_DECODE_ROWS == 32, "the decode tile is the block's 32 rows");
     const int64_t r0 = KS > 1 ? (int64_t)blockIdx.x * 32 : ((int64_t)blockIdx.x * 4 + w) * 32;
     const MoeMat m[2] = {md, md};
     ASrc a[2];
@@ -449,9 +495,11 @@ __global__ __launch_bounds__(128, NT == 1 ? decode_min_blocks<F>() : 1) void k_d
                 const int j = n * 8 + 2 * c + (e & 1);
                 if (j >= item.z) continue;
                 const int64_t row = r0 + 16 * i + g + (e >> 1) * 8;
-                y[(int64_t)plan.sorted[item.y + j] * H + row] = acc[i][n][e];
+                y[(int64_t)plan_pair(plan, item.y + j) * H + row] = acc[i][n][e];
             }
     }
+    if constexpr (KS > 1)
+        if (plan.direct) direct_combine(plan, y, H, lane);
 }
 
 template <int F>
@@ -475,7 +523,7 @@ template <int F>
 void launch_down(MoeShape sh, int max_items, const MoeMat& md, const MoePtrs& pd, MoePlan plan, const uint16_t* h,
                  float* y, cudaStream_t s) {
     if (sh == MOE_DECODE) {
-        dim3 grid((unsigned)ceil_div(md.N, 32), (unsigned)max_items);
+        dim3 grid((unsigned)ceil_div(md.N, MOE_DOWN_DECODE_ROWS), (unsigned)max_items);
         launch_pdl(k_down<F, 1, KS_DECODE>, grid, 128, 0, s, md, pd, plan, h, y);
     } else if (sh == MOE_PREFILL) {
         dim3 grid((unsigned)ceil_div(md.N, 128), (unsigned)max_items);

@@ -43,11 +43,29 @@ struct MoePtrs {
     const char* z[MOE_MAX_E];
 };
 
+// Bit e: expert e has weights in this call.
+struct ResidentMask {
+    uint32_t w[MOE_MAX_E / 32];
+};
+
+// Rows of out per block of the decode-shaped down kernel: the tiles of a direct plan's combine.
+constexpr int MOE_DOWN_DECODE_ROWS = 32;
+
 // The routing plan moe_align writes on the device: pairs grouped by expert and cut into work items.
+// Direct (decode shape, one token, no expert map): work item i is pair i, its expert read from ids by
+// the kernels themselves, so no moe_align runs; and the last of down's blocks to finish a tile of
+// MOE_DOWN_DECODE_ROWS rows sums the K pairs into out, in k order (k_moe_combine's sum), so no
+// moe_combine runs either. A token's K experts are distinct, so nothing is read twice.
 struct MoePlan {
     const int*  sorted;    // [P] pair index t * K + k, grouped by expert
     const int4* items;     // [max_items] (expert, first position in sorted, count, 0)
     const int*  n_items;   // [1]
+    // direct plans only
+    int          direct;
+    int          E, Ktop, accumulate, n_tiles;
+    int*         tile_cnt;  // [n_tiles] blocks done per tile: zeroed by gate_up's first block each call
+    DTensor      ids, tw, out;   // [1, K], [1, K], [1, H]
+    ResidentMask res;
 };
 
 // Tokens per work item: 8 * NT. Decode: NT 1 with the K dimension split over the block's 4 warps;

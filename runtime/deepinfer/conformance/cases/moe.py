@@ -222,6 +222,21 @@ def gen_moe_experts(p, s):
                           absent=tuple(int(e) for e in np.nonzero(r.random(E) < 0.3)[0]), mapped=int(r.integers(0, 6)))
 
 
+    # One token on the tensor-core grid: a batch-1 decode step, which the GPU libraries run without an
+    # alignment or a combine kernel (each block reads its pair's expert from topk_ids, the last block of
+    # each row tile sums the pairs). On seeds of their own (every earlier case keeps its seed): every
+    # weight format; V2-Lite's 64 + 2 experts and K = 8 (experts past the first 32-bit word, a hole); ids
+    # -1 and E; an expert chosen twice; H a partial 32-row tile; accumulate; a limit.
+    s6 = s.fork(6)
+    for wf in ["bf16"] + _pick(p, ["int4/g32/sym/f32", "int4/g64/sym/bf16", "int4/g128/sym/f16",
+                                   "uint4/g32/asym/f32", "int8/channel/f32", "e4m3/128x128/f32"]):
+        yield moe_experts(s6(), 1, 8, 6, 256, 128, "bf16", wf, routing="all")
+    yield moe_experts(s6(), 1, 66, 8, 256, 128, "bf16", routing="all", absent=(40,))
+    yield moe_experts(s6(), 1, 8, 3, 272, 128, "bf16", routing="skip", accumulate=1)
+    yield moe_experts(s6(), 1, 8, 6, 256, 128, "bf16", routing="random")   # 6 picks of 4 experts: repeats
+    yield moe_experts(s6(), 1, 8, 2, 256, 160, "bf16", "int4/g32/sym/f32", routing="all", accumulate=1, limit=0.7)
+
+
 def gen_moe_experts_errors(p, s):
     yield moe_experts(s(), 3, 4, 2, 16, 8, "f32", absent=(2,), expect="FAILED_PRECONDITION")
 
