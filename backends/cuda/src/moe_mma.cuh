@@ -369,19 +369,19 @@ __device__ __forceinline__ bool plan_item(const MoePlan& p, int i, int4* item) {
 // The pair at position pos of the plan's order
 __device__ __forceinline__ int plan_pair(const MoePlan& p, int pos) { return p.direct ? pos : p.sorted[pos]; }
 
-// A direct plan's combine, run by warp 0 of each down block once its y rows are written (or skipped):
-// the last block of the tile to arrive sums the tile's rows of out over the K pairs that ran, in k
-// order, exactly as k_moe_combine does.
-__device__ __forceinline__ void direct_combine(const MoePlan& p, const float* y, int64_t H, int lane) {
+// A direct plan's combine, run by every thread of each down block once its y rows are written (or
+// skipped): the last block of the tile to arrive sums the tile's rows of out over the K pairs that ran,
+// in k order, exactly as k_moe_combine does (the threadfence-reduction pattern).
+__device__ __forceinline__ void direct_combine(const MoePlan& p, const float* y, int64_t H) {
+    __shared__ int last;
     __threadfence();   // this block's y rows are visible to whichever block sums them
-    __syncwarp();
-    int last = 0;
-    if (lane == 0) last = atomicAdd(&p.tile_cnt[blockIdx.x], 1) == (int)gridDim.y - 1;
-    last = __shfl_sync(0xffffffffu, last, 0);
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&p.tile_cnt[blockIdx.x], 1) == (int)gridDim.y - 1;
+    __syncthreads();
     if (!last) return;
     __threadfence();
-    const int64_t c = (int64_t)blockIdx.x * MOE_DOWN_DECODE_ROWS + lane;
-    if (c >= H) return;
+    const int64_t c = (int64_t)blockIdx.x * MOE_DOWN_DECODE_ROWS + threadIdx.x;
+    if (threadIdx.x >= MOE_DOWN_DECODE_ROWS || c >= H) return;
     float acc = 0.f;
     for (int k = 0; k < p.Ktop; ++k) {
         const int64_t e = load_i(p.ids.dt, p.ids.base, k);
@@ -459,7 +459,7 @@ __global__ __launch_bounds__(128, NT == 1 ? decode_min_blocks<F>() : 1) void k_d
     const int64_t H = md.N, I = md.K;
     if (!run) {   // a direct plan's skipped pair still counts towards its tiles
         if constexpr (KS > 1)
-            if (plan.direct && w == 0) direct_combine(plan, y, H, lane);
+            if (plan.direct) direct_combine(plan, y, H);
         return;
     }
     static_assert(KS == 1 || MOE_DOWN_DECODE_ROWS == 32, "the decode tile is the block's 32 rows");
@@ -484,10 +484,10 @@ __global__ __launch_bounds__(128, NT == 1 ? decode_min_blocks<F>() : 1) void k_d
     float acc[2][NT][4] = {};
     kloop<F, NT, 2>(m, a, brow, c, KS > 1 ? w : 0, KS, acc);
     reduce_warps<NT, KS>(acc, red);
-    if (KS > 1 && w != 0) return;
+    if (KS > 1 && w != 0 && !plan.direct) return;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-        if (!a[i].ok) continue;
+        if (!a[i].ok || (KS > 1 && w != 0)) continue;   // warp 0 holds the block's sums
 #pragma unroll
         for (int n = 0; n < NT; ++n)
 #pragma unroll
@@ -499,7 +499,7 @@ __global__ __launch_bounds__(128, NT == 1 ? decode_min_blocks<F>() : 1) void k_d
             }
     }
     if constexpr (KS > 1)
-        if (plan.direct) direct_combine(plan, y, H, lane);
+        if (plan.direct) direct_combine(plan, y, H);
 }
 
 template <int F>
