@@ -232,6 +232,9 @@ int main() {
         // V3's head shape: 16 heads x 32 pairs, latent 512 (each thread one latent element)
         {3, 16, 128, 64, 512, 2, 4, DT_BF16, DT_BF16, 1, 1, 2, 576, 2},
         {3, 16, 128, 64, 512, 2, 4, DT_F32, DT_F32, 0, 1, 0, 0, 3},
+        // more q pairs (40 x 16) and latent elements (520) than threads: the passes after the first
+        {2, 40, 8, 32, 520, 2, 4, DT_F32, DT_F32, 1, 1, 1, 0, 2},
+        {3, 40, 8, 32, 520, 2, 4, DT_BF16, DT_BF16, 0, 0, 2, 0, 1},
     };
     for (const Case& c : cases) run_case(c);
     if (failures) {

@@ -29,26 +29,43 @@ __global__ void k_mla_rope_cache_write(DTensor q, DTensor kv, DTensor w, DTensor
                                        DTensor kv_out, FusedRopeP p) {
     DI_DYN_SMEM(float, sm);
     __shared__ float red[MAX_WARPS];
+    const int64_t Dc = p.Dc, Dr = p.Dr, half = Dr / 2, tid = threadIdx.x;
+    // what no earlier kernel writes, before the wait (it overlaps the previous kernel's tail under PDL):
+    // this thread's first norm weight and the inverse frequency of its first pair
+    const float w0 = tid < Dc ? load_f(w.dt, w.base, tid) : 0.f;
+    const double inv0 = tid < half ? rope_inv_freq(p.f, tid) : 0.0;
     pdl_wait();
     pdl_trigger();
-    const int64_t Dc = p.Dc, Dr = p.Dr, half = Dr / 2;
     float* lat = sm;
     float* kpe = lat + Dc;
     float* cs = kpe + Dr;   // cos of pair j at j, sin at half + j
+    const int64_t qpairs = p.H * half;
     for (int64_t t = blockIdx.x; t < p.T; t += gridDim.x) {
         // (a) kv's row, read once: every read happens before the barrier of block_sum, every write after
-        // it, which is what lets kv_out be kv
+        // it, which is what lets kv_out be kv. This thread's first q pair is read with it (q is only
+        // written by the thread that reads it).
         const int64_t ko = t * kv.strides[0];
+        float qu0 = 0.f, qv0 = 0.f;
+        int64_t qo0 = 0, qi0 = 0, qi1 = 0;
+        if (tid < qpairs) {
+            const int64_t h = tid / half, j = tid % half;
+            qo0 = t * q.strides[0] + h * q.strides[1] + (p.Dq - Dr);
+            qi0 = p.interleaved ? 2 * j : j;
+            qi1 = p.interleaved ? 2 * j + 1 : j + half;
+            qu0 = load_f(q.dt, q.base, qo0 + qi0);
+            qv0 = load_f(q.dt, q.base, qo0 + qi1);
+        }
         float ss = 0.f;
-        for (int64_t h = threadIdx.x; h < Dc; h += blockDim.x) {
+        for (int64_t h = tid; h < Dc; h += blockDim.x) {
             const float v = load_f(kv.dt, kv.base, ko + h);
             lat[h] = v;
             ss += v * v;
         }
-        for (int64_t i = threadIdx.x; i < Dr; i += blockDim.x) kpe[i] = load_f(kv.dt, kv.base, ko + Dc + i);
+        for (int64_t i = tid; i < Dr; i += blockDim.x) kpe[i] = load_f(kv.dt, kv.base, ko + Dc + i);
         // (b) each pair's angle once per token, in f64 as rope.cu computes it
         const double pp = (double)load_i(pos.dt, pos.base, t * pos.strides[0]);
-        for (int64_t j = threadIdx.x; j < half; j += blockDim.x) rope_cos_sin(p.f, j, pp, &cs[j], &cs[half + j]);
+        for (int64_t j = tid; j < half; j += blockDim.x)
+            rope_cos_sin_at(p.f, j == tid ? inv0 : rope_inv_freq(p.f, j), pp, &cs[j], &cs[half + j]);
         ss = block_sum(ss, red);   // also the barrier after which lat, kpe and cs are complete
         const float r = rsqrtf(ss / (float)Dc + p.eps);
         // (c) the cache row (slots outside [0, NB*BS) write nothing) and kv_out
@@ -56,12 +73,12 @@ __global__ void k_mla_rope_cache_write(DTensor q, DTensor kv, DTensor w, DTensor
         const bool to_cache = slot >= 0 && slot < p.NB * p.BS;
         const int64_t co = to_cache ? (slot / p.BS) * cache.strides[0] + (slot % p.BS) * cache.strides[1] : 0;
         const int64_t oo = kv_out.base ? t * kv_out.strides[0] : 0;
-        for (int64_t h = threadIdx.x; h < Dc; h += blockDim.x) {
-            const float v = lat[h] * r * load_f(w.dt, w.base, h);
+        for (int64_t h = tid; h < Dc; h += blockDim.x) {
+            const float v = lat[h] * r * (h == tid ? w0 : load_f(w.dt, w.base, h));
             if (to_cache) store_f(cache.dt, cache.base, co + h, v);
             if (kv_out.base) store_f(kv_out.dt, kv_out.base, oo + h, v);
         }
-        for (int64_t j = threadIdx.x; j < half; j += blockDim.x) {
+        for (int64_t j = tid; j < half; j += blockDim.x) {
             const int64_t i0 = p.interleaved ? 2 * j : j, i1 = p.interleaved ? 2 * j + 1 : j + half;
             const float c = cs[j], s = cs[half + j], u = kpe[i0], v = kpe[i1];
             const float ru = u * c - v * s, rv = v * c + u * s;
@@ -75,12 +92,14 @@ __global__ void k_mla_rope_cache_write(DTensor q, DTensor kv, DTensor w, DTensor
             }
         }
         // every head's q_pe, in place: H * Dr / 2 pairs, each read and written by one thread
-        for (int64_t i = threadIdx.x; i < p.H * half; i += blockDim.x) {
+        for (int64_t i = tid; i < qpairs; i += blockDim.x) {
             const int64_t h = i / half, j = i % half;
-            const int64_t qo = t * q.strides[0] + h * q.strides[1] + (p.Dq - Dr);
-            const int64_t i0 = p.interleaved ? 2 * j : j, i1 = p.interleaved ? 2 * j + 1 : j + half;
+            const int64_t qo = i == tid ? qo0 : t * q.strides[0] + h * q.strides[1] + (p.Dq - Dr);
+            const int64_t i0 = i == tid ? qi0 : p.interleaved ? 2 * j : j;
+            const int64_t i1 = i == tid ? qi1 : p.interleaved ? 2 * j + 1 : j + half;
             const float c = cs[j], s = cs[half + j];
-            const float u = load_f(q.dt, q.base, qo + i0), v = load_f(q.dt, q.base, qo + i1);
+            const float u = i == tid ? qu0 : load_f(q.dt, q.base, qo + i0);
+            const float v = i == tid ? qv0 : load_f(q.dt, q.base, qo + i1);
             store_f(q.dt, q.base, qo + i0, u * c - v * s);
             store_f(q.dt, q.base, qo + i1, v * c + u * s);
         }

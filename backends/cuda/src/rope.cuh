@@ -14,17 +14,27 @@ struct RopeFreq {
     double  theta, factor, low, high, attn;
 };
 
-// cos and sin (times attn_factor) of pair j at position pos
-__device__ __forceinline__ void rope_cos_sin(const RopeFreq& f, int64_t j, double pos, float* c, float* s) {
+// the inverse frequency of pair j (YaRN's ramp applied): depends on nothing a kernel before wrote
+__device__ __forceinline__ double rope_inv_freq(const RopeFreq& f, int64_t j) {
     double inv = pow(f.theta, -2.0 * (double)j / (double)f.D);
     if (f.yarn) {
         double ramp = ((double)j - f.low) / (f.high - f.low);
         ramp = ramp < 0 ? 0 : (ramp > 1 ? 1 : ramp);
         inv = inv / f.factor * ramp + inv * (1.0 - ramp);
     }
+    return inv;
+}
+
+// cos and sin (times attn_factor) of the pair of inverse frequency inv at position pos
+__device__ __forceinline__ void rope_cos_sin_at(const RopeFreq& f, double inv, double pos, float* c, float* s) {
     const double ang = pos * inv;
     *c = (float)(cos(ang) * f.attn);
     *s = (float)(sin(ang) * f.attn);
+}
+
+// cos and sin (times attn_factor) of pair j at position pos
+__device__ __forceinline__ void rope_cos_sin(const RopeFreq& f, int64_t j, double pos, float* c, float* s) {
+    rope_cos_sin_at(f, rope_inv_freq(f, j), pos, c, s);
 }
 
 #if !defined(DI_GPU_HOST_EMU)
