@@ -190,11 +190,23 @@ static bool lin_cluster_on() {
     return on;
 }
 
+// The fewest k-steps a warp of a split-K decode block runs (4). DEEPINFER_CUDA_LINEAR_MIN_STEPS=1..16
+// sets it for a measurement: fewer steps mean more splits, more bytes in flight and shorter chains,
+// against more partial sums to reduce.
+static int64_t lin_min_steps() {
+    static const int64_t v = [] {
+        const char* e = getenv("DEEPINFER_CUDA_LINEAR_MIN_STEPS");
+        const int n = e ? atoi(e) : 0;
+        return (int64_t)(n >= 1 && n <= 16 ? n : 4);
+    }();
+    return v;
+}
+
 static int mma_splits(LinShape sh, int64_t N, int64_t K, int f, int sm_count) {
     if (sh == LIN_BATCH) return 1;
     const int64_t blocks = ceil_div(N, lin_rows_per_block(sh));
     const int64_t want = 8 * (int64_t)sm_count;  // about 1.5 waves of the 5-6 resident blocks per SM
-    const int64_t steps_per_warp_min = 4;
+    const int64_t steps_per_warp_min = lin_min_steps();
     const int64_t max_splits = K / moe_kstep_cols(f) / (lin_warps_per_k(sh) * steps_per_warp_min);
     int64_t sp = blocks >= want ? 1 : ceil_div(want, blocks);
     if (sp > max_splits) sp = max_splits;
