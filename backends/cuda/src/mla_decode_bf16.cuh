@@ -34,10 +34,13 @@ template <int TT>
 __global__ __launch_bounds__(256) void k_mla_qlat_bf16(DTensor q, DTensor w, float* qf, DecodeDims d) {
     __shared__ float qs[TT][MLAF_MAXDN];
     __shared__ float red[8][TT][MLAF_COLS];
-    pdl_wait();
-    pdl_trigger();
     const int warp = warp_id(), lane = lane_id();
     const int64_t h = blockIdx.x, c0 = (int64_t)blockIdx.y * MLAF_COLS, t0 = (int64_t)blockIdx.z * TT;
+    // this block's W_uk rows (128 bytes of each: MLAF_COLS bf16) into L2 before the wait: no kernel writes them
+    for (int k = threadIdx.x; k < d.Dn; k += blockDim.x)
+        prefetch_l2(w.base + ((h * (int64_t)(d.Dn + d.Dv) + k) * w.strides[0] + c0) * 2);
+    pdl_wait();
+    pdl_trigger();
     const int Dk = d.Dc + d.Dr;
     const int nt = (int)min((int64_t)TT, d.T - t0);
     for (int i = threadIdx.x; i < TT * d.Dn; i += blockDim.x) {
@@ -233,10 +236,18 @@ __global__ __launch_bounds__(256) void k_mla_merge_uv_bf16(const float* part, DT
     __shared__ float wgt[TT][MLAF_MAX_SPLITS];
     __shared__ float inv[TT];
     __shared__ int nact[TT];
-    pdl_wait();
-    pdl_trigger();
     const int warp = warp_id(), lane = lane_id();
     const int64_t h = blockIdx.x, t0 = (int64_t)blockIdx.z * TT;
+    {   // this block's W_uv rows into L2 before the wait (no kernel writes them): 128-byte lines
+        const int64_t lines = (int64_t)d.Dc * 2 / 128;
+        for (int64_t i = threadIdx.x; i < MLAF_UV_ROWS * lines; i += blockDim.x) {
+            const int64_t j = (int64_t)blockIdx.y * MLAF_UV_ROWS + i / lines;
+            if (j < d.Dv)
+                prefetch_l2(w.base + ((h * (int64_t)(d.Dn + d.Dv) + d.Dn + j) * w.strides[0] + (i % lines) * 64) * 2);
+        }
+    }
+    pdl_wait();
+    pdl_trigger();
     const int nt = (int)min((int64_t)TT, d.T - t0);
     const int64_t stride = d.Dc + 2;
     // warp t: the merge weights of token t's active chunks
