@@ -30,12 +30,14 @@ __global__ void k_mla_rope_cache_write(DTensor q, DTensor kv, DTensor w, DTensor
     DI_DYN_SMEM(float, sm);
     __shared__ float red[MAX_WARPS];
     const int64_t Dc = p.Dc, Dr = p.Dr, half = Dr / 2, tid = threadIdx.x;
-    // what no earlier kernel writes, before the wait (it overlaps the previous kernel's tail under PDL):
-    // this thread's first norm weight and the inverse frequency of its first pair
-    const float w0 = tid < Dc ? load_f(w.dt, w.base, tid) : 0.f;
+    // before the wait (it overlaps the previous kernel's tail under PDL): the inverse frequency of this
+    // thread's first pair (the op's parameters only) and an L2 prefetch of its norm weight (a hint: the
+    // weight itself is read after the wait, since a caller may pass one an earlier op wrote)
     const double inv0 = tid < half ? rope_inv_freq(p.f, tid) : 0.0;
+    if (tid < Dc) prefetch_l2(w.base + tid * (w.dt == DT_F32 ? 4 : 2));
     pdl_wait();
     pdl_trigger();
+    const float w0 = tid < Dc ? load_f(w.dt, w.base, tid) : 0.f;
     float* lat = sm;
     float* kpe = lat + Dc;
     float* cs = kpe + Dr;   // cos of pair j at j, sin at half + j

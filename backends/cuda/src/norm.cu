@@ -44,9 +44,22 @@ template <int AT, int WT, int VPT>
 __global__ __launch_bounds__(1024) void k_rmsnorm_vec(DTensor x, DTensor w, DTensor res, DTensor out, DTensor res_out,
                                                       int64_t T, int H, float eps) {
     __shared__ float red[MAX_WARPS];
+    const int nv = H / 8;
+    // the weight into L2 before the wait (a hint only: the weight is read after it, since a caller may
+    // pass one an earlier op wrote), then into registers once for every row of the block
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i < nv) prefetch_l2(w.base + (int64_t)i * 8 * (WT == DT_F32 ? 4 : 2));
+    }
     pdl_wait();
     pdl_trigger();
-    const int nv = H / 8;
+    float wv[VPT][8];
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i < nv) load8<WT>(w.base, i * 8, wv[j]);
+    }
     for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
         float v[VPT][8];
         float ss = 0.f;
@@ -71,10 +84,9 @@ __global__ __launch_bounds__(1024) void k_rmsnorm_vec(DTensor x, DTensor w, DTen
             const int i = threadIdx.x + j * blockDim.x;
             if (i >= nv) continue;
             if (res_out.base) store8<AT>(res_out.base, t * res_out.strides[0] + i * 8, v[j]);
-            float w8[8], o[8];
-            load8<WT>(w.base, i * 8, w8);
+            float o[8];
 #pragma unroll
-            for (int k = 0; k < 8; ++k) o[k] = v[j][k] * r * w8[k];
+            for (int k = 0; k < 8; ++k) o[k] = v[j][k] * r * wv[j][k];
             store8<AT>(out.base, t * out.strides[0] + i * 8, o);
         }
     }
