@@ -34,6 +34,20 @@ struct RouterP {
     int32_t hash;   // 1: topk_ids[t] = hash_table[token_ids[t]], no selection
 };
 
+// The elementwise scores (softmax's exp(v - max) / sum needs the row's reductions: each kernel has its
+// own), and a pick's weight from its score and the sum of the K picked scores: one statement of each
+// for k_router and k_router_warp.
+__device__ __forceinline__ float router_elem_score(int scoring, float v) {
+    if (scoring == DI_SCORING_SIGMOID) return 1.f / (1.f + expf(-v));
+    return sqrtf(v > 20.f ? v : log1pf(expf(v)));   // sqrt(softplus(v)); softplus(v) = v above 20 (torch's threshold)
+}
+
+__device__ __forceinline__ float router_weight(const RouterP& p, float score, float sum) {
+    float w = score;
+    if (p.norm) w = w / (sum + 1e-20f);
+    return w * p.rsf;
+}
+
 __global__ __launch_bounds__(256) void k_router(DTensor logits, DTensor bias, DTensor ids, DTensor wts, DTensor tok,
                                                 DTensor table, RouterP p) {
     extern __shared__ float sm[];
@@ -64,13 +78,8 @@ __global__ __launch_bounds__(256) void k_router(DTensor logits, DTensor bias, DT
             }
             sum = block_sum(sum, red);
             for (int e = threadIdx.x; e < p.E; e += blockDim.x) scores[e] = scores[e] / sum;
-        } else if (p.scoring == DI_SCORING_SIGMOID) {
-            for (int e = threadIdx.x; e < p.E; e += blockDim.x) scores[e] = 1.f / (1.f + expf(-scores[e]));
-        } else {   // sqrt(softplus(v)); softplus(v) = v above 20, as torch's threshold
-            for (int e = threadIdx.x; e < p.E; e += blockDim.x) {
-                const float v = scores[e];
-                scores[e] = sqrtf(v > 20.f ? v : log1pf(expf(v)));
-            }
+        } else {
+            for (int e = threadIdx.x; e < p.E; e += blockDim.x) scores[e] = router_elem_score(p.scoring, scores[e]);
         }
         for (int e = threadIdx.x; e < p.E; e += blockDim.x)
             sel[e] = scores[e] + (bias.base ? load_f(bias.dt, bias.base, e) : 0.f);
@@ -136,9 +145,7 @@ __global__ __launch_bounds__(256) void k_router(DTensor logits, DTensor bias, DT
             float sum = 0.f;
             for (int k = 0; k < p.K && ok; ++k) sum += scores[chosen[k]];
             for (int k = 0; k < p.K; ++k) {
-                float w = ok ? scores[chosen[k]] : 0.f;
-                if (p.norm) w = w / (sum + 1e-20f);
-                w *= p.rsf;
+                const float w = router_weight(p, ok ? scores[chosen[k]] : 0.f, sum);
                 reinterpret_cast<int32_t*>(ids.base)[t * ids.strides[0] + k] = ok ? chosen[k] : -1;
                 store_f(wts.dt, wts.base, t * wts.strides[0] + k, ok ? w : 0.f);
             }
@@ -184,12 +191,9 @@ __global__ __launch_bounds__(128) void k_router_warp(DTensor logits, DTensor bia
         sum = warp_sum(sum);
 #pragma unroll
         for (int j = 0; j < ROUTER_WARP_J; ++j) sc[j] = sc[j] / sum;
-    } else if (p.scoring == DI_SCORING_SIGMOID) {
-#pragma unroll
-        for (int j = 0; j < ROUTER_WARP_J; ++j) sc[j] = 1.f / (1.f + expf(-sc[j]));
     } else {
 #pragma unroll
-        for (int j = 0; j < ROUTER_WARP_J; ++j) sc[j] = sqrtf(sc[j] > 20.f ? sc[j] : log1pf(expf(sc[j])));
+        for (int j = 0; j < ROUTER_WARP_J; ++j) sc[j] = router_elem_score(p.scoring, sc[j]);
     }
 #pragma unroll
     for (int j = 0; j < ROUTER_WARP_J; ++j) {
@@ -221,11 +225,8 @@ __global__ __launch_bounds__(128) void k_router_warp(DTensor logits, DTensor bia
     }
     if (lane == 0) {
         for (int k = 0; k < p.K; ++k) {
-            float w = picked[k];
-            if (p.norm) w = w / (sum + 1e-20f);
-            w *= p.rsf;
             reinterpret_cast<int32_t*>(ids.base)[t * ids.strides[0] + k] = chosen[k];
-            store_f(wts.dt, wts.base, t * wts.strides[0] + k, w);
+            store_f(wts.dt, wts.base, t * wts.strides[0] + k, router_weight(p, picked[k], sum));
         }
     }
 }
