@@ -238,11 +238,13 @@ class WeightLoader:
             if t.quant is not None and not QF.is_quantizable(name, shape) and fmt is not None:
                 return self.dequantized(be.upload(t), self.dtype)
             return be.upload(t)
-        t = self._stored(name, shape, None, part)
         if fmt in ("f32", "bf16"):
-            # float precisions keep these weights in that dtype (activations may differ)
-            return self.dequantized(be.upload(t), fmt) if t.quant is not None else be.upload(
-                self._stored(name, shape, fmt, part))
+            # float precisions keep these weights in that dtype (activations may differ); the stored
+            # tensor as it is says whether it is quantized, so a part is copied once, in fmt
+            if self.ckpt.weight(name, shape, None).quant is not None:
+                return self.dequantized(be.upload(self._stored(name, shape, None, part)), fmt)
+            return be.upload(self._stored(name, shape, fmt, part))
+        t = self._stored(name, shape, None, part)
         qdt, block = self._quantized_as(fmt)
         if t.quant is not None:
             if t.dtype.name == qdt and tuple(t.quant.block) == block:
