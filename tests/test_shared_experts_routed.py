@@ -128,6 +128,33 @@ def test_one_shared_expert_keeps_its_stored_format(tiny_checkpoint):
             assert tuple(d.quant.block) == tuple(m.experts_down[0].quant.block)
 
 
+def test_loaded_layouts_that_differ_keep_the_mlp(tiny_checkpoint, monkeypatch):
+    """The format rules stand in for the loaded layouts moe_experts needs equal; where a loaded piece's
+    layout would still differ from the routed experts' (here: made to), the shared MLP runs on its own
+    and the model computes the same."""
+    import deepinfer
+    from deepinfer.model import weights as W
+
+    path, _, _ = tiny_checkpoint("v2")
+    be = deepinfer.get_backend("reference")
+    pieces, real, load = set(), W._layout, W.WeightLoader._w
+
+    def w(self, name, shape, part=None):      # remembers which tensors are the shared experts' pieces
+        t = load(self, name, shape, part)
+        if "shared_experts" in name:
+            pieces.add(id(t))
+        return t
+
+    monkeypatch.setattr(W.WeightLoader, "_w", w)
+    monkeypatch.setattr(W, "_layout", lambda t: (real(t), id(t) in pieces))
+    r = runner(path, be)
+    assert all(m.shared_experts is None and m.shared is not None for m in moe_layers(r))
+    apart = runner(path, be, shared_experts_routed=False)
+    a = be.to_numpy(r.forward([(0, PROMPT, 0)], all_logits=True))
+    b = be.to_numpy(apart.forward([(0, PROMPT, 0)], all_logits=True))
+    assert rel_err(a, b) < 1e-6
+
+
 def test_constant_inputs():
     """Tracer.constant: one tensor per name, its value filled at bind; a second trace with another
     value is an error."""

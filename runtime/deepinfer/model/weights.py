@@ -127,6 +127,14 @@ def is_mtp_layer(ckpt, i: int) -> bool:
     return f"model.layers.{i}.eh_proj.weight" in ckpt or f"model.layers.{i}.e_proj.weight" in ckpt
 
 
+def _layout(t: Tensor) -> tuple:
+    """What moe_experts requires every expert of a call to share: dtype, shape, quantization block
+    and the scales' and zeros' dtypes."""
+    q = t.quant
+    return (t.dtype.name, tuple(t.shape), None if q is None else
+            (tuple(q.block), q.scales.dtype.name, None if q.zeros is None else q.zeros.dtype.name))
+
+
 def copy_bytes(backend, dst: Tensor, src: Tensor) -> None:
     """dst's bytes = src's (both contiguous, same size; 4-bit tensors stay packed)."""
     if dst.nbytes != src.nbytes:
@@ -470,8 +478,14 @@ class WeightLoader:
             if (rows > 1 and I % rows) or not cols or I % cols:
                 return None     # a piece would get scales of its own: other values than the whole's
         # gate and up: rows of the pieces; down: their columns
-        return tuple([self._w(nm, shape, None if n == 1 else (int(k == 2), j * I, (j + 1) * I)) for j in range(n)]
-                     for k, (nm, shape) in enumerate(names))
+        pieces = tuple([self._w(nm, shape, None if n == 1 else (int(k == 2), j * I, (j + 1) * I)) for j in range(n)]
+                       for k, (nm, shape) in enumerate(names))
+        # the rules above stand in for the loaded layouts moe_experts needs equal (checked here: where
+        # they differ, the shared MLP runs on its own, computing the same)
+        firsts = (w.experts_gate[0], w.experts_up[0], w.experts_down[0])
+        if any(_layout(t) != _layout(f) for loaded, f in zip(pieces, firsts) for t in loaded):
+            return None
+        return pieces
 
     def _router_weight(self, name, shape) -> Tensor:
         a = self.ckpt.array(name, shape)
