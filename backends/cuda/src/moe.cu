@@ -453,7 +453,7 @@ __global__ __launch_bounds__(256) void k_moe_down(const float* h, DTensor ids, Q
 
 // The direct plan of one token's decode (moe_mma_api.cuh) is the default; DEEPINFER_CUDA_MOE_DIRECT=0 runs
 // moe_align and moe_combine instead (the same bits)
-static bool moe_direct_on() {
+[[maybe_unused]] static bool moe_direct_on() {
     static const bool on = env_switch_on("DEEPINFER_CUDA_MOE_DIRECT");
     return on;
 }
