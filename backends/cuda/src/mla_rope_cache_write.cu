@@ -34,7 +34,7 @@ __global__ void k_mla_rope_cache_write(DTensor q, DTensor kv, DTensor w, DTensor
     // thread's first pair (the op's parameters only) and an L2 prefetch of its norm weight (a hint: the
     // weight itself is read after the wait, since a caller may pass one an earlier op wrote)
     const double inv0 = tid < half ? rope_inv_freq(p.f, tid) : 0.0;
-    if (tid < Dc) prefetch_l2(w.base + tid * (w.dt == DT_F32 ? 4 : 2));
+    if (tid < Dc) prefetch_l2(w.base + (tid << dt_lg(w.dt)));
     pdl_wait();
     pdl_trigger();
     const float w0 = tid < Dc ? load_f(w.dt, w.base, tid) : 0.f;
@@ -47,15 +47,19 @@ __global__ void k_mla_rope_cache_write(DTensor q, DTensor kv, DTensor w, DTensor
         // it, which is what lets kv_out be kv. This thread's first q pair is read with it (q is only
         // written by the thread that reads it).
         const int64_t ko = t * kv.strides[0];
+        // q pair i of token t: its row offset and the offsets of its two elements
+        auto q_pair = [&](int64_t i, int64_t* qo, int64_t* i0, int64_t* i1) {
+            const int64_t h = i / half, j = i % half;
+            *qo = t * q.strides[0] + h * q.strides[1] + (p.Dq - Dr);
+            *i0 = p.interleaved ? 2 * j : j;
+            *i1 = p.interleaved ? 2 * j + 1 : j + half;
+        };
         float qu0 = 0.f, qv0 = 0.f;
-        int64_t qo0 = 0, qi0 = 0, qi1 = 0;
         if (tid < qpairs) {
-            const int64_t h = tid / half, j = tid % half;
-            qo0 = t * q.strides[0] + h * q.strides[1] + (p.Dq - Dr);
-            qi0 = p.interleaved ? 2 * j : j;
-            qi1 = p.interleaved ? 2 * j + 1 : j + half;
-            qu0 = load_f(q.dt, q.base, qo0 + qi0);
-            qv0 = load_f(q.dt, q.base, qo0 + qi1);
+            int64_t qo, i0, i1;
+            q_pair(tid, &qo, &i0, &i1);
+            qu0 = load_f(q.dt, q.base, qo + i0);
+            qv0 = load_f(q.dt, q.base, qo + i1);
         }
         float ss = 0.f;
         for (int64_t h = tid; h < Dc; h += blockDim.x) {
@@ -95,10 +99,9 @@ __global__ void k_mla_rope_cache_write(DTensor q, DTensor kv, DTensor w, DTensor
         }
         // every head's q_pe, in place: H * Dr / 2 pairs, each read and written by one thread
         for (int64_t i = tid; i < qpairs; i += blockDim.x) {
-            const int64_t h = i / half, j = i % half;
-            const int64_t qo = i == tid ? qo0 : t * q.strides[0] + h * q.strides[1] + (p.Dq - Dr);
-            const int64_t i0 = i == tid ? qi0 : p.interleaved ? 2 * j : j;
-            const int64_t i1 = i == tid ? qi1 : p.interleaved ? 2 * j + 1 : j + half;
+            int64_t qo, i0, i1;
+            q_pair(i, &qo, &i0, &i1);
+            const int64_t j = i % half;
             const float c = cs[j], s = cs[half + j];
             const float u = i == tid ? qu0 : load_f(q.dt, q.base, qo + i0);
             const float v = i == tid ? qv0 : load_f(q.dt, q.base, qo + i1);

@@ -497,7 +497,7 @@ __global__ __launch_bounds__(ALIGN_THREADS) void k_moe_align(DTensor ids, int64_
     for (int64_t p = tid; p < P; p += blockDim.x) {
         bool inside;
         const int64_t e = pair_expert(ids, p, Ktop, emap, &inside);
-        const bool ok = e >= 0 && e < E && ((res.w[e >> 5] >> (e & 31)) & 1u);
+        const bool ok = res.has(e, E);
         pair_ok[p] = ok;
         if (ok) atomicAdd(&cnt[e], 1);
         if (emap.map) emap.misses[(p / Ktop) * emap.ms + p % Ktop] = inside && !ok;

@@ -359,7 +359,7 @@ __device__ __forceinline__ bool plan_item(const MoePlan& p, int i, int4* item) {
     if (p.direct) {
         const int64_t e = load_i(p.ids.dt, p.ids.base, i);
         *item = make_int4((int)e, i, 1, 0);
-        return e >= 0 && e < p.E && ((p.res.w[e >> 5] >> (e & 31)) & 1u);
+        return p.res.has(e, p.E);
     }
     if (i >= *p.n_items) return false;
     *item = p.items[i];
@@ -385,7 +385,7 @@ __device__ __forceinline__ void direct_combine(const MoePlan& p, const float* y,
     float acc = 0.f;
     for (int k = 0; k < p.Ktop; ++k) {
         const int64_t e = load_i(p.ids.dt, p.ids.base, k);
-        if (e < 0 || e >= p.E || !((p.res.w[e >> 5] >> (e & 31)) & 1u)) continue;
+        if (!p.res.has(e, p.E)) continue;
         acc += load_f(p.tw.dt, p.tw.base, k) * __ldcg(&y[(int64_t)k * H + c]);
     }
     if (p.accumulate) acc += load_f(p.out.dt, p.out.base, c);

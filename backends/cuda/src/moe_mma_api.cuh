@@ -46,6 +46,10 @@ struct MoePtrs {
 // Bit e: expert e has weights in this call.
 struct ResidentMask {
     uint32_t w[MOE_MAX_E / 32];
+    // whether e names one of the E experts and that expert has weights in this call
+    __host__ __device__ bool has(int64_t e, int64_t E) const {
+        return e >= 0 && e < E && ((w[e >> 5] >> (e & 31)) & 1u);
+    }
 };
 
 // Rows of out per block of the decode-shaped down kernel: the tiles of a direct plan's combine.

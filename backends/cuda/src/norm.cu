@@ -50,7 +50,7 @@ __global__ __launch_bounds__(1024) void k_rmsnorm_vec(DTensor x, DTensor w, DTen
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
         const int i = threadIdx.x + j * blockDim.x;
-        if (i < nv) prefetch_l2(w.base + (int64_t)i * 8 * (WT == DT_F32 ? 4 : 2));
+        if (i < nv) prefetch_l2(w.base + ((int64_t)i * 8 << dt_lg(WT)));
     }
     pdl_wait();
     pdl_trigger();

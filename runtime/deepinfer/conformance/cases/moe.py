@@ -220,8 +220,6 @@ def gen_moe_experts(p, s):
                           routing=["random", "skip", "all", "cold"][int(r.integers(0, 4))],
                           accumulate=int(r.integers(0, 2)),
                           absent=tuple(int(e) for e in np.nonzero(r.random(E) < 0.3)[0]), mapped=int(r.integers(0, 6)))
-
-
     # One token on the tensor-core grid: a batch-1 decode step, which the GPU libraries run without an
     # alignment or a combine kernel (each block reads its pair's expert from topk_ids, the last block of
     # each row tile sums the pairs). On seeds of their own (every earlier case keeps its seed): every
