@@ -1,5 +1,5 @@
 /*
- * deepinfer kernel ABI, version 1.6 (abi/CHANGELOG.md lists what each minor version added).
+ * deepinfer kernel ABI, version 1.7 (abi/CHANGELOG.md lists what each minor version added).
  *
  * A vendor library (libdeepinfer_<name>.so) is built against this header alone. It exports one
  * frozen symbol, deepinfer_plugin_info(), which returns a DI_PluginInfo. The host asks that struct
@@ -40,7 +40,7 @@ extern "C" {
 /* DI_CDEF_BEGIN */
 
 #define DI_ABI_MAJOR 1
-#define DI_ABI_MINOR 6
+#define DI_ABI_MINOR 7
 #define DI_MAX_DIMS 6
 
 /* ---------------------------------------------------------------- status codes */
@@ -227,7 +227,8 @@ enum DI_OpId {
     DI_OP_COUNT_V1_4      = 28,
     DI_OP_COUNT_V1_5      = 28,  /* 1.5 added no ops (moe_experts' expert_map and misses) */
     DI_OP_MLA_ROPE_CACHE_WRITE = 28,  /* 1.6: fused ops */
-    DI_OP_COUNT_V1_6      = 29
+    DI_OP_COUNT_V1_6      = 29,
+    DI_OP_COUNT_V1_7      = 29   /* 1.7 added no ops (sample's controls) */
 };
 
 /* ---------------------------------------------------------------- op args (README: semantics) */
@@ -403,7 +404,8 @@ typedef struct DI_ConcatArgs {
     DI_Tensor out;    /* [T, A + B] */
 } DI_ConcatArgs;
 
-/* one token per row: greedy when temperature <= 0, else seeded top-k / top-p sampling */
+/* one token per row: greedy when temperature <= 0, else seeded top-k / top-p sampling; 1.7's controls
+ * (logit bias, penalties over each row's history, an allowed-token mask) first adjust the row's logits */
 typedef struct DI_SampleArgs {
     DI_ArgsHeader header;
     DI_Tensor logits;        /* [B, V] f32 */
@@ -414,6 +416,13 @@ typedef struct DI_SampleArgs {
     DI_Tensor out;           /* [B] int32 */
     /* ---- v1.2 (DI_ARGS_SINCE): absent when struct_size ends before it ---- */
     DI_Tensor probs;         /* [B] f32 or absent: the probability out[b] had when drawn */
+    /* ---- v1.7 (DI_ARGS_SINCE): sampling controls, each group all present or all absent ---- */
+    DI_Tensor history;       /* [B, L] int32: row b's prompt tokens, then its generated ones; ids outside [0, V) pad */
+    DI_Tensor prompt_lens;   /* [B] int32: history[b, :prompt_lens[b]] is prompt (repetition penalty only) */
+    DI_Tensor penalties;     /* [B, 3] f32: repetition (1 = off, > 0), frequency (0 = off), presence (0 = off) */
+    DI_Tensor bias_ids;      /* [B, N] int32 or absent: logit_bias token ids (distinct); outside [0, V) = unused */
+    DI_Tensor bias;          /* [B, N] f32: added to logits[b, bias_ids[b, n]]; finite or -inf */
+    DI_Tensor token_mask;    /* [B, ceil(V/32)] int32 or absent: bit v%32 of word v/32 clear = token v banned */
 } DI_SampleArgs;
 
 /* speculative sampling: accept or replace each draft token so that out[t] ~ the target's p (v1.2) */
@@ -892,7 +901,13 @@ const DI_PluginInfo* deepinfer_plugin_info(void);
     T(S, top_p, IN, REQ, 1, 1, DI_DTS_F32, DI_DTS_NONE) \
     T(S, seeds, IN, REQ, 1, 1, DI_DTS_SEED, DI_DTS_NONE) \
     T(S, out, OUT, REQ, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
-    T(S, probs, OUT, OPT, 1, 1, DI_DTS_F32, DI_DTS_NONE)
+    T(S, probs, OUT, OPT, 1, 1, DI_DTS_F32, DI_DTS_NONE) \
+    T(S, history, IN, OPT, 2, 2, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, prompt_lens, IN, OPT, 1, 1, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, penalties, IN, OPT, 2, 2, DI_DTS_F32, DI_DTS_NONE) \
+    T(S, bias_ids, IN, OPT, 2, 2, DI_DTS_INDEX, DI_DTS_NONE) \
+    T(S, bias, IN, OPT, 2, 2, DI_DTS_F32, DI_DTS_NONE) \
+    T(S, token_mask, IN, OPT, 2, 2, DI_DTS_INDEX, DI_DTS_NONE)
 #define DI_ARGS_spec_verify(T, A, S) \
     T(S, logits, IN, REQ, 2, 2, DI_DTS_F32, DI_DTS_NONE) \
     T(S, draft_logits, IN, OPT, 2, 2, DI_DTS_F32, DI_DTS_NONE) \
@@ -999,7 +1014,13 @@ const DI_PluginInfo* deepinfer_plugin_info(void);
     F(moe_experts, DI_MoEExpertsArgs, expert_map, 5) \
     F(moe_experts, DI_MoEExpertsArgs, misses, 5) \
     F(silu_mul, DI_SiluMulArgs, limit, 3) \
-    F(sample, DI_SampleArgs, probs, 2)
+    F(sample, DI_SampleArgs, probs, 2) \
+    F(sample, DI_SampleArgs, history, 7) \
+    F(sample, DI_SampleArgs, prompt_lens, 7) \
+    F(sample, DI_SampleArgs, penalties, 7) \
+    F(sample, DI_SampleArgs, bias_ids, 7) \
+    F(sample, DI_SampleArgs, bias, 7) \
+    F(sample, DI_SampleArgs, token_mask, 7)
 
 /*
  * The quantization formats of section 5 (abi/README.md), one row each:

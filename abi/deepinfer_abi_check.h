@@ -93,7 +93,7 @@ typedef struct DI_FieldSince {
     DI_STATIC_CHECK_(minor_##name, ((id) < DI_OP_COUNT_V1_0) == ((minor) == 0) && (minor) <= DI_ABI_MINOR);
 DI_OPS(DI_APIPOS_)
 enum { DI_OPS(DI_OPCOUNT_) di_op_table_count_ };
-DI_STATIC_CHECK_(op_count, (int)di_op_table_count_ == (int)DI_OP_COUNT_V1_6);
+DI_STATIC_CHECK_(op_count, (int)di_op_table_count_ == (int)DI_OP_COUNT_V1_7);
 /* each DI_ARGS_SINCE row names a field of its op's args struct */
 #define DI_SINCEPOS_(op, S, f, minor)                                                                      \
     DI_STATIC_CHECK_(since_##op##_##f, sizeof(((DI_Api*)0)->op((DI_Context*)0, (const S*)0)) == sizeof(DI_Status) && \

@@ -48,7 +48,10 @@ def _write_case(path: Path, case) -> None:
     T, V = t["logits"].shape
     spec = case.op == "spec_verify"
     has_draft = spec and "draft_logits" in t
-    parts = [np.array([1 if spec else 0, T, V, int(has_draft), int("probs" in t)], np.int64),
+    L = t["history"].shape[1] if "history" in t else -1
+    N = t["bias_ids"].shape[1] if "bias_ids" in t else -1
+    parts = [np.array([1 if spec else 0, T, V, int(has_draft), int("probs" in t), L, N, int("token_mask" in t)],
+                      np.int64),
              np.asarray(t["logits"].values, np.float32)]
     if has_draft:
         parts.append(np.asarray(t["draft_logits"].values, np.float32))
@@ -56,6 +59,13 @@ def _write_case(path: Path, case) -> None:
         parts.append(np.asarray(t["draft_ids"].values, np.int32))
     parts += [np.asarray(t["temperature"].values, np.float32), np.asarray(t["top_k"].values, np.int32),
               np.asarray(t["top_p"].values, np.float32), np.asarray(t["seeds"].values, np.uint64)]
+    if L >= 0:
+        parts += [np.asarray(t["history"].values, np.int32), np.asarray(t["prompt_lens"].values, np.int32),
+                  np.asarray(t["penalties"].values, np.float32)]
+    if N >= 0:
+        parts += [np.asarray(t["bias_ids"].values, np.int32), np.asarray(t["bias"].values, np.float32)]
+    if "token_mask" in t:
+        parts.append(np.asarray(t["token_mask"].values, np.int32))
     path.write_bytes(b"".join(np.ascontiguousarray(p).tobytes() for p in parts))
 
 
@@ -77,7 +87,11 @@ def test_sample_and_spec_verify_rows_on_the_cpu(tmp_path):
              C.spec_verify(12, 24, 16, "mixed", "logits"), C.spec_verify(13, 24, 16, "mixed", "greedy"),
              C.spec_verify(14, 12, 300, "mixed", "logits", ties=True), C.spec_verify(15, 12, 1000, "mixed", "greedy"),
              C.sample(16, 12, 100, "mixed", probs=True), C.sample(17, 8, 1000, "mixed", ties=True, probs=True),
-             C.sample(18, 4, 7, "greedy", ties=True, probs=True)]
+             C.sample(18, 4, 7, "greedy", ties=True, probs=True),
+             # 1.7's controls (k_sample_controls' row function): each group, all of them, a banned row
+             C.sample_controls(19, 6, 40, "greedy", ("penalties",)), C.sample_controls(20, 9, 300, "mixed", ("bias",), True),
+             C.sample_controls(21, 9, 300, "mixed", ("mask",), True), C.sample_controls(22, 9, 70, "greedy"),
+             C.sample_controls(23, 12, 1000, "mixed", probs=True, L=200)]
     accepted = 0
     for i, case in enumerate(cases):
         T = case.tensors["logits"].shape[0]
@@ -93,7 +107,9 @@ def test_sample_and_spec_verify_rows_on_the_cpu(tmp_path):
             assert _cmp_spec_verify(case, got, want) is None, (case.name, _cmp_spec_verify(case, got, want))
             accepted += int(got["accepted"].sum())
         else:
-            assert _cmp_sample(case, out, want["out"]) is None, case.name
+            assert _cmp_sample(case, out, want["out"]) is None, (case.name, _cmp_sample(case, out, want["out"]))
+            if "probs" not in case.tensors:
+                continue
             probs = np.frombuffer(raw[4 * T:], np.float32)
             same = out == want["out"]
             msg, _, _ = compare_close(probs[same], want["probs"][same], TOL.lookup("sample", "probs"), "probs")

@@ -31,7 +31,8 @@ LAYOUT_JSON_V1_2 = Path(__file__).resolve().parent / "conformance" / "abi_layout
 LAYOUT_JSON_V1_3 = Path(__file__).resolve().parent / "conformance" / "abi_layout_v1_3.json"   # 1.3, frozen
 LAYOUT_JSON_V1_4 = Path(__file__).resolve().parent / "conformance" / "abi_layout_v1_4.json"   # 1.4, frozen
 LAYOUT_JSON_V1_5 = Path(__file__).resolve().parent / "conformance" / "abi_layout_v1_5.json"   # 1.5, frozen
-LAYOUT_JSON_CURRENT = Path(__file__).resolve().parent / "conformance" / "abi_layout_v1_6.json"
+LAYOUT_JSON_V1_6 = Path(__file__).resolve().parent / "conformance" / "abi_layout_v1_6.json"   # 1.6, frozen
+LAYOUT_JSON_CURRENT = Path(__file__).resolve().parent / "conformance" / "abi_layout_v1_7.json"
 ffi = abi.ffi
 
 
@@ -290,7 +291,7 @@ def layout_from_c(cc: str, tmp_path: Path, names: dict) -> dict:
 
 def test_abi_layout_is_pinned(cc, tmp_path):
     """The compiler and cffi agree on every struct, the current version matches its pinned table, and
-    it extends 1.0 to 1.5 compatibly: every struct of theirs keeps its field offsets and its size (an
+    it extends 1.0 to 1.6 compatibly: every struct of theirs keeps its field offsets and its size (an
     args struct may grow only by DI_ARGS_SINCE fields, and its old size stays a valid struct_size),
     DI_Api only grows at the end, and no enum value moves."""
     if ffi.sizeof("void*") != 8:
@@ -309,7 +310,7 @@ def test_abi_layout_is_pinned(cc, tmp_path):
     appended = {abi.OP_SPECS[op].struct: abi.OP_SPECS[op] for op in abi.OP_NAMES if abi.OP_SPECS[op].appended}
     for path, version in ((LAYOUT_JSON, "1.0"), (LAYOUT_JSON_V1_1, "1.1"), (LAYOUT_JSON_V1_2, "1.2"),
                           (LAYOUT_JSON_V1_3, "1.3"), (LAYOUT_JSON_V1_4, "1.4"),
-                          (LAYOUT_JSON_V1_5, "1.5")):
+                          (LAYOUT_JSON_V1_5, "1.5"), (LAYOUT_JSON_V1_6, "1.6")):
         old_pin = json.loads(path.read_text())
         assert old_pin["abi_version"] == version
         minor = int(version.split(".")[1])

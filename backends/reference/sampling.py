@@ -1,5 +1,6 @@
 """sample and spec_verify (abi/README.md section 8): greedy or seeded top-k / top-p sampling, one token
-per row, and speculative sampling's accept-or-replace of draft tokens.
+per row (after 1.7's controls: logit bias, repetition / frequency / presence penalties, a token mask),
+and speculative sampling's accept-or-replace of draft tokens.
 
 Both ops draw from the distribution `kept_distribution` defines (softmax at a temperature, then the
 top_k / top_p kept set), so they can never disagree about it. Probabilities are float64.
@@ -119,15 +120,92 @@ def _read_controls(op: str, B: int, V: int, temperature, top_k, top_p, seeds, ou
     return read(temperature), ks, read(top_p), seed_values
 
 
-def sample(logits=None, temperature=None, top_k=None, top_p=None, seeds=None, out=None, probs=None) -> None:
+def _read_sample_controls(op: str, B: int, V: int, history, prompt_lens, penalties, bias_ids, bias, token_mask):
+    """ABI 1.7's controls of sample, checked: (history [B, L], prompt_lens [B], penalties [B, 3], bias_ids
+    [B, N], bias [B, N], mask words [B, W]) as arrays, None for an absent group."""
+    for name, t in (("history", history), ("prompt_lens", prompt_lens), ("penalties", penalties),
+                    ("bias_ids", bias_ids), ("bias", bias), ("token_mask", token_mask)):
+        check_arg(op, name, t)
+        if t is not None:
+            check_dim(op, f"{name}.shape[0]", t.shape[0], B, "logits.shape[0]")
+    group = (history, prompt_lens, penalties)
+    if any(t is not None for t in group) and not all(t is not None for t in group):
+        raise ValueError(f"{op}: history, prompt_lens and penalties go together (all present or all absent)")
+    if (bias_ids is None) != (bias is None):
+        raise ValueError(f"{op}: bias_ids and bias go together (both present or both absent)")
+    hist = pl = pen = bids = bv = words = None
+    if history is not None:
+        hist, pl, pen = read_index(history), read_index(prompt_lens), read(penalties, np.float32)
+        check_dim(op, "penalties.shape[1]", penalties.shape[1], 3, "3 (repetition, frequency, presence)")
+        L = hist.shape[1]
+        if np.any((pl < 0) | (pl > L)):
+            b = int(np.argmax((pl < 0) | (pl > L)))
+            raise ValueError(f"{op}: prompt_lens[{b}]={int(pl[b])} is outside [0, L={L}]")
+        if not np.all(np.isfinite(pen)) or np.any(pen[:, 0] <= 0):
+            b = int(np.argmax(~np.all(np.isfinite(pen), axis=1) | (pen[:, 0] <= 0)))
+            raise ValueError(f"{op}: penalties[{b}]={pen[b].tolist()}: each must be finite and the repetition "
+                             f"penalty (column 0) > 0")
+    if bias_ids is not None:
+        check_dim(op, "bias.shape[1]", bias.shape[1], bias_ids.shape[1], "bias_ids.shape[1]")
+        bids, bv = read_index(bias_ids), read(bias, np.float32)
+        if np.any(np.isnan(bv) | np.isposinf(bv)):
+            raise ValueError(f"{op}: bias holds NaN or +inf (finite values or -inf only)")
+    if token_mask is not None:
+        check_dim(op, "token_mask.shape[1]", token_mask.shape[1], (V + 31) // 32, "ceil(V / 32)")
+        words = np.array(token_mask.numpy(), dtype=np.int32, copy=True).view(np.uint32)
+    return hist, pl, pen, bids, bv, words
+
+
+def controlled_row(x: np.ndarray, b: int, hist, pl, pen, bids, bv, words) -> np.ndarray:
+    """Row b's logits (f32) after 1.7's controls, in this order and in f32 arithmetic (README section 8):
+    logit bias added; then every token of the row's history (prompt and output) divided by the repetition
+    penalty where positive, multiplied where not; then count * frequency and then presence subtracted
+    from every token the output holds (count times); then every token the mask bans set to -inf."""
+    x = x.astype(np.float32, copy=True)
+    V = len(x)
+    one = np.float32
+    if bids is not None:
+        for t, v in zip(bids[b], bv[b]):
+            if 0 <= t < V:
+                x[t] = one(x[t] + v)
+    if hist is not None:
+        h = hist[b]
+        out_ids = h[pl[b]:]
+        out_ids = out_ids[(out_ids >= 0) & (out_ids < V)]
+        seen = np.unique(h[(h >= 0) & (h < V)])
+        rep, freq, pres = (one(v) for v in pen[b])
+        if rep != 1:
+            x[seen] = np.where(x[seen] > 0, x[seen] / rep, x[seen] * rep).astype(np.float32)
+        ids, counts = np.unique(out_ids, return_counts=True)
+        x[ids] = (x[ids] - counts.astype(np.float32) * freq).astype(np.float32)
+        x[ids] = (x[ids] - pres).astype(np.float32)
+    if words is not None:
+        allowed = (words[b][np.arange(V) >> 5] >> (np.arange(V) & 31).astype(np.uint32)) & 1
+        x[allowed == 0] = -np.inf
+    return x
+
+
+def sample(logits=None, temperature=None, top_k=None, top_p=None, seeds=None, out=None, probs=None, history=None,
+           prompt_lens=None, penalties=None, bias_ids=None, bias=None, token_mask=None) -> None:
     op = "sample"
     check_arg(op, "logits", logits)
     B, V = logits.shape
     temp, ks, ps, seed_values = _read_controls(op, B, V, temperature, top_k, top_p, seeds,
                                                [("out", out), ("probs", probs)])
+    controls = _read_sample_controls(op, B, V, history, prompt_lens, penalties, bias_ids, bias, token_mask)
     x = read(logits)
     _check_logits(op, "logits", x)
-    rows = [draw_row(x[b], float(temp[b]), int(ks[b]), float(ps[b]), seed_values[b]) for b in range(B)]
+    controlled = any(c is not None for c in controls)
+    x32 = read(logits, np.float32) if controlled else None
+    rows = []
+    for b in range(B):
+        row = x[b]
+        if controlled:
+            row = controlled_row(x32[b], b, *controls).astype(np.float64)
+            if not np.any(row > -np.inf):
+                rows.append((-1, 0.0))     # the controls banned every token: no draw
+                continue
+        rows.append(draw_row(row, float(temp[b]), int(ks[b]), float(ps[b]), seed_values[b]))
     write(out, np.array([r[0] for r in rows], dtype=np.int64))
     if probs is not None:
         write(probs, np.array([r[1] for r in rows], dtype=np.float64))

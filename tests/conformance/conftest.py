@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from plugin_build import (ABI_DIR, ABI_V1_0_DIR, ABI_V1_1_DIR, ABI_V1_2_DIR, ABI_V1_3_DIR, ABI_V1_4_DIR, ABI_V1_5_DIR,
-                          PLUGINS, ROOT, c_compiler, compile_shared, find_cpu_lib)
+                          ABI_V1_6_DIR, PLUGINS, ROOT, c_compiler, compile_shared, find_cpu_lib)
 
 
 @pytest.fixture(scope="session")
@@ -22,7 +22,7 @@ def plugin_factory(cc, tmp_path_factory):
     """plugin_factory(filename, abi="1.0", **defines) -> path of a compiled variant of plugins/tiny_plugin.c.
 
     abi="1.0" (the default) builds against the frozen 1.0 header: every library shipped before 1.1
-    must keep loading and passing; abi="1.1" to "1.5" against the frozen 1.1 to 1.5 headers. abi="current" builds against abi/deepinfer_abi.h."""
+    must keep loading and passing; abi="1.1" to "1.6" against the frozen 1.1 to 1.6 headers. abi="current" builds against abi/deepinfer_abi.h."""
     base = tmp_path_factory.mktemp("plugins")
     made: dict = {}
 
@@ -32,7 +32,8 @@ def plugin_factory(cc, tmp_path_factory):
             d = base / f"v{len(made)}"
             made[key] = compile_shared(cc, PLUGINS / src, d / filename, defines,
                                        abi_dir={"1.0": ABI_V1_0_DIR, "1.1": ABI_V1_1_DIR, "1.2": ABI_V1_2_DIR,
-                                                "1.3": ABI_V1_3_DIR, "1.4": ABI_V1_4_DIR, "1.5": ABI_V1_5_DIR}.get(abi, ABI_DIR))
+                                                "1.3": ABI_V1_3_DIR, "1.4": ABI_V1_4_DIR, "1.5": ABI_V1_5_DIR,
+                                                "1.6": ABI_V1_6_DIR}.get(abi, ABI_DIR))
         return made[key]
 
     return make

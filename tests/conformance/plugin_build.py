@@ -22,6 +22,8 @@ ABI_V1_3_DIR = Path(__file__).resolve().parent / "abi_v1_3"
 ABI_V1_4_DIR = Path(__file__).resolve().parent / "abi_v1_4"
 # and of the 1.5 headers: every 1.5 library already shipped
 ABI_V1_5_DIR = Path(__file__).resolve().parent / "abi_v1_5"
+# and of the 1.6 headers: every 1.6 library already shipped
+ABI_V1_6_DIR = Path(__file__).resolve().parent / "abi_v1_6"
 PLUGINS = Path(__file__).resolve().parent / "plugins"
 THOROUGH = os.environ.get("DEEPINFER_CONFORMANCE_THOROUGH", "") not in ("", "0")
 PROFILE = "thorough" if THOROUGH else "quick"

@@ -1,11 +1,12 @@
-"""ABI 1.0 to 1.6 side by side: 1.0, 1.1, 1.2, 1.3 and 1.4 libraries keep loading and passing under
+"""ABI 1.0 to 1.7 side by side: 1.0, 1.1, 1.2, 1.3 and 1.4 libraries keep loading and passing under
 this runtime, the current library still serves runtimes that only know an older minor (a 1.1 host sends
 the smaller 1.1 DI_SampleArgs, a 1.2 host the 1.2 DI_MLADecodeArgs and DI_SiluMulArgs, a 1.3 host a
 table it reads only up to layernorm, a 1.4 host the 1.4 DI_MoEExpertsArgs), the runtime refuses a field
 newer than a library's minor instead of letting it be ignored (a 1.3 scalar such as silu_mul's limit
 only when it is not zero; 1.5's expert_map and misses) and a communicator from a library that has none
 (1.4), and the padding rule that made 1.0 unsafe to grow is gone (the check is shown to catch it in the
-frozen 1.0 header). 1.6's fused op against 1.5 is in test_cases_fused.py."""
+frozen 1.0 header). 1.6's fused op against 1.5 is in test_cases_fused.py, 1.7's sample controls against
+1.6 in test_cases_sample_controls.py."""
 from __future__ import annotations
 
 import cffi
@@ -15,7 +16,8 @@ import pytest
 from deepinfer import abi
 from deepinfer.conformance import run_conformance, summary
 from deepinfer.loader import probe
-from plugin_build import ABI_V1_0_DIR, ABI_V1_1_DIR, ABI_V1_2_DIR, ABI_V1_3_DIR, ABI_V1_4_DIR, ABI_V1_5_DIR, PROFILE
+from plugin_build import (ABI_V1_0_DIR, ABI_V1_1_DIR, ABI_V1_2_DIR, ABI_V1_3_DIR, ABI_V1_4_DIR, ABI_V1_5_DIR,
+                          ABI_V1_6_DIR, PROFILE)
 
 V1_0_TEXT = (ABI_V1_0_DIR / "deepinfer_abi.h").read_text()
 V1_1_TEXT = (ABI_V1_1_DIR / "deepinfer_abi.h").read_text()
@@ -23,7 +25,8 @@ V1_2_TEXT = (ABI_V1_2_DIR / "deepinfer_abi.h").read_text()
 V1_3_TEXT = (ABI_V1_3_DIR / "deepinfer_abi.h").read_text()
 V1_4_TEXT = (ABI_V1_4_DIR / "deepinfer_abi.h").read_text()
 V1_5_TEXT = (ABI_V1_5_DIR / "deepinfer_abi.h").read_text()
-OLD_TEXTS = {0: V1_0_TEXT, 1: V1_1_TEXT, 2: V1_2_TEXT, 3: V1_3_TEXT, 4: V1_4_TEXT, 5: V1_5_TEXT}
+V1_6_TEXT = (ABI_V1_6_DIR / "deepinfer_abi.h").read_text()
+OLD_TEXTS = {0: V1_0_TEXT, 1: V1_1_TEXT, 2: V1_2_TEXT, 3: V1_3_TEXT, 4: V1_4_TEXT, 5: V1_5_TEXT, 6: V1_6_TEXT}
 # the DI_Api entries 1.4 appended: the five ops, then the communicator entries
 API_V1_4_FIELDS = [f for f, _ in abi.ffi.typeof("DI_Api").fields if abi.API_ENTRY_SINCE.get(f) == 4]
 COLLECTIVES = ["all_reduce", "all_gather", "all_to_all"]
@@ -62,9 +65,12 @@ def test_the_frozen_headers_are_the_versions_they_say():
                                    "layernorm"]
     assert API_V1_4_FIELDS == ["all_reduce", "all_gather", "all_to_all", "moe_dispatch", "moe_combine",
                                "comm_unique_id", "comm_create", "comm_destroy"]
-    # 1.5 appended no DI_Api entry, only two fields of DI_MoEExpertsArgs; 1.6 one op entry
-    assert abi.ABI_MINOR == 6 and not [f for f, m in abi.API_ENTRY_SINCE.items() if m == 5]
+    # 1.5 appended no DI_Api entry, only two fields of DI_MoEExpertsArgs; 1.6 one op entry; 1.7 six
+    # fields of DI_SampleArgs and no entry
+    assert abi.ABI_MINOR == 7 and not [f for f, m in abi.API_ENTRY_SINCE.items() if m in (5, 7)]
     assert [f for f, m in abi.API_ENTRY_SINCE.items() if m == 6] == ["mla_rope_cache_write"]
+    assert [f for f, m in abi.OP_SPECS["sample"].appended if m == 7] == ["history", "prompt_lens", "penalties",
+                                                                          "bias_ids", "bias", "token_mask"]
     assert [f for f, m in abi.OP_SPECS["moe_experts"].appended if m == 5] == ["expert_map", "misses"]
     # the frozen 1.3 header is HEAD's before 1.4: its table ends with layernorm, and it knows no communicator
     assert "DI_OP_COUNT_V1_3      = 23\n" in V1_3_TEXT and "DI_Comm" not in V1_3_TEXT
@@ -74,14 +80,18 @@ def test_the_frozen_headers_are_the_versions_they_say():
     # the frozen 1.5 header is HEAD's before 1.6: expert_map, and no fused op
     assert "DI_OP_COUNT_V1_5      = 28   /*" in V1_5_TEXT and "DI_OP_COUNT_V1_6" not in V1_5_TEXT
     assert "expert_map" in V1_5_TEXT and "mla_rope_cache_write" not in V1_5_TEXT
+    # the frozen 1.6 header is HEAD's before 1.7: the fused op, and sample ends with probs
+    assert "DI_OP_COUNT_V1_6      = 29\n" in V1_6_TEXT and "DI_OP_COUNT_V1_7" not in V1_6_TEXT
+    assert "mla_rope_cache_write" in V1_6_TEXT and "token_mask" not in V1_6_TEXT
 
 
-@pytest.mark.parametrize("minor", [0, 1, 2, 3, 4, 5])
+@pytest.mark.parametrize("minor", [0, 1, 2, 3, 4, 5, 6])
 def test_older_structs_keep_their_sizes(minor):
     """Named reserved fields took the padding's place (1.1), 1.2 and 1.3 only appended DI_ARGS_SINCE
     fields (1.3's scalars with a reserved partner, so no struct has padding), 1.4 only added structs
     and DI_Api entries, 1.5 only appended DI_ARGS_SINCE fields (moe_experts' expert_map and misses) and
-    1.6 only added a struct and a DI_Api entry (mla_rope_cache_write):
+    1.6 only added a struct and a DI_Api entry (mla_rope_cache_write), 1.7 only appended DI_ARGS_SINCE
+    fields (sample's controls):
     the current header's struct, cut at version 1.<minor>, has exactly that version's size and offsets,
     so a 1.<minor> library sees a struct_size it knows and a 1.<minor> host sends one the library takes."""
     old = _ffi(OLD_TEXTS[minor])
@@ -97,8 +107,10 @@ def test_older_structs_keep_their_sizes(minor):
                 assert old.offsetof(name, f) == abi.ffi.offsetof(name, f), (name, f)
     for f, _ in old.typeof("DI_Api").fields:
         assert abi.ffi.offsetof("DI_Api", f) == old.offsetof("DI_Api", f), f
-    # every minor appended DI_Api entries except 1.5 (1.4's and 1.5's tables are the same size)
-    assert abi.ffi.sizeof("DI_Api") > old.sizeof("DI_Api")
+    # every minor appended DI_Api entries except 1.5 and 1.7 (1.4's and 1.5's tables are the same size, as
+    # are 1.6's and 1.7's)
+    assert abi.ffi.sizeof("DI_Api") > old.sizeof("DI_Api") if minor < 6 else \
+        abi.ffi.sizeof("DI_Api") == old.sizeof("DI_Api")
     assert _ffi(V1_4_TEXT).sizeof("DI_Api") == _ffi(V1_5_TEXT).sizeof("DI_Api")
 
 

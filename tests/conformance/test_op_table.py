@@ -36,7 +36,7 @@ C_DUMP = r"""
 #include "deepinfer_abi_check.h"
 int main(void) {
     printf("[[");   /* [ops, DI_ARGS_SINCE rows] */
-    for (int32_t op = 0; op < DI_OP_COUNT_V1_6; op++) {
+    for (int32_t op = 0; op < DI_OP_COUNT_V1_7; op++) {
         const DI_OpInfo* o = di_op_info(op);
         printf("%s{\"id\": %d, \"name\": \"%s\", \"struct\": \"%s\", \"size\": %u, \"minor\": %u, "
                "\"min_size\": %u, \"args\": [", op ? ", " : "", o->id, o->name, o->struct_name, o->struct_size,
@@ -55,7 +55,7 @@ int main(void) {
         printf("%s[\"%s\", \"%s\", %u, %u]", i ? ", " : "", since[i].op, since[i].field, since[i].offset,
                since[i].minor);
     printf("]]\n");
-    return di_op_info(DI_OP_COUNT_V1_6) == NULL ? 0 : 1;
+    return di_op_info(DI_OP_COUNT_V1_7) == NULL ? 0 : 1;
 }
 """
 

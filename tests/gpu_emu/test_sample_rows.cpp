@@ -5,9 +5,11 @@
 // with the reference backend's, as the conformance suite compares a device library's.
 //
 //   test_sample_rows IN OUT THREADS
-// IN: int64 [op (0 sample, 1 spec_verify), T, V, has_draft, want_probs], then f32 logits[T*V],
-//     f32 draft_logits[T*V] (has_draft), int32 draft_ids[T] (spec_verify), f32 temperature[T],
-//     int32 top_k[T], f32 top_p[T], uint64 seeds[T].
+// IN: int64 [op (0 sample, 1 spec_verify), T, V, has_draft, want_probs, L, N, has_mask], then f32
+//     logits[T*V], f32 draft_logits[T*V] (has_draft), int32 draft_ids[T] (spec_verify), f32
+//     temperature[T], int32 top_k[T], f32 top_p[T], uint64 seeds[T]; then sample's 1.7 controls:
+//     int32 history[T*L], int32 prompt_lens[T], f32 penalties[T*3] (L >= 0), int32 bias_ids[T*N],
+//     f32 bias[T*N] (N >= 0), int32 token_mask[T*ceil(V/32)] (has_mask); L, N = -1: absent.
 // OUT: int32 out[T], then int32 accepted[T] (spec_verify) or f32 probs[T] (sample with probs).
 #include <stdio.h>
 
@@ -48,8 +50,9 @@ int main(int argc, char** argv) {
     FILE* in = fopen(argv[1], "rb");
     const unsigned threads = (unsigned)atoi(argv[3]);
     std::vector<int64_t> hdr;
-    if (!in || !read_n(in, hdr, 5)) return 2;
+    if (!in || !read_n(in, hdr, 8)) return 2;
     const int64_t op = hdr[0], T = hdr[1], V = hdr[2], has_draft = hdr[3], want_probs = hdr[4];
+    const int64_t L = hdr[5], N = hdr[6], has_mask = hdr[7], W = (V + 31) / 32;
     std::vector<float> logits, draft, temp, topp;
     std::vector<int32_t> ids, topk;
     std::vector<uint64_t> seeds;
@@ -57,11 +60,16 @@ int main(int argc, char** argv) {
     if (has_draft) ok = ok && read_n(in, draft, T * V);
     if (op == 1) ok = ok && read_n(in, ids, T);
     ok = ok && read_n(in, temp, T) && read_n(in, topk, T) && read_n(in, topp, T) && read_n(in, seeds, T);
+    std::vector<int32_t> hist, plen, bids, mask;
+    std::vector<float> pen, bias;
+    if (L >= 0) ok = ok && read_n(in, hist, T * L) && read_n(in, plen, T) && read_n(in, pen, T * 3);
+    if (N >= 0) ok = ok && read_n(in, bids, T * N) && read_n(in, bias, T * N);
+    if (has_mask) ok = ok && read_n(in, mask, T * W);
     fclose(in);
     if (!ok) return 2;
 
     const int64_t R = has_draft ? 2 * T : T;
-    const SampleP p{R, V, T};
+    SampleP p{R, V, T};
     std::vector<float> k0(R * V), k1(R * V), dense(R * V, NAN);
     std::vector<int> v0(R * V), v1(R * V), offs(2 * R);
     std::vector<int32_t> out(T, 0x7f7f7f7f), acc(T, 0x7f7f7f7f);
@@ -72,6 +80,37 @@ int main(int argc, char** argv) {
     DTensor dt_ids = tensor(ids.data(), DT_I32, T, 0), dt_out = tensor(out.data(), DT_I32, T, 0);
     DTensor dt_acc = tensor(acc.data(), DT_I32, T, 0);
     DTensor dt_probs = want_probs ? tensor(probs.data(), DT_F32, T, 0) : tensor(nullptr, DT_F32, T, 0);
+    // sample's controls first (sampling.cu: k_sample_controls), into adjusted rows the rest then reads
+    std::vector<float> adj;
+    std::vector<int> cnt, dead;
+    if (L >= 0 || N >= 0 || has_mask) {
+        SampleControls c;
+        memset(&c, 0, sizeof c);
+        if (L >= 0) {
+            c.hist = tensor(hist.data(), DT_I32, T, L);
+            c.hist.shape[1] = L;    // (a [T, 0] history is still a history)
+            c.plen = tensor(plen.data(), DT_I32, T, 0);
+            c.pen = tensor(pen.data(), DT_F32, T, 3);
+        }
+        if (N >= 0) {
+            c.bids = tensor(bids.data(), DT_I32, T, N);
+            c.bids.shape[1] = N;
+            c.bias = tensor(bias.data(), DT_F32, T, N);
+        }
+        if (has_mask) c.mask = tensor(mask.data(), DT_I32, T, W);
+        adj.assign(T * V, NAN);
+        cnt.assign(T * V, 0x55555555);   // poison: control_row zeroes what it uses
+        dead.assign(T, 7);
+        for (int64_t t = 0; t < T; ++t)
+            di_emu::run_block(threads, [&] {
+                __shared__ int flag;
+                const int left = control_row(lg, t * V, c, t, V, &adj[t * V], &cnt[t * V], &flag);
+                if (threadIdx.x == 0) dead[t] = !left;
+            });
+        lg = tensor(adj.data(), DT_F32, T, V);
+        dlg = lg;
+        p.dead = dead.data();
+    }
     // the three kernels of the op, in order (sampling.cu: k_sample_probs, k_sort_rows, k_*_pick)
     for (int64_t r = 0; r < R; ++r)
         di_emu::run_block(threads, [&] {

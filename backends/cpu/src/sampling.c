@@ -182,6 +182,116 @@ static DI_Status check_top_k(VC* v, const DI_Tensor* tk, int64_t B) {
 }
 
 #define AT(t, type, i) (((type*)t_base(&(t)))[(i) * (t).strides[0]])
+#define AT2(t, type, i, j) (((type*)t_base(&(t)))[(i) * (t).strides[0] + (j) * (t).strides[1]])
+
+/* ------------------------------------------------------------------ 1.7's controls of sample
+ * Row b's logits adjusted in f32 (README section 8): logit bias added, then each token of the history
+ * divided (positive) or multiplied by the repetition penalty, count * frequency and then presence
+ * subtracted from each token of the output, and the mask's banned tokens set to -inf. Each token's
+ * adjustment depends only on that token, so they run token by token. cnt: V int32 of scratch, zeroed
+ * here: the low 30 bits count the output's occurrences, bit 30 says "in the prompt". */
+#define SEEN_IN_PROMPT (1 << 30)
+
+static int has_controls(const DI_SampleArgs* a) { return a->history.data || a->bias_ids.data || a->token_mask.data; }
+
+/* 1: some token is left; 0: the controls banned every one */
+static int control_row(const DI_SampleArgs* a, int64_t b, int64_t V, float* x, int32_t* cnt) {
+    if (a->bias_ids.data) {
+        for (int64_t n = 0; n < a->bias_ids.shape[1]; n++) {
+            int32_t t = AT2(a->bias_ids, const int32_t, b, n);
+            if (t >= 0 && t < V) x[t] += AT2(a->bias, const float, b, n);
+        }
+    }
+    if (a->history.data) {
+        const int64_t L = a->history.shape[1];
+        const int64_t pl = AT(a->prompt_lens, const int32_t, b);
+        const float rep = AT2(a->penalties, const float, b, 0), freq = AT2(a->penalties, const float, b, 1),
+                    pres = AT2(a->penalties, const float, b, 2);
+        memset(cnt, 0, (size_t)V * sizeof(int32_t));
+        for (int64_t i = 0; i < L; i++) {
+            int32_t t = AT2(a->history, const int32_t, b, i);
+            if (t < 0 || t >= V) continue;
+            if (i < pl) cnt[t] |= SEEN_IN_PROMPT;
+            else cnt[t]++;
+        }
+        for (int64_t i = 0; i < L; i++) {
+            int32_t t = AT2(a->history, const int32_t, b, i);
+            if (t < 0 || t >= V || !cnt[t]) continue;
+            const int32_t c = cnt[t] & (SEEN_IN_PROMPT - 1);
+            cnt[t] = 0;                       /* a token's adjustment is made once */
+            float v = x[t];
+            if (rep != 1.0f) v = v > 0.0f ? v / rep : v * rep;
+            if (c > 0) {
+                const float m = (float)c * freq;
+                v = v - m;
+                v = v - pres;
+            }
+            x[t] = v;
+        }
+    }
+    if (a->token_mask.data) {
+        for (int64_t i = 0; i < V; i++)
+            if (!((uint32_t)AT2(a->token_mask, const int32_t, b, i >> 5) >> (i & 31) & 1u)) x[i] = -INFINITY;
+    }
+    int any = 0;
+    for (int64_t i = 0; i < V; i++) any |= x[i] > -INFINITY;
+    return any;
+}
+
+/* the controls' shapes, groups and values (bias NaN / +inf, penalties not finite or repetition <= 0,
+ * prompt_lens outside [0, L]) */
+static DI_Status check_sample_controls(VC* v, const DI_SampleArgs* a, int64_t B, int64_t V) {
+    DI_Status st;
+    const int hist = tensor_present(v, &a->history), pls = tensor_present(v, &a->prompt_lens),
+              pen = tensor_present(v, &a->penalties), bids = tensor_present(v, &a->bias_ids),
+              bias = tensor_present(v, &a->bias), mask = tensor_present(v, &a->token_mask);
+    if (hist != pls || hist != pen)
+        return di_fail(v->ctx, DI_INVALID_ARGUMENT, "sample: history, prompt_lens and penalties go together (all "
+                       "present or all absent)");
+    if (bids != bias)
+        return di_fail(v->ctx, DI_INVALID_ARGUMENT, "sample: bias_ids and bias go together (both present or both absent)");
+    if (hist) {
+        if ((st = check_tensor(v, &a->history, "history", 2, 2, DTM(DT_I32), 0))) return st;
+        if ((st = check_tensor(v, &a->prompt_lens, "prompt_lens", 1, 1, DTM(DT_I32), 0))) return st;
+        if ((st = check_tensor(v, &a->penalties, "penalties", 2, 2, DTM(DT_F32), 0))) return st;
+        if ((st = check_dim(v, &a->history, "history", 0, B))) return st;
+        if ((st = check_dim(v, &a->prompt_lens, "prompt_lens", 0, B))) return st;
+        if ((st = check_dim(v, &a->penalties, "penalties", 0, B))) return st;
+        if ((st = check_dim(v, &a->penalties, "penalties", 1, 3))) return st;
+    }
+    if (bids) {
+        if ((st = check_tensor(v, &a->bias_ids, "bias_ids", 2, 2, DTM(DT_I32), 0))) return st;
+        if ((st = check_tensor(v, &a->bias, "bias", 2, 2, DTM(DT_F32), 0))) return st;
+        if ((st = check_dim(v, &a->bias_ids, "bias_ids", 0, B))) return st;
+        if ((st = check_dim(v, &a->bias, "bias", 0, B))) return st;
+        if ((st = check_dim(v, &a->bias, "bias", 1, a->bias_ids.shape[1]))) return st;
+    }
+    if (mask) {
+        if ((st = check_tensor(v, &a->token_mask, "token_mask", 2, 2, DTM(DT_I32), 0))) return st;
+        if ((st = check_dim(v, &a->token_mask, "token_mask", 0, B))) return st;
+        if ((st = check_dim(v, &a->token_mask, "token_mask", 1, (V + 31) / 32))) return st;
+    }
+    if (v->query) return DI_OK;
+    for (int64_t b = 0; b < B && hist; b++) {
+        const int32_t pl = AT(a->prompt_lens, const int32_t, b);
+        if (pl < 0 || pl > a->history.shape[1])
+            return di_fail(v->ctx, DI_INVALID_ARGUMENT, "sample: prompt_lens[%lld]=%d is outside [0, L=%lld]",
+                           (long long)b, pl, (long long)a->history.shape[1]);
+        const float r = AT2(a->penalties, const float, b, 0), f = AT2(a->penalties, const float, b, 1),
+                    p = AT2(a->penalties, const float, b, 2);
+        if (!isfinite(r) || !isfinite(f) || !isfinite(p) || !(r > 0.0f))
+            return di_fail(v->ctx, DI_INVALID_ARGUMENT, "sample: penalties[%lld]=[%g, %g, %g]: each must be finite "
+                           "and the repetition penalty (column 0) > 0", (long long)b, r, f, p);
+    }
+    for (int64_t b = 0; b < B && bids; b++)
+        for (int64_t n = 0; n < a->bias.shape[1]; n++) {
+            const float x = AT2(a->bias, const float, b, n);
+            if (isnan(x) || x == INFINITY)
+                return di_fail(v->ctx, DI_INVALID_ARGUMENT, "sample: bias[%lld, %lld] is %s (finite values or -inf "
+                               "only)", (long long)b, (long long)n, isnan(x) ? "NaN" : "+inf");
+        }
+    return DI_OK;
+}
 
 static size_t scratch_float_offset(int64_t V);
 
@@ -204,6 +314,17 @@ static void sample_task(void* arg, int64_t b, int worker) {
     char* mem = j->scratch ? j->scratch + (size_t)worker * j->per : NULL;
     float* buf = mem ? (float*)(mem + scratch_float_offset(j->V)) : NULL;
     int32_t tok;
+    if (has_controls(a)) {
+        /* the adjusted row and its counts sit where spec_verify keeps its dense rows (unused here) */
+        float* x = (float*)(mem + (size_t)j->V * 2 * sizeof(PI));
+        memcpy(x, lg, (size_t)j->V * sizeof(float));
+        if (!control_row(a, b, j->V, x, (int32_t*)(x + j->V))) {
+            AT(a->out, int32_t, b) = -1;      /* every token banned: no draw */
+            if (want_prob) AT(a->probs, float, b) = 0.0f;
+            return;
+        }
+        lg = x;
+    }
     if (!(T > 0.0f)) {
         tok = row_argmax(lg, j->V, want_prob ? &prob : NULL, buf);
     } else {
@@ -268,11 +389,12 @@ DI_Status op_sample(DI_Context* ctx, const DI_SampleArgs* a, int query) {
         if ((st = check_dim(&v, &a->probs, "probs", 0, B))) return st;
     }
     if (B > 0 && V == 0) return di_fail(ctx, DI_INVALID_ARGUMENT, "sample: logits has V=0 columns");
+    if ((st = check_sample_controls(&v, a, B, V))) return st;
     if (query) return DI_OK;
     if ((st = check_top_k(&v, &a->top_k, B))) return st;
     if ((st = check_logit_values(&v, &a->logits, "logits", NULL))) return st;
     SampleJob j = {a, NULL, V, NULL, sample_scratch_per(V)};
-    if (rows_need_scratch(&a->temperature, &a->probs, B) &&
+    if ((rows_need_scratch(&a->temperature, &a->probs, B) || (B > 0 && has_controls(a))) &&
         !(j.scratch = sample_scratch((size_t)pool_size(ctx->pool) * j.per)))
         return DI_OOM(ctx, "sample");
     pool_run(ctx->pool, B, sample_task, &j, B * V * 16);

@@ -222,7 +222,81 @@ __device__ int verify_sorted_row(const float* ps, const int* is, const float* qs
 // draft's rows after the target's).
 struct SampleP {
     int64_t R, V, nt;
+    const int* dead = nullptr;   // sample with 1.7's controls: dead[b] = 1 where they banned every token
 };
+
+// ---- ABI 1.7's controls of sample (abi/README.md section 8): the tensors of each group (base NULL:
+// the group is absent).
+struct SampleControls {
+    DTensor hist, plen, pen;   // [B, L] int32, [B] int32, [B, 3] f32
+    DTensor bids, bias;        // [B, N] int32, [B, N] f32
+    DTensor mask;              // [B, ceil(V/32)] int32
+};
+
+constexpr int SEEN_IN_PROMPT = 1 << 30;   // cnt's flag; the low 30 bits count the output's occurrences
+
+// Row b's logits (element offset ro of lg) after the controls, into x (V f32); cnt: V int32 of
+// scratch (with a history). In f32 with explicit roundings (no FMA), in the README's order: the mask
+// first (a banned token is -inf whatever the rest adds), bias, then each history token once, claimed
+// by the thread whose atomicExch takes its count. Returns 1 if some token is left. flag: one int of
+// smem.
+__device__ int control_row(const DTensor& lg, int64_t ro, const SampleControls& c, int64_t b, int64_t V, float* x,
+                           int* cnt, int* flag) {
+    const bool hist = c.hist.base != nullptr;
+    for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
+        float v = load_f(lg.dt, lg.base, ro + i);
+        if (c.mask.base) {
+            const uint32_t w = (uint32_t)load_i(c.mask.dt, c.mask.base, b * c.mask.strides[0] + (i >> 5) * c.mask.strides[1]);
+            if (!((w >> (i & 31)) & 1u)) v = -INFINITY;
+        }
+        x[i] = v;
+        if (hist) cnt[i] = 0;
+    }
+    __syncthreads();
+    if (c.bids.base) {
+        for (int64_t n = threadIdx.x; n < c.bids.shape[1]; n += blockDim.x) {
+            const int64_t t = load_i(c.bids.dt, c.bids.base, b * c.bids.strides[0] + n * c.bids.strides[1]);
+            if (t >= 0 && t < V)
+                x[t] = __fadd_rn(x[t], load_f(c.bias.dt, c.bias.base, b * c.bias.strides[0] + n * c.bias.strides[1]));
+        }
+        __syncthreads();
+    }
+    if (hist) {
+        const int64_t L = c.hist.shape[1], pl = load_i(c.plen.dt, c.plen.base, b * c.plen.strides[0]);
+        const int64_t h0 = b * c.hist.strides[0], hs = c.hist.strides[1];
+        for (int64_t i = threadIdx.x; i < L; i += blockDim.x) {
+            const int64_t t = load_i(c.hist.dt, c.hist.base, h0 + i * hs);
+            if (t < 0 || t >= V) continue;
+            if (i < pl) atomicOr(&cnt[t], SEEN_IN_PROMPT);
+            else atomicAdd(&cnt[t], 1);
+        }
+        __syncthreads();
+        const int64_t p0 = b * c.pen.strides[0], ps = c.pen.strides[1];
+        const float r = load_f(c.pen.dt, c.pen.base, p0), f = load_f(c.pen.dt, c.pen.base, p0 + ps),
+                    pr = load_f(c.pen.dt, c.pen.base, p0 + 2 * ps);
+        for (int64_t i = threadIdx.x; i < L; i += blockDim.x) {
+            const int64_t t = load_i(c.hist.dt, c.hist.base, h0 + i * hs);
+            if (t < 0 || t >= V) continue;
+            const int n = atomicExch(&cnt[t], 0);
+            if (!n) continue;                 // another entry of the same token took it
+            float v = x[t];
+            if (r != 1.f) v = v > 0.f ? __fdiv_rn(v, r) : __fmul_rn(v, r);
+            const int k = n & (SEEN_IN_PROMPT - 1);
+            if (k > 0) v = __fsub_rn(__fsub_rn(v, __fmul_rn((float)k, f)), pr);
+            x[t] = v;
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) *flag = 0;
+    __syncthreads();
+    bool any = false;
+    for (int64_t i = threadIdx.x; i < V && !any; i += blockDim.x) any = x[i] > -INFINITY;
+    if (any) *flag = 1;                       // every writer writes the same value
+    __syncthreads();
+    const int left = *flag;
+    __syncthreads();
+    return left;
+}
 
 // Row r of the softmax pass: p = softmax(logits / temperature) and the indices (the sort's payload)
 // at keys/vals + r * V; offs[r] and offs[R + r] are where the row's sort segment begins and ends. A
@@ -233,7 +307,7 @@ __device__ void probs_row(const DTensor& lg, const DTensor& lg2, const DTensor& 
                           int* offs, const SampleP& p, int64_t r, float* red) {
     const int64_t b = r % p.nt;
     const float T = load_f(temp.dt, temp.base, b * temp.strides[0]);
-    const bool greedy = !(T > 0.f);
+    const bool greedy = !(T > 0.f) || (p.dead && p.dead[b]);   // no order needed: argmax, or no draw
     if (threadIdx.x == 0) {
         offs[r] = (int)(r * p.V);
         offs[p.R + r] = (int)((greedy ? r : r + 1) * p.V);
@@ -254,7 +328,9 @@ __device__ void sample_pick_row(const DTensor& lg, const DTensor& temp, const DT
     const float T = load_f(temp.dt, temp.base, b * temp.strides[0]);
     float prob = 0.f;
     int tok;
-    if (!(T > 0.f)) {
+    if (p.dead && p.dead[b]) {              // 1.7's controls banned every token: no draw
+        tok = -1;
+    } else if (!(T > 0.f)) {
         tok = row_argmax(lg, b * lg.strides[0], p.V, probs.base ? &prob : nullptr, redv, redi);
     } else {
         tok = sample_sorted_row(ks + b * p.V, vs + b * p.V, p.V, load_i(topk.dt, topk.base, b * topk.strides[0]),

@@ -30,6 +30,16 @@ __global__ __launch_bounds__(1024) void k_sample_probs(DTensor lg, DTensor lg2, 
     for (int64_t r = blockIdx.x; r < p.R; r += gridDim.x) probs_row(lg, lg2, temp, keys, vals, offs, p, r, red);
 }
 
+// 1.7's controls: row r's adjusted logits into adj (+ r * V), dead[r] = 1 where no token is left.
+__global__ __launch_bounds__(1024) void k_sample_controls(DTensor lg, SampleControls c, float* adj, int* cnt,
+                                                          int* dead, int64_t B, int64_t V) {
+    __shared__ int flag;
+    for (int64_t r = blockIdx.x; r < B; r += gridDim.x) {
+        const int left = control_row(lg, r * lg.strides[0], c, r, V, adj + r * V, cnt ? cnt + r * V : nullptr, &flag);
+        if (threadIdx.x == 0) dead[r] = !left;
+    }
+}
+
 __global__ __launch_bounds__(1024) void k_sample_pick(DTensor lg, DTensor temp, DTensor topk, DTensor topp,
                                                       DTensor seeds, const float* ks, const int* vs, DTensor out,
                                                       DTensor probs, SampleP p) {
@@ -127,6 +137,79 @@ static DI_Status take_controls(DI_Context* ctx, OpMode* mode, const char* op, co
     return need_shape(ctx, op, "seeds", seeds->q, 0, n, "logits.shape[0]");
 }
 
+// whether the caller passed any of 1.7's controls (op_query: data may be NULL, ndim says)
+static bool has_sample_controls(const DI_SampleArgs* a) {
+    const DI_Tensor* ts[] = {&a->history, &a->prompt_lens, &a->penalties, &a->bias_ids, &a->bias, &a->token_mask};
+    for (const DI_Tensor* t : ts)
+        if (t->data || t->ndim > 0) return true;
+    return false;
+}
+
+// a contiguous [R, V] f32 matrix at p
+static DTensor dense_rows(float* p, int64_t R, int64_t V) {
+    DTensor t;
+    memset(&t, 0, sizeof t);
+    t.base = reinterpret_cast<char*>(p);
+    t.dt = DT_F32;
+    t.ndim = 2;
+    t.shape[0] = R;
+    t.shape[1] = V;
+    t.strides[0] = V;
+    t.strides[1] = 1;
+    return t;
+}
+
+// 1.7's controls: each group all present or all absent, dtypes and shapes against B rows and V. The
+// values are not inspected (a device library does not read them on the host).
+static DI_Status take_sample_controls(DI_Context* ctx, OpMode* mode, const DI_SampleArgs* a, int64_t B, int64_t V,
+                                      SampleControls* c) {
+    const char* op = "sample";
+    QTensor h, pl, pen, ids, bias, mask;
+    DI_TRY(take_tensor(ctx, mode, op, "history", a->history, 2, T_OPTIONAL, &h));
+    DI_TRY(take_tensor(ctx, mode, op, "prompt_lens", a->prompt_lens, 1, T_OPTIONAL, &pl));
+    DI_TRY(take_tensor(ctx, mode, op, "penalties", a->penalties, 2, T_OPTIONAL, &pen));
+    DI_TRY(take_tensor(ctx, mode, op, "bias_ids", a->bias_ids, 2, T_OPTIONAL, &ids));
+    DI_TRY(take_tensor(ctx, mode, op, "bias", a->bias, 2, T_OPTIONAL, &bias));
+    DI_TRY(take_tensor(ctx, mode, op, "token_mask", a->token_mask, 2, T_OPTIONAL, &mask));
+    auto given = [](const DI_Tensor& t) { return t.data != nullptr || t.ndim > 0; };
+    const bool gh = given(a->history), gp = given(a->prompt_lens), gn = given(a->penalties);
+    if (gh != gp || gh != gn)
+        return set_error(ctx, DI_INVALID_ARGUMENT, "%s: history, prompt_lens and penalties go together (all present "
+                         "or all absent)", op);
+    if (given(a->bias_ids) != given(a->bias))
+        return set_error(ctx, DI_INVALID_ARGUMENT, "%s: bias_ids and bias go together (both present or both absent)",
+                         op);
+    memset(c, 0, sizeof *c);
+    if (gh) {
+        DI_NEED_DT(ctx, op, "history", h.q.dt, DT_I32);
+        DI_NEED_DT(ctx, op, "prompt_lens", pl.q.dt, DT_I32);
+        DI_NEED_DT(ctx, op, "penalties", pen.q.dt, DT_F32);
+        DI_TRY(need_shape(ctx, op, "history", h.q, 0, B, "logits.shape[0]"));
+        DI_TRY(need_shape(ctx, op, "prompt_lens", pl.q, 0, B, "logits.shape[0]"));
+        DI_TRY(need_shape(ctx, op, "penalties", pen.q, 0, B, "logits.shape[0]"));
+        DI_TRY(need_shape(ctx, op, "penalties", pen.q, 1, 3, "3 (repetition, frequency, presence)"));
+        c->hist = h.q;
+        c->plen = pl.q;
+        c->pen = pen.q;
+    }
+    if (given(a->bias_ids)) {
+        DI_NEED_DT(ctx, op, "bias_ids", ids.q.dt, DT_I32);
+        DI_NEED_DT(ctx, op, "bias", bias.q.dt, DT_F32);
+        DI_TRY(need_shape(ctx, op, "bias_ids", ids.q, 0, B, "logits.shape[0]"));
+        DI_TRY(need_shape(ctx, op, "bias", bias.q, 0, B, "logits.shape[0]"));
+        DI_TRY(need_shape(ctx, op, "bias", bias.q, 1, ids.q.shape[1], "bias_ids.shape[1]"));
+        c->bids = ids.q;
+        c->bias = bias.q;
+    }
+    if (given(a->token_mask)) {
+        DI_NEED_DT(ctx, op, "token_mask", mask.q.dt, DT_I32);
+        DI_TRY(need_shape(ctx, op, "token_mask", mask.q, 0, B, "logits.shape[0]"));
+        DI_TRY(need_shape(ctx, op, "token_mask", mask.q, 1, (V + 31) / 32, "ceil(V / 32)"));
+        c->mask = mask.q;
+    }
+    return DI_OK;
+}
+
 DI_Status op_sample(DI_Context* ctx, const DI_SampleArgs* a, OpMode* mode) {
     const char* op = "sample";
     DI_TRY(check_header(ctx, op, a, sizeof(*a), "DI_SampleArgs"));
@@ -148,19 +231,36 @@ DI_Status op_sample(DI_Context* ctx, const DI_SampleArgs* a, OpMode* mode) {
     if (V < 1) return set_error(ctx, DI_INVALID_ARGUMENT, "%s: vocabulary size V=0", op);
     if (B * V >= (1ll << 31))
         return set_error(ctx, DI_UNIMPLEMENTED, "%s: B*V=%lld exceeds 2^31", op, (long long)(B * V));
-    const SampleP p{B, V, B};
-    const SortLayout L(B, V, 0);
+    SampleControls c;
+    DI_TRY(take_sample_controls(ctx, mode, a, B, V, &c));
+    const bool controlled = c.hist.base || c.bids.base || c.mask.base || has_sample_controls(a);
+    // with controls: the adjusted rows, the history's counts (with a history) and dead[B] after the sort's
+    const uint64_t adj_bytes = align256((uint64_t)(B * V) * 4),
+                   cnt_bytes = a->history.data || a->history.ndim > 0 ? align256((uint64_t)(B * V) * 4) : 0;
+    const SortLayout L(B, V, controlled ? adj_bytes + cnt_bytes + (uint64_t)B * 4 : 0);
     mode->workspace = L.total;
     if (!mode->launch || B == 0) return DI_OK;
     cudaStream_t s = (cudaStream_t)a->header.stream;
     Workspace ws;
     DI_TRY(ws.acquire(ctx, a->header, mode->workspace));
     char* w = static_cast<char*>(ws.ptr);
+    SampleP p{B, V, B};
+    DTensor rows = lg.q;
+    DI_Status st = DI_OK;
+    if (controlled) {
+        float* adj = reinterpret_cast<float*>(w + L.extra);
+        int* cnt = cnt_bytes ? reinterpret_cast<int*>(w + L.extra + adj_bytes) : nullptr;
+        int* dead = reinterpret_cast<int*>(w + L.extra + adj_bytes + cnt_bytes);
+        k_sample_controls<<<grid_for(B, 1, 65535), 1024, 0, s>>>(lg.q, c, adj, cnt, dead, B, V);
+        st = launch_status(ctx, op);
+        rows = dense_rows(adj, B, V);
+        p.dead = dead;
+    }
     const float* sk = nullptr;
     const int* sv = nullptr;
-    DI_Status st = sort_rows(ctx, op, s, lg.q, lg.q, temp.q, w, L, p, &sk, &sv);
+    if (st == DI_OK) st = sort_rows(ctx, op, s, rows, rows, temp.q, w, L, p, &sk, &sv);
     if (st == DI_OK) {
-        k_sample_pick<<<grid_for(B, 1, 65535), 1024, 0, s>>>(lg.q, temp.q, topk.q, topp.q, seeds.q, sk, sv, out.q,
+        k_sample_pick<<<grid_for(B, 1, 65535), 1024, 0, s>>>(rows, temp.q, topk.q, topp.q, seeds.q, sk, sv, out.q,
                                                              probs.q, p);
         st = launch_status(ctx, op);
     }

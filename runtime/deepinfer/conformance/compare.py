@@ -10,7 +10,7 @@ from typing import Optional
 import numpy as np
 
 from ..reference.moe import router_scores
-from ..reference.sampling import SPEC_SEED_STEP, distribution
+from ..reference.sampling import SPEC_SEED_STEP, controlled_row, distribution
 from ..reference.sparse import entry_rows
 from . import tolerances as TOL
 from .cases import Case
@@ -213,19 +213,39 @@ def _sample_row_tie(logits_row, temp: float, k: int, top_p: float, seed: int, go
             f"want {want} (p={p[want]:.6g}); not a tie")
 
 
+def _sample_rows(case: Case) -> np.ndarray:
+    """The logits each row of a sample case draws from: the logits, or (ABI 1.7's controls) the
+    reference's adjusted rows."""
+    t = case.tensors
+    x = np.asarray(t["logits"].values, np.float32)
+    if not any(n in t for n in ("history", "bias_ids", "token_mask")):
+        return x
+    val = lambda n, dt: None if n not in t else np.asarray(t[n].values, dt)   # noqa: E731
+    words = None if "token_mask" not in t else np.asarray(t["token_mask"].values, np.int32).view(np.uint32)
+    controls = (val("history", np.int64), val("prompt_lens", np.int64), val("penalties", np.float32),
+                val("bias_ids", np.int64), val("bias", np.float32), words)
+    return np.stack([controlled_row(x[b], b, *controls) for b in range(len(x))]) if len(x) else x
+
+
 def _cmp_sample(case: Case, got: np.ndarray, want: np.ndarray) -> Optional[str]:
     got, want = got.astype(np.int64), want.astype(np.int64)
     if got.shape != want.shape:
         return f"out: shape {got.shape} != {want.shape}"
     V = case.tensors["logits"].shape[1]
+    rows = None
     for b in np.nonzero(got != want)[0]:
+        if want[b] == -1:
+            return f"row {b}: got token {got[b]}, want -1 (the controls ban every token)"
         if not 0 <= got[b] < V:
             return f"row {b}: token {got[b]} out of [0, {V}) (poison = never written?)"
         temp = float(case.tensors["temperature"].values[b])
         if temp <= 0:
             return f"row {b} (greedy): got {got[b]}, want {want[b]} (argmax, lowest index on ties)"
+        rows = _sample_rows(case) if rows is None else rows
+        if rows[b][got[b]] == -np.inf:
+            return f"row {b}: got token {got[b]}, which the controls ban"
         # recompute the spec in f64 and accept the difference only at a near-tie
-        why = _sample_row_tie(case.tensors["logits"].values[b], temp, int(case.tensors["top_k"].values[b]),
+        why = _sample_row_tie(rows[b], temp, int(case.tensors["top_k"].values[b]),
                               float(case.tensors["top_p"].values[b]), int(case.tensors["seeds"].values[b]),
                               int(got[b]), int(want[b]))
         if why:

@@ -36,6 +36,14 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()   # besides the model's eos
     logprobs: Optional[int] = None  # not None: also report each output token's logprob and this many top alternatives
     ignore_eos: bool = False        # keep going past the eos token (benchmarks)
+    # ---- sampling controls (ABI 1.7's sample fields; run on the device inside the sample op)
+    presence_penalty: float = 0.0   # OpenAI's: minus this from each token generated at least once, [-2, 2]
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times each token's count in the output, [-2, 2]
+    repetition_penalty: float = 1.0  # HF / vLLM's: tokens of prompt or output divided (> 0) or multiplied by it
+    logit_bias: Optional[dict] = None   # {token id: bias in [-100, 100]}, added to the logits
+    min_tokens: int = 0             # eos and stop tokens are banned until this many tokens were generated
+    structured: Optional[dict] = None   # a constraint (engine.structured): {"type": "json_schema" | "json_object"
+                                        # | "regex" | "grammar" | "choice", ...}; masks the logits each step
 
     @classmethod
     def from_options(cls, **opts) -> "SamplingParams":
@@ -58,12 +66,49 @@ class SamplingParams:
         p.stop_token_ids = tuple(V.integer("stop_token_ids[]", t, 0, INT32_MAX) for t in p.stop_token_ids)
         V.optional_integer("logprobs", p.logprobs, 0, 20)
         V.boolean("ignore_eos", p.ignore_eos)
+        p.presence_penalty = V.number("presence_penalty", p.presence_penalty, -2, 2)
+        p.frequency_penalty = V.number("frequency_penalty", p.frequency_penalty, -2, 2)
+        p.repetition_penalty = V.number("repetition_penalty", p.repetition_penalty, 0, MAX_REPETITION_PENALTY,
+                                        lo_open=True)
+        p.logit_bias = _logit_bias(p.logit_bias)
+        V.integer("min_tokens", p.min_tokens, 0, INT32_MAX)
+        if p.structured is not None and not (isinstance(p.structured, dict) and isinstance(p.structured.get("type"), str)):
+            raise ConfigError(f"structured must be a dict with a 'type' (json_schema, json_object, regex, grammar or "
+                              f"choice), not {p.structured!r}")
         return p
+
+    @property
+    def has_controls(self) -> bool:
+        """Whether the sample op needs ABI 1.7's fields for this request (penalties, bias, bans, a mask)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens or self.structured is not None)
 
 
 # the sample op reads top_k as int32; longer outputs than this are not a request but a mistake
 INT32_MAX = (1 << 31) - 1
 MAX_NEW_TOKENS = INT32_MAX
+MAX_REPETITION_PENALTY = 100.0     # beyond it every seen token is simply banned; a typo, not a request
+MAX_LOGIT_BIAS = 300               # OpenAI's limit on logit_bias entries
+
+
+def _logit_bias(bias) -> Optional[dict]:
+    """{token id (int, or a str of one as JSON keys are): bias in [-100, 100]} as {int: float}."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ConfigError(f"logit_bias must be a map of token id to bias, not {type(bias).__name__} {bias!r}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ConfigError(f"logit_bias holds {len(bias)} entries; at most {MAX_LOGIT_BIAS}")
+    out = {}
+    for k, v in bias.items():
+        t = k
+        if isinstance(k, str):
+            if not k.strip().lstrip("-").isdigit():
+                raise ConfigError(f"logit_bias keys must be token ids, not {k!r}")
+            t = int(k)
+        V.integer("a logit_bias token id", t, 0, INT32_MAX)
+        out[t] = V.number(f"logit_bias[{k!r}]", v, -100, 100)
+    return out or None
 
 
 def _stop_strings(stop) -> tuple:

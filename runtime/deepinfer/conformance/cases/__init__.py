@@ -34,7 +34,7 @@ from .moe import (ROUTER_CONFIGS, _expert_map, gen_moe_experts, gen_moe_experts_
 from .norm import gen_layernorm, gen_rmsnorm, layernorm, rmsnorm
 from .quant import dequantize, gen_dequantize, gen_dequantize_l2, gen_quantize, quantize
 from .rope import YARN, gen_rope, rope
-from .sampling import gen_sample, gen_spec_verify, sample, spec_verify
+from .sampling import gen_sample, gen_spec_verify, sample, sample_controls, spec_verify
 from .sparse import (KV_COMPRESS_CONFIGS, _block_table, _rows_over, gen_indexer_topk, gen_kv_compress,
                      gen_sparse_attention, indexer_topk, kv_compress, sparse_attention)
 

@@ -1,4 +1,4 @@
-"""Cases of sample (with 1.2's probs) and spec_verify (drafts with and without draft logits)."""
+"""Cases of sample (with 1.2's probs and 1.7's controls) and spec_verify (drafts with and without draft logits)."""
 from __future__ import annotations
 
 import numpy as np
@@ -34,6 +34,45 @@ def sample(seed, B, V, mode="mixed", ties=False, probs=False) -> Case:
     return Case("sample", f"sample {mode}{' ties' if ties else ''}{' probs' if probs else ''} B={B} V={V}",
                 f"{mode}+probs" if probs else mode, t, check=["out", "probs"] if probs else ["out"],
                 tol_key="exact", compare="sample", seed=seed)
+
+
+def sample_controls(seed, B, V, mode="mixed", groups=("penalties", "bias", "mask"), probs=False, L=24) -> Case:
+    """sample with ABI 1.7's controls (`groups` of them): histories with repeats, -1 padding and ids >= V
+    (padding too), prompt lengths from 0 to L, penalties neutral in some rows, logit bias of ids outside
+    [0, V) (unused slots), strong values and -inf, masks dense, sparse, all-allowed and (one row) all
+    banned, so that out = -1 there. Logits are spread (x4) so a penalty moves a row's ranking."""
+    c = sample(seed, B, V, mode, probs=probs)
+    rng = np.random.default_rng(seed + 7919)
+    t = c.tensors
+    t["logits"] = TSpec("f32", (B, V), (rng.standard_normal((B, V)) * 4).astype(np.float32))
+    if "penalties" in groups:
+        hist = rng.integers(0, max(1, min(V, 12)), (B, L)).astype(np.int32)   # few ids: many repeats
+        hist[rng.random((B, L)) < 0.1] = -1
+        hist[rng.random((B, L)) < 0.05] = V + 3
+        pl = rng.integers(0, L + 1, B).astype(np.int32)
+        pen = np.stack([rng.choice(np.array([1.0, 1.3, 0.7, 2.0], np.float32), B),
+                        rng.choice(np.array([0.0, 0.5, -0.5, 2.0], np.float32), B),
+                        rng.choice(np.array([0.0, 1.0, -1.0, 0.25], np.float32), B)], axis=1).astype(np.float32)
+        t["history"], t["prompt_lens"], t["penalties"] = ints(hist), ints(pl), TSpec("f32", (B, 3), pen)
+    if "bias" in groups:
+        N = 5
+        ids = np.array([rng.choice(V + 8, N, replace=False) for _ in range(B)], np.int32).reshape(B, N) - 4
+        bias = rng.choice(np.array([-100.0, -2.0, 0.5, 3.0, 100.0, -np.inf], np.float32), (B, N))
+        t["bias_ids"], t["bias"] = ints(ids), TSpec("f32", (B, N), bias.astype(np.float32))
+    if "mask" in groups:
+        W = (V + 31) // 32
+        density = rng.choice(np.array([1.0, 0.5, 0.05]), (B, 1))
+        bits = rng.random((B, W * 32)) < density
+        bits[:, V:] = rng.random((B, W * 32 - V)) < 0.5           # bits past V mean nothing
+        if B > 2:
+            bits[B // 2, :V] = False                               # every token banned: out = -1
+        for b in range(B):
+            if b != B // 2 and not bits[b, :V].any():
+                bits[b, rng.integers(0, V)] = True
+        words = np.packbits(bits.reshape(B, W, 32)[:, :, ::-1], axis=-1, bitorder="big").view(">u4").reshape(B, W)
+        t["token_mask"] = ints(words.astype(np.uint32).reshape(B, W).view(np.int32))
+    name = f"sample controls={'+'.join(groups)} {mode}{' probs' if probs else ''} B={B} V={V}"
+    return Case("sample", name, "controls", t, check=c.check, tol_key="exact", compare="sample", seed=seed)
 
 
 def spec_verify(seed, T, V, mode="mixed", draft="logits", ties=False) -> Case:
@@ -94,6 +133,16 @@ def gen_sample(p, s):
     yield sample(s(), 8, 1000, "mixed", ties=True, probs=True)
     for _ in range(p.random_draws):
         yield sample(s(), int(s.rng.integers(1, 16)), int(s.rng.integers(1, 3000)), "mixed", probs=True)
+    # 1.7's controls: each group alone and all together, greedy and sampled, with probs
+    c = s.fork(7)
+    for groups in (("penalties",), ("bias",), ("mask",), ("penalties", "bias", "mask")):
+        yield sample_controls(c(), 6, 40, "greedy", groups)
+        yield sample_controls(c(), 9, 300, "mixed", groups, probs=True)
+    yield sample_controls(c(), 5, 33, "mixed", probs=True, L=1)
+    yield sample_controls(c(), 0, 10, "mixed")
+    for _ in range(p.random_draws):
+        yield sample_controls(c(), int(c.rng.integers(1, 16)), int(c.rng.integers(1, 3000)), "mixed",
+                              probs=bool(c.rng.integers(0, 2)), L=int(c.rng.integers(1, 64)))
 
 
 def gen_spec_verify(p, s):
@@ -115,6 +164,7 @@ def gen_spec_verify(p, s):
 
 def large_sample(s):
     yield sample(s(), 16, 32000, "mixed")
+    yield sample_controls(s(), 16, 32000, "mixed", probs=True, L=512)
 
 
 def large_spec_verify(s):
