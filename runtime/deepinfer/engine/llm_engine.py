@@ -28,6 +28,7 @@ from ..model.hub import resolve_model
 from ..parallel.group import ParallelGroup
 from .. import validate as V
 from .runner_factory import load_runner
+from .sample_controls import SampleControls, needed_groups
 from .sampling import SamplingParams, step_seed
 from .scheduler import Scheduler
 from .speculative import Speculator
@@ -113,6 +114,7 @@ class Engine:
         self.eos_ids = {i for i in (self.tokenizer.eos_id, self.runner.eos_token_id) if i is not None}
         self._requests: dict = {}        # request id -> its Sequences (one per choice)
         self._done_outputs: list = []    # outputs of requests that finished without a step (max_tokens 0)
+        self._sample_controls: dict = {}  # batch rows -> SampleControls (penalties, bias, masks)
         self._ids = itertools.count()
         self.counters = {"steps": 0, "prompt_tokens": 0, "computed_prompt_tokens": 0, "generated_tokens": 0,
                       "requests_finished": 0, "requests_aborted": 0}
@@ -176,6 +178,12 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ConfigError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        bad = [t for t in (params.logit_bias or ()) if t >= vocab]
+        if bad:
+            raise ConfigError(f"logit_bias names token id {bad[0]}, outside the vocabulary [0, {vocab})")
+        if needed_groups(params) and self.backend.abi_minor < 7:
+            raise ConfigError(f"penalties, logit_bias, min_tokens and structured output need a backend library of "
+                              f"ABI 1.7; {self.backend.name} implements ABI 1.{self.backend.abi_minor}")
         need = len(ids) + params.max_new_tokens
         limit = self.runner.max_seq_len
         if need > limit:
@@ -245,7 +253,9 @@ class Engine:
         if not batch:
             return outs
         spec = self.spec
-        if spec is not None and self.scheduler.last_kind == "decode":
+        # rows with sampling controls decode plainly: spec_verify has no penalties, bias or masks
+        if spec is not None and self.scheduler.last_kind == "decode" and \
+                not any(s.seq.params.has_controls for s in batch):
             t0 = time.perf_counter()      # a plain step's time includes the choice, as a spec step's does
             done = spec.decode_step(batch, time.monotonic)
             if done is not None:
@@ -282,7 +292,9 @@ class Engine:
             top_k.append(p.top_k if p else 0)
             top_p.append(p.top_p if p else 1.0)
             seeds.append(step_seed(p.seed, s.seq.index, s.seq.num_output_tokens) if p else 0)
-        tokens = self.runner.sampler.sample(logits, temperature=temp, top_k=top_k, top_p=top_p, seeds=seeds)
+        controls = self._controls(batch, want)
+        tokens = self.runner.sampler.sample(logits, temperature=temp, top_k=top_k, top_p=top_p, seeds=seeds,
+                                            controls=controls)
         host = None
         if any(seq.params.logprobs is not None for _, seq in sampled):
             host = self.backend.to_numpy(logits)
@@ -291,6 +303,18 @@ class Engine:
             outs.append(self.advance(seq, tokens[i], host[i] if seq.params.logprobs is not None else None,
                                       now))
         return outs
+
+    def _controls(self, batch: list, want: dict) -> Optional[dict]:
+        """The sample op's 1.7 control tensors of this step (engine.sample_controls), None when no row
+        has any."""
+        rows = [want.get(i) if i in want and want[i].params.has_controls else None for i in range(len(batch))]
+        if not any(r is not None for r in rows):
+            return None
+        ctl = self._sample_controls.get(len(batch))
+        if ctl is None:
+            ctl = self._sample_controls[len(batch)] = SampleControls(self.backend, len(batch),
+                                                                     self.runner.cfg.vocab_size)
+        return ctl.build(rows, sorted(self.eos_ids), masked=False) or None
 
     def advance(self, seq: Sequence, tok: int, row, now: float) -> RequestOutput:
         """Take one sampled token for `seq`: finish it on eos / a stop token / a stop string / its

@@ -132,15 +132,17 @@ class Sampler:
         self.backend = backend
         self._bufs: dict = {}
 
-    def sample(self, logits: Tensor, temperature, top_k=None, top_p=None, seeds=None, with_probs: bool = False):
+    def sample(self, logits: Tensor, temperature, top_k=None, top_p=None, seeds=None, with_probs: bool = False,
+               controls: Optional[dict] = None):
         """The sampled ids as a list; with_probs: (tokens, each token's probability) (ABI 1.2's
-        probs; drafts use it as their confidence)."""
+        probs; drafts use it as their confidence). controls: ABI 1.7's control tensors
+        (engine.sample_controls); a row they leave without a token comes back as -1."""
         B = logits.shape[0]
         bufs = self._bufs.get((B, with_probs))
         if bufs is None:
             bufs = self._bufs[(B, with_probs)] = SampleBuffers(self.backend, B, with_probs)
         bufs.set(temperature, top_k, top_p, seeds)
-        bufs.call(logits)()
+        bufs.call(logits, controls)()
         return bufs.result()
 
 
@@ -195,14 +197,18 @@ class SampleBuffers:
         if self.host is not self.store:
             self.backend.copy_async(self.store, self.host)
 
-    def call(self, logits: Tensor):
-        """The sample op on `logits`, bound once per logits buffer: a decode step samples the same
-        plan output every time, so the call is marshalled once, not once a step. Only the last one
-        is kept (it holds its logits tensor, and so an old arena, alive)."""
-        key = (logits.data_ptr, logits.shape, logits.strides, logits.dtype.name)
+    def call(self, logits: Tensor, controls: Optional[dict] = None):
+        """The sample op on `logits`, bound once per logits buffer and set of control tensors: a
+        decode step samples the same plan output every time, so the call is marshalled once, not
+        once a step. Only the last one is kept (it holds its logits tensor, and so an old arena,
+        alive)."""
+        controls = controls or {}
+        key = (logits.data_ptr, logits.shape, logits.strides, logits.dtype.name,
+               tuple((k, id(t)) for k, t in sorted(controls.items())))
         if self._bound is None or self._bound[0] != key:
             extra = {"probs": self.probs} if self.with_probs else {}
-            self._bound = (key, self.backend.prepare("sample", logits=logits, out=self.ids, **self.params, **extra))
+            self._bound = (key, self.backend.prepare("sample", logits=logits, out=self.ids, **self.params, **extra,
+                                                     **controls))
         return self._bound[1]
 
     def result(self):
