@@ -142,7 +142,7 @@ def test_errors_have_the_openai_shape(server, client):
         client.completions.create(model=NAME, prompt="x", max_tokens=10_000)
     assert e.value.body["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=NAME, prompt="x", presence_penalty=0.5)
+        client.completions.create(model=NAME, prompt="x", presence_penalty=5)     # outside [-2, 2]
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=NAME, prompt="x", temperature=-1)
     with pytest.raises(openai.BadRequestError):

@@ -28,6 +28,7 @@ from ..model.hub import resolve_model
 from ..parallel.group import ParallelGroup
 from .. import validate as V
 from .runner_factory import load_runner
+from .constraints import Constraints
 from .sample_controls import SampleControls, needed_groups
 from .sampling import SamplingParams, step_seed
 from .scheduler import Scheduler
@@ -115,6 +116,7 @@ class Engine:
         self._requests: dict = {}        # request id -> its Sequences (one per choice)
         self._done_outputs: list = []    # outputs of requests that finished without a step (max_tokens 0)
         self._sample_controls: dict = {}  # batch rows -> SampleControls (penalties, bias, masks)
+        self.constraints = Constraints(self.tokenizer, self.runner.cfg.vocab_size, self.eos_ids)
         self._ids = itertools.count()
         self.counters = {"steps": 0, "prompt_tokens": 0, "computed_prompt_tokens": 0, "generated_tokens": 0,
                       "requests_finished": 0, "requests_aborted": 0}
@@ -215,8 +217,9 @@ class Engine:
         seqs = []
         for i in range(n):
             seq = Sequence(ids, params, request_id=rid, index=i)
-            seq.detok = Detokenizer(self.tokenizer, params.stop)
+            seq.detok = Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
             seqs.append(seq)
+        self.constraints.attach(seqs, params)      # a schema that does not compile is a ConfigError here
         self._requests[rid] = seqs
         self.counters["prompt_tokens"] += len(ids) * n
         for seq in seqs:
@@ -274,6 +277,7 @@ class Engine:
         its chunk at its last token."""
         self.counters["steps"] += 1
         prefill = self.spec is not None and self.scheduler.last_kind == "prefill"
+        masks = self._start_masks(batch)         # grammar masks fill while the model runs
         logits = self.runner.run([(s.seq, s.start, s.num_tokens) for s in batch], keep_hidden=prefill)
         for s in batch:
             s.seq.num_computed = s.start + s.num_tokens
@@ -292,7 +296,11 @@ class Engine:
             top_k.append(p.top_k if p else 0)
             top_p.append(p.top_p if p else 1.0)
             seeds.append(step_seed(p.seed, s.seq.index, s.seq.num_output_tokens) if p else 0)
-        controls = self._controls(batch, want)
+        if masks is not None:
+            t0 = time.perf_counter()
+            masks.result()
+            self.constraints.wait(masks, time.perf_counter() - t0)
+        controls = self._controls(batch, want, masked=masks is not None)
         tokens = self.runner.sampler.sample(logits, temperature=temp, top_k=top_k, top_p=top_p, seeds=seeds,
                                             controls=controls)
         host = None
@@ -304,17 +312,26 @@ class Engine:
                                       now))
         return outs
 
-    def _controls(self, batch: list, want: dict) -> Optional[dict]:
+    def _control_buffers(self, B: int) -> SampleControls:
+        ctl = self._sample_controls.get(B)
+        if ctl is None:
+            ctl = self._sample_controls[B] = SampleControls(self.backend, B, self.runner.cfg.vocab_size)
+        return ctl
+
+    def _start_masks(self, batch: list):
+        """The step's grammar masks, filling on the constraints' worker (None: no row has a grammar)."""
+        rows = [s.seq if s.samples and s.seq.matcher is not None else None for s in batch]
+        if not any(r is not None for r in rows):
+            return None
+        return self.constraints.start(rows, self._control_buffers(len(batch)).mask_rows())
+
+    def _controls(self, batch: list, want: dict, masked: bool) -> Optional[dict]:
         """The sample op's 1.7 control tensors of this step (engine.sample_controls), None when no row
         has any."""
         rows = [want.get(i) if i in want and want[i].params.has_controls else None for i in range(len(batch))]
         if not any(r is not None for r in rows):
             return None
-        ctl = self._sample_controls.get(len(batch))
-        if ctl is None:
-            ctl = self._sample_controls[len(batch)] = SampleControls(self.backend, len(batch),
-                                                                     self.runner.cfg.vocab_size)
-        return ctl.build(rows, sorted(self.eos_ids), masked=False) or None
+        return self._control_buffers(len(batch)).build(rows, sorted(self.eos_ids), masked=masked) or None
 
     def advance(self, seq: Sequence, tok: int, row, now: float) -> RequestOutput:
         """Take one sampled token for `seq`: finish it on eos / a stop token / a stop string / its
@@ -332,10 +349,20 @@ class Engine:
         if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             self._finish(seq, "stop")
             return self._output(seq, [], seq.detok.flush(), [])
+        if tok < 0:       # the sample op's controls banned every token (a grammar with no way on)
+            log.warning("request %s: no token is allowed (structured output dead end); stopping it", seq.request_id)
+            self._finish(seq, "error")
+            return self._output(seq, [], seq.detok.flush(), [])
         seq.append(tok)
         self.counters["generated_tokens"] += 1
         text = seq.detok.push(tok)
-        if seq.detok.stopped:
+        grammar = self.constraints.advance(seq, tok) if seq.matcher is not None else None
+        if grammar is not None:
+            if grammar == "error":
+                log.warning("request %s: the grammar refused token %d; stopping it", seq.request_id, tok)
+            self._finish(seq, grammar)
+            text += seq.detok.flush()
+        elif seq.detok.stopped:
             self._finish(seq, "stop")
         elif seq.num_output_tokens >= p.max_new_tokens:
             self._finish(seq, "length")

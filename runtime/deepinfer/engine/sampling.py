@@ -44,6 +44,7 @@ class SamplingParams:
     min_tokens: int = 0             # eos and stop tokens are banned until this many tokens were generated
     structured: Optional[dict] = None   # a constraint (engine.structured): {"type": "json_schema" | "json_object"
                                         # | "regex" | "grammar" | "choice", ...}; masks the logits each step
+    skip_special_tokens: bool = True    # False: special tokens stay in the text (tool-call markers a parser reads)
 
     @classmethod
     def from_options(cls, **opts) -> "SamplingParams":
@@ -72,6 +73,7 @@ class SamplingParams:
                                         lo_open=True)
         p.logit_bias = _logit_bias(p.logit_bias)
         V.integer("min_tokens", p.min_tokens, 0, INT32_MAX)
+        V.boolean("skip_special_tokens", p.skip_special_tokens)
         if p.structured is not None and not (isinstance(p.structured, dict) and isinstance(p.structured.get("type"), str)):
             raise ConfigError(f"structured must be a dict with a 'type' (json_schema, json_object, regex, grammar or "
                               f"choice), not {p.structured!r}")

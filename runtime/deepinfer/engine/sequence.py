@@ -40,6 +40,10 @@ class Sequence:
         self.arrival = time.monotonic()
         self.first_token_time: Optional[float] = None
         self.logprobs: list = []            # per output token, when asked for
+        # structured output (engine.constraints): the grammar's matcher, and whether it constrains yet
+        self.matcher = None
+        self.matcher_after: Optional[list] = None   # token ids the output must produce before it does
+        self.matcher_active = False
         # speculative decoding (engine.speculative): the drafts made after this sequence's last step
         self.drafts: list = []              # draft token ids
         self.draft_probs: list = []         # their draft probabilities (the scheduler's confidence)

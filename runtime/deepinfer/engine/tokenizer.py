@@ -64,19 +64,25 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
-    def decode_stream(self):
-        """A fresh incremental decoder (tokenizers' DecodeStream): each token's text costs O(1)."""
+    def decode_stream(self, skip_special_tokens: bool = True):
+        """A fresh incremental decoder (tokenizers' DecodeStream): each token's text costs O(1).
+        skip_special_tokens=False keeps markers a parser needs (tool-call tokens that a tokenizer
+        marks special)."""
         from tokenizers.decoders import DecodeStream
 
-        return DecodeStream(skip_special_tokens=True)
+        return DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def step(self, stream, token: int) -> Optional[str]:
         """The text `token` adds to `stream`'s output (None while a multi-byte character is incomplete)."""
         return stream.step(self._tok, int(token))
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, limits=None) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, limits=None,
+                            tools: Optional[list] = None, template_kwargs: Optional[dict] = None) -> str:
         """The prompt for `messages` (a list of {"role": str, "content": str, ...} dicts). `limits`
-        (a chat_template.RenderLimits, default RenderLimits()) bounds what rendering may cost.
+        (a chat_template.RenderLimits, default RenderLimits()) bounds what rendering may cost. `tools`
+        (OpenAI's tool list) and `template_kwargs` (a request's chat_template_kwargs, e.g. V3.1's
+        {"thinking": true}) are the template's variables as in transformers' apply_chat_template; they
+        cannot replace the ones set here.
         InputTypeError / ConfigError for bad messages or a template that fails on them;
         CheckpointError for a template that does not compile."""
         if not self.chat_template:
@@ -86,9 +92,15 @@ class Tokenizer:
             raise InputTypeError(f"add_generation_prompt must be a bool, not {type(add_generation_prompt).__name__}")
         if self._compiled_template is None:     # compiled at first use: a model with a broken template still generates
             self._compiled_template = ChatTemplate(self.chat_template, str(self.config_path))
-        return self._compiled_template.render(
-            limits or RenderLimits(), messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        own = {"messages": messages, "add_generation_prompt": add_generation_prompt,
+               "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+        extra = dict(template_kwargs or {})
+        clash = sorted(set(extra) & (set(own) | {"tools"}))
+        if clash:
+            raise ConfigError(f"chat_template_kwargs may not set {', '.join(clash)} (the request's own fields do)")
+        if tools is not None:
+            extra["tools"] = tools
+        return self._compiled_template.render(limits or RenderLimits(), **own, **extra)
 
 
 def _check_messages(messages) -> None:
@@ -174,10 +186,10 @@ class Detokenizer:
     Each token costs O(1) tokenizer work (an incremental DecodeStream, not a decode of every id so
     far) and O(longest stop string) string work: only the new tail is searched."""
 
-    def __init__(self, tok: Tokenizer, stops: Sequence[str]):
+    def __init__(self, tok: Tokenizer, stops: Sequence[str], skip_special_tokens: bool = True):
         self.tok, self.stops = tok, [s for s in stops if s]
         self.max_stop = max((len(s) for s in self.stops), default=0)
-        self._stream = tok.decode_stream()
+        self._stream = tok.decode_stream(skip_special_tokens)
         self.text = ""         # every character decoded so far (cut at a stop string)
         self.emitted = 0       # characters already handed out
         self.stopped = False

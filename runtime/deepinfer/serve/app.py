@@ -1,102 +1,44 @@
-"""The OpenAI-compatible HTTP API (FastAPI on uvicorn): /v1/completions, /v1/chat/completions
-(streaming as server-sent events or not), /v1/models, /health, /metrics.
+"""The HTTP API (FastAPI on uvicorn): OpenAI's /v1/completions and /v1/chat/completions (streaming
+as server-sent events or not), /v1/models, /health, /metrics; vLLM's /tokenize and /detokenize
+(serve.tokenize_api); Anthropic's /v1/messages (serve.anthropic).
 
 Handlers tokenize, validate and hand requests to the engine thread (serve.async_engine); they
 never touch the model. Errors use OpenAI's JSON shape {"error": {"message", "type", "param",
-"code"}}: 400 bad parameter, 404 unknown model or route, 413 body too large, 503 queue full or
-shutting down. A client that disconnects aborts its request, which frees its KV blocks at once.
+"code"}} (Anthropic's under /v1/messages): 400 bad parameter, 404 unknown model or route, 413 body
+too large, 503 queue full or shutting down. A client that disconnects aborts its request, which
+frees its KV blocks at once.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
-import secrets
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import QueueFullError, SamplingParams
-from ..errors import CheckpointError, InputError
-from .async_engine import AsyncEngine, EngineStopped
+from .anthropic import add_messages_routes
+from .api_errors import APIError, error_response
+from .async_engine import AsyncEngine
+from .body_limit import BodyLimit
+from .chat_output import ChatOutput, merge, plan_chat
+from .engine_calls import EngineCalls
+from .limits import ServerLimits
+from .logprob_shapes import chat_logprobs, completion_logprobs
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .request_params import openai_params
+from .tokenize_api import add_tokenize_routes
+
+__all__ = ["APIError", "ServerLimits", "create_app"]
 
 log = logging.getLogger("deepinfer")
-
-
-@dataclass
-class ServerLimits:
-    max_body_bytes: int = 1 << 20          # request bodies larger than this are a 413
-    max_prompt_tokens: Optional[int] = None   # None: max_seq_len - 1
-    max_tokens: Optional[int] = None       # largest max_tokens a request may ask (None: max_seq_len)
-    max_n: int = 8
-    max_stop: int = 8
-    max_prompts: int = 32                  # prompts in one /v1/completions body
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None, headers: Optional[dict] = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code, self.headers = status, message, type_, param, code, headers
-
-
-def error_response(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None,
-                   headers=None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
-                        status_code=status, headers=headers)
-
-
-class BodyLimit:
-    """ASGI middleware: a body over `limit` bytes is refused with 413 before it is read whole
-    (by Content-Length, or while a chunked body streams in)."""
-
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        for k, v in scope.get("headers", []):
-            if k == b"content-length" and v.isdigit() and int(v) > self.limit:
-                return await _send_413(send, self.limit)
-        # read the body here (it is bounded), then replay it to the app
-        chunks, seen = [], 0
-        while True:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                return      # the client left before sending its body
-            chunks.append(msg.get("body", b""))
-            seen += len(chunks[-1])
-            if seen > self.limit:
-                return await _send_413(send, self.limit)
-            if not msg.get("more_body", False):
-                break
-        body, replayed = b"".join(chunks), False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-
-async def _send_413(send, limit):
-    body = json.dumps({"error": {"message": f"request body larger than {limit} bytes", "type": "invalid_request_error",
-                                 "param": None, "code": "request_too_large"}}).encode()
-    await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
 
 
 def create_app(aengine: AsyncEngine, model_name: str, limits: Optional[ServerLimits] = None,
@@ -104,11 +46,8 @@ def create_app(aengine: AsyncEngine, model_name: str, limits: Optional[ServerLim
     """The app; when the server stops (after uvicorn drained open responses) the engine thread
     finishes what still runs, up to drain_timeout seconds, and stops."""
     limits = limits or ServerLimits()
-    eng = aengine.engine
-    tok = eng.tokenizer
-    max_seq = eng.runner.max_seq_len
-    max_prompt = limits.max_prompt_tokens or max_seq - 1
-    max_tokens_cap = limits.max_tokens or max_seq
+    calls = EngineCalls(aengine, model_name, limits)
+    tok = calls.tokenizer
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -122,21 +61,28 @@ def create_app(aengine: AsyncEngine, model_name: str, limits: Optional[ServerLim
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
         aengine.metrics.requests_rejected.labels(status=str(e.status)).inc()
-        return error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
+        return error_response(e.status, e.message, e.type, e.param, e.code, e.headers, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, e: RequestValidationError):
         errs = e.errors()
-        first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ()) if x != 'body')}: {er.get('msg')}" for er in errs[:5])
+        locs = [[str(x) for x in er.get("loc", ()) if x != "body"] for er in errs]
+        msg = "; ".join(f"{'.'.join(loc) or 'the body'}: {er.get('msg')}" for loc, er in zip(locs[:5], errs))
         aengine.metrics.requests_rejected.labels(status="400").inc()
-        return error_response(400, msg or "invalid request", param=".".join(loc) or None)
+        return error_response(400, msg or "invalid request", param=_param(locs), path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, e: StarletteHTTPException):
         return error_response(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else
-                              "server_error", code="not_found" if e.status_code == 404 else None)
+                              "server_error", code="not_found" if e.status_code == 404 else None,
+                              path=request.url.path)
+
+    @app.exception_handler(Exception)
+    async def _bug(request, e: Exception):
+        # a bug, not the client's doing: still an answer in the route's error shape, the traceback in the log
+        log.error("%s %s failed", request.method, request.url.path, exc_info=e)
+        return error_response(500, f"internal error ({type(e).__name__}; see the server's log)", "server_error",
+                              path=request.url.path)
 
     # ------------------------------------------------------------------ info
     @app.get("/health")
@@ -153,103 +99,9 @@ def create_app(aengine: AsyncEngine, model_name: str, limits: Optional[ServerLim
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "deepinfer", "max_model_len": max_seq}]}
+                                            "owned_by": "deepinfer", "max_model_len": calls.max_seq}]}
 
-    # ------------------------------------------------------------------ shared request handling
-    def check_model(name):
-        if name is not None and name != model_name:
-            raise APIError(404, f"model {name!r} does not exist; this server serves {model_name!r}",
-                           param="model", code="model_not_found")
-
-    def sampling(req, max_new: int, logprobs: Optional[int] = None) -> SamplingParams:
-        bad = req.unsupported()
-        if bad:
-            raise APIError(400, bad[1], param=bad[0])
-        if req.n > limits.max_n:
-            raise APIError(400, f"n must be <= {limits.max_n}", param="n")
-        stops = req.stops()
-        if len(stops) > limits.max_stop:
-            raise APIError(400, f"at most {limits.max_stop} stop strings", param="stop")
-        if max_new > max_tokens_cap:
-            raise APIError(400, f"max_tokens {max_new} > the server's limit {max_tokens_cap}", param="max_tokens")
-        seed = req.seed if req.seed is not None else secrets.randbits(63)
-        try:
-            return SamplingParams.from_options(
-                max_new_tokens=max_new, temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=req.top_p, top_k=max(req.top_k or 0, 0), seed=seed, stop=tuple(stops), logprobs=logprobs,
-                ignore_eos=req.ignore_eos)
-        except InputError as e:
-            raise APIError(400, str(e)) from None
-
-    def check_prompt(ids: list, params: SamplingParams, param: str):
-        if len(ids) > max_prompt:
-            raise APIError(400, f"prompt of {len(ids)} tokens > the server's limit {max_prompt}", param=param)
-        try:
-            eng.check_request(ids, params)
-        except InputError as e:
-            raise APIError(400, f"{e}; lower max_tokens or shorten the prompt", param=param) from None
-
-    async def submit_all(rid: str, prompts: list, params: SamplingParams, n: int) -> tuple[list, asyncio.Queue]:
-        """Submit one engine request per prompt, all feeding one queue; undo on failure."""
-        q: Optional[asyncio.Queue] = None
-        ids = []
-        try:
-            for i, p in enumerate(prompts):
-                sub_id = f"{rid}-{i}"
-                got = await aengine.submit(sub_id, p, params, n)
-                ids.append(sub_id)
-                if q is None:
-                    q = got
-                else:   # fan in: forward this prompt's outputs into the first queue
-                    asyncio.ensure_future(_forward(got, q))
-        except QueueFullError as e:
-            for s in ids:
-                aengine.abort(s)
-            raise APIError(503, str(e), "server_error", code="queue_full", headers={"Retry-After": "1"}) from None
-        except EngineStopped as e:
-            for s in ids:
-                aengine.abort(s)
-            raise APIError(503, str(e), "server_error", code="shutting_down") from None
-        except InputError as e:
-            for s in ids:
-                aengine.abort(s)
-            raise APIError(400, str(e)) from None
-        return ids, q
-
-    async def collect(request: Request, sub_ids: list, q: asyncio.Queue):
-        """Every output of the requests (non-streaming); aborts them if the client goes away."""
-        outs, left = [], len(sub_ids)
-        try:
-            while left:
-                try:
-                    o = await asyncio.wait_for(q.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        raise asyncio.CancelledError()
-                    continue
-                if o is None:
-                    left -= 1
-                elif isinstance(o, Exception):
-                    raise APIError(503, str(o), "server_error")
-                else:
-                    outs.append(o)
-            return outs
-        finally:
-            if left:
-                for s in sub_ids:
-                    aengine.abort(s)
-
-    def logprob_block(o, offset: int) -> dict:
-        toks, lps, tops, offs = [], [], [], []
-        for t, (lp, top) in zip(o.token_ids, o.logprobs):
-            s = tok.decode([t])
-            toks.append(s)
-            lps.append(lp)
-            tops.append({tok.decode([a]): b for a, b in top})
-            offs.append(offset)
-            offset += len(s)
-        return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
-
+    # ------------------------------------------------------------------ shared by both OpenAI routes
     def sse(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -282,13 +134,12 @@ def create_app(aengine: AsyncEngine, model_name: str, limits: Optional[ServerLim
             yield "data: [DONE]\n\n"
         finally:
             if left:        # the client went away (or the engine failed): free the blocks now
-                for s in sub_ids:
-                    aengine.abort(s)
+                calls.abort(sub_ids)
 
     # ------------------------------------------------------------------ /v1/completions
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        check_model(req.model)
+        calls.check_model(req.model)
         p = req.prompt
         if isinstance(p, str):
             prompts = [p]
@@ -298,27 +149,25 @@ def create_app(aengine: AsyncEngine, model_name: str, limits: Optional[ServerLim
             prompts = list(p)
         if not prompts or len(prompts) > limits.max_prompts:
             raise APIError(400, f"prompt must hold 1 to {limits.max_prompts} prompts", param="prompt")
-        params = sampling(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
-        try:
-            ids = [eng.encode_prompt(x) for x in prompts]
-        except InputError as e:
-            raise APIError(400, str(e), param="prompt") from None
+        params, names = openai_params(req, 16 if req.max_tokens is None else req.max_tokens, limits,
+                                      calls.max_tokens_cap, req.logprobs)
+        ids = [calls.encode(x) for x in prompts]
         for x in ids:
-            check_prompt(x, params, "prompt")
+            calls.check_prompt(x, params, "prompt", names)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        sub_ids, q = await submit_all(rid, ids, params, req.n)
+        sub_ids, q = await calls.submit_all(rid, ids, params, req.n, names)
         index = {s: i for i, s in enumerate(sub_ids)}
         n_prompt = sum(len(x) for x in ids) * req.n
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
         want_lp = req.logprobs is not None
 
         if not req.stream:
-            outs = await collect(request, sub_ids, q)
+            outs = await calls.collect(request, sub_ids, q)
             text, reason, lp, n_out = {}, {}, {}, 0
             for o in outs:
                 k = index[o.request_id] * req.n + o.index
                 if want_lp and o.token_ids:
-                    blk = logprob_block(o, len(text.get(k, "")))
+                    blk = completion_logprobs(tok, o, len(text.get(k, "")))
                     acc = lp.setdefault(k, {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
                     for key in acc:
                         acc[key] += blk[key]
@@ -337,9 +186,10 @@ def create_app(aengine: AsyncEngine, model_name: str, limits: Optional[ServerLim
             k = index[o.request_id] * req.n + o.index
             if not (o.text or o.finished or (want_lp and o.token_ids)):
                 return None
-            lp = logprob_block(o, sent.get(k, 0)) if want_lp and o.token_ids else None
+            lp = completion_logprobs(tok, o, sent.get(k, 0)) if want_lp and o.token_ids else None
             sent[k] = sent.get(k, 0) + len(o.text)
-            return {"index": k, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason if o.finished else None}
+            return {"index": k, "text": o.text, "logprobs": lp,
+                    "finish_reason": o.finish_reason if o.finished else None}
 
         return StreamingResponse(stream_events(req, sub_ids, q, base, n_prompt, choice), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
@@ -347,36 +197,48 @@ def create_app(aengine: AsyncEngine, model_name: str, limits: Optional[ServerLim
     # ------------------------------------------------------------------ /v1/chat/completions
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        check_model(req.model)
+        calls.check_model(req.model)
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
-        try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True)
-            ids = eng.encode_prompt(text, add_bos=False)
-        except CheckpointError as e:
-            # the model's own template is broken: the server's fault, and its path is not the client's business
-            log.error("chat template: %s", e)
-            raise APIError(500, "this model's chat template cannot be used (see the server's log)",
-                           "server_error") from None
-        except InputError as e:     # these messages fail the template (its limits, raise_exception, ...)
-            raise APIError(400, str(e), param="messages") from None
+        tool_choice = req.tool_choice_json()
+        tools = req.tools_json() if tool_choice != "none" else None
+        prompt = calls.render_chat(messages, tools=tools, template_kwargs=req.template_kwargs())
+        plan = plan_chat(tok, prompt, tools, tool_choice, req.parallel_tool_calls)
+        ids = calls.encode(prompt, add_bos=False, param="messages")
+        asked_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_new = asked if asked is not None else max(min(max_seq - len(ids), max_tokens_cap), 0)
-        params = sampling(req, max_new)
-        check_prompt(ids, params, "messages")
+        max_new = asked if asked is not None else calls.default_max_tokens(len(ids))
+        want_lp = req.logprobs
+        params, names = openai_params(req, max_new, limits, calls.max_tokens_cap,
+                                      (req.top_logprobs or 0) if want_lp else None, asked_param, "top_logprobs")
+        params = chat_params(params, plan, names)
+        calls.check_prompt(ids, params, "messages", names)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        sub_ids, q = await submit_all(rid, [ids], params, req.n)
+        sub_ids, q = await calls.submit_all(rid, [ids], params, req.n, names)
         base = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name}
         n_prompt = len(ids) * req.n
 
+        parsers = [ChatOutput(plan) for _ in range(req.n)]
+
+        def reason_of(o) -> str:
+            return "tool_calls" if parsers[o.index].called and o.finish_reason == "stop" else o.finish_reason
+
         if not req.stream:
-            outs = await collect(request, sub_ids, q)
-            text, reason, n_out = {}, {}, 0
+            outs = await calls.collect(request, sub_ids, q)
+            msgs = [{"role": "assistant", "content": ""} for _ in range(req.n)]
+            reason, lp, n_out = {}, {}, 0
             for o in outs:
-                text[o.index] = text.get(o.index, "") + o.text
+                merge(msgs[o.index], parsers[o.index].feed(o.text))
+                if want_lp:
+                    lp.setdefault(o.index, []).extend(chat_logprobs(tok, o))
                 if o.finished:
-                    reason[o.index] = o.finish_reason
+                    merge(msgs[o.index], parsers[o.index].finish())
+                    reason[o.index] = reason_of(o)
                     n_out += o.num_output_tokens
-            choices = [{"index": k, "message": {"role": "assistant", "content": text.get(k, "")}, "logprobs": None,
+            for m in msgs:
+                if m.get("tool_calls") and not m["content"].strip():
+                    m["content"] = None         # OpenAI's shape of a message that only calls tools
+            choices = [{"index": k, "message": msgs[k],
+                        "logprobs": {"content": lp.get(k, []), "refusal": None} if want_lp else None,
                         "finish_reason": reason.get(k)} for k in range(req.n)]
             return {**base, "choices": choices,
                     "usage": usage(n_prompt, n_out)}
@@ -384,22 +246,52 @@ def create_app(aengine: AsyncEngine, model_name: str, limits: Optional[ServerLim
         base = {**base, "object": "chat.completion.chunk"}
 
         def choice(o):
-            if not (o.text or o.finished):
+            delta = parsers[o.index].feed(o.text) if o.text else {}
+            if o.finished:
+                for k, v in parsers[o.index].finish().items():
+                    delta[k] = delta.get(k, v[:0]) + v      # text or tool-call items, after what came first
+            if not (delta or o.finished or (want_lp and o.token_ids)):
                 return None
-            return {"index": o.index, "delta": {"content": o.text} if o.text else {}, "logprobs": None,
-                    "finish_reason": o.finish_reason if o.finished else None}
+            return {"index": o.index, "delta": delta,
+                    "logprobs": {"content": chat_logprobs(tok, o), "refusal": None} if want_lp else None,
+                    "finish_reason": reason_of(o) if o.finished else None}
 
         roles = [{**base, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                        "finish_reason": None}]} for k in range(req.n)]
         return StreamingResponse(stream_events(req, sub_ids, q, base, n_prompt, choice, roles),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
+    add_tokenize_routes(app, calls)
+    add_messages_routes(app, calls)
     return app
 
 
-async def _forward(src: asyncio.Queue, dst: asyncio.Queue):
-    while True:
-        o = await src.get()
-        await dst.put(o)
-        if o is None or isinstance(o, Exception):
-            return
+def chat_params(params, plan, names: dict):
+    """A chat request's SamplingParams with what its plan adds: the grammar a tool_choice of "required"
+    or a named function forces (one constraint per request: with response_format too, a 400), a
+    response_format that starts after the reasoning a prompt opened, and the special tokens kept in the
+    text while tools are in play (the tool-call markers may be special tokens)."""
+    structured = params.structured
+    if plan.structured is not None:
+        if structured is not None:
+            raise APIError(400, f"tool_choice forces tool calls and {names['structured']} constrains the output too; "
+                                "use one of them", param="tool_choice")
+        structured = plan.structured
+    elif structured is not None and plan.starts_in_reasoning:
+        structured = {**structured, "after": "</think>"}    # the answer after the reasoning is constrained
+    return dataclasses.replace(params, structured=structured, skip_special_tokens=not plan.keep_special)
+
+
+def _param(locs: list) -> Optional[str]:
+    """The field a validation failure is about. A value that fits no member of a union fails once per
+    member, each error's location ending in the member's type ("stop.str", "stop.list[str]"): their
+    common prefix is the field itself."""
+    if not locs:
+        return None
+    common = locs[0]
+    for loc in locs[1:]:
+        n = 0
+        while n < min(len(common), len(loc)) and common[n] == loc[n]:
+            n += 1
+        common = common[:n]
+    return ".".join(common or locs[0]) or None

@@ -1,22 +1,84 @@
-"""OpenAI request bodies (pydantic) for /v1/completions and /v1/chat/completions.
+"""OpenAI request bodies (pydantic) for /v1/completions and /v1/chat/completions, with vLLM's
+extensions (top_k, repetition_penalty, min_tokens, ignore_eos, priority, structured_outputs and the
+legacy guided_* fields).
 
-Parameters that the engine does not implement are accepted only at their neutral value (a penalty
-of 0, echo false, best_of equal to n); any other value is a 400 that names the parameter, never a
-silently different computation. Unknown fields are a 400 too."""
+Types are strict: "0.5" is not a number and "true" not a bool (an int where a float belongs is
+fine), so a client's typo is a 400 naming the field, never a guess. Parameters the engine does not
+implement are accepted only at their neutral value (echo false, best_of equal to n, priority 0); any
+other value is a 400 that names the parameter, never a silently different computation. Unknown
+fields are a 400 too."""
 from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# strict: no "8" for 8 or "true" for true; no NaN or Infinity (JSON has neither, Python's parser does)
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """response_format's json_schema member, in OpenAI's shape."""
+    model_config = ConfigDict(**STRICT, populate_by_name=True)
+    name: str
+    description: Optional[str] = None
+    schema_: Optional[dict] = Field(None, alias="schema")      # no schema: any JSON value
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: one constraint on the output."""
+    model_config = STRICT
+    json_: Union[dict, str, None] = Field(None, alias="json")   # a JSON schema, or its text
+    regex: Optional[str] = None
+    grammar: Optional[str] = None                               # an EBNF / GBNF grammar
+    choice: Optional[list[str]] = None
+    json_object: Optional[bool] = None
+
+
+class FunctionDef(BaseModel):
+    model_config = STRICT
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: Optional[str] = None
+    parameters: Optional[dict] = None          # a JSON schema; none: no arguments
+    strict: Optional[bool] = None
+
+
+class Tool(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class _FunctionName(BaseModel):
+    model_config = STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: _FunctionName
+
+
+class ThinkingSwitch(BaseModel):
+    model_config = STRICT
+    type: Literal["enabled", "disabled"]
+
+
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: Optional[str] = None
     temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
@@ -27,20 +89,32 @@ class _Sampling(BaseModel):
     stream_options: Optional[StreamOptions] = None
     stop: Union[str, list[str], None] = None
     seed: Optional[int] = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: Optional[dict] = None
+    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: Optional[float] = Field(None, gt=0.0)   # vLLM's: 1 is off
+    logit_bias: Optional[dict[str, float]] = None        # {token id (as JSON keys are, a string): bias}
+    min_tokens: int = Field(0, ge=0)                      # vLLM's: no eos or stop before this many tokens
     user: Optional[str] = None
     ignore_eos: bool = False                              # an extension (vLLM's), for benchmarks
+    priority: int = 0                                     # vLLM's: lower is served first
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputs] = None
+    guided_json: Union[dict, str, None] = None           # vLLM's legacy names of structured_outputs' members
+    guided_regex: Optional[str] = None
+    guided_grammar: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data):
+        # OpenAI's fields are nullable and clients send {"n": null, "stop": null, ...}: null is the default
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     def unsupported(self) -> Optional[tuple[str, str]]:
         """(parameter, message) for a value the engine would not honour."""
-        if self.presence_penalty:
-            return "presence_penalty", "presence_penalty is not supported (only 0)"
-        if self.frequency_penalty:
-            return "frequency_penalty", "frequency_penalty is not supported (only 0)"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
+        if self.priority:
+            return "priority", ("priority other than 0 is not supported: the scheduler serves requests in "
+                                "arrival order")
         return None
 
     def stops(self) -> list[str]:
@@ -68,13 +142,13 @@ class CompletionRequest(_Sampling):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")       # name, tool_call_id...: passed to the template
+    model_config = ConfigDict(extra="allow", strict=True)   # name, tool_call_id...: passed to the template
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[ContentPart], None] = None
 
@@ -91,16 +165,41 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: Optional[int] = Field(None, ge=0)
     max_completion_tokens: Optional[int] = Field(None, ge=0)
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
-    tools: Optional[list] = None
-    tool_choice: Optional[Union[str, dict]] = None
-    response_format: Optional[dict] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: Optional[dict] = None          # vLLM's: variables for the chat template
+    thinking: Union[bool, ThinkingSwitch, None] = None   # DeepSeek V4's thinking switch
+    reasoning_effort: Optional[Literal["low", "medium", "high", "max"]] = None
 
     def unsupported(self):
-        if self.logprobs or self.top_logprobs:
-            return "logprobs", "logprobs are not supported for chat completions (use /v1/completions)"
-        if self.tools:
-            return "tools", "tool calling is not supported"
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            return "response_format", "only response_format {'type': 'text'} is supported"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            return "tool_choice", "tool_choice needs tools"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or ()]
+            if self.tool_choice.function.name not in names:
+                return "tool_choice", (f"tool_choice names function {self.tool_choice.function.name!r}, which is not "
+                                       f"in tools ({', '.join(map(repr, names))})")
         return super().unsupported()
+
+    def template_kwargs(self) -> dict:
+        """The chat template's extra variables: chat_template_kwargs, with the thinking switch and the
+        reasoning effort under the names DeepSeek's templates read (V3.1's `thinking`)."""
+        kw = dict(self.chat_template_kwargs or {})
+        if self.thinking is not None:
+            kw["thinking"] = self.thinking if isinstance(self.thinking, bool) else self.thinking.type == "enabled"
+        if self.reasoning_effort is not None:
+            kw["reasoning_effort"] = self.reasoning_effort
+        return kw
+
+    def tools_json(self) -> Optional[list]:
+        return None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def tool_choice_json(self):
+        tc = self.tool_choice
+        if tc is None:
+            return "auto" if self.tools else "none"
+        return tc if isinstance(tc, str) else tc.model_dump()
