@@ -51,6 +51,9 @@ class EngineConfig:
     # (the debug path: an op's failure names the op)
     enforce_eager: bool = False
     max_queue: int = 1024                # requests waiting for admission before add_request refuses more
+    # "fcfs": requests run in arrival order; "priority": by each request's priority (lower first, then
+    # arrival), and a waiting request preempts running ones of a lower priority (vLLM's policy)
+    scheduling_policy: str = "fcfs"
     num_threads: int = 0                 # host threads for the CPU backend (0: all)
     device_id: int = 0
     fallback: bool = False               # run ops the backend lacks on the reference (logged)
@@ -117,6 +120,8 @@ class EngineConfig:
         for k in ("enable_prefix_cache", "enforce_eager", "fallback", "verbose", "quantize_lm_head"):
             V.boolean(k, getattr(self, k))
         V.integer("max_queue", self.max_queue, 0)
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(f"scheduling_policy must be 'fcfs' or 'priority', not {self.scheduling_policy!r}")
         V.integer("num_threads", self.num_threads, 0, 4096)
         V.integer("device_id", self.device_id, 0, 4096)
         tp = V.integer("tensor_parallel", self.tensor_parallel, 1, 4096)

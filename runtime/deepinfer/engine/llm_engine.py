@@ -111,7 +111,8 @@ class Engine:
         self.backend, self.runner = load_backend_and_runner(self.model_dir, config, self.group)
         self.load_seconds = time.perf_counter() - t0
         self.block_manager = self.runner.block_manager
-        self.scheduler = Scheduler(self.block_manager, config.max_batch, self.runner.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_batch, self.runner.max_num_batched_tokens,
+                                   config.scheduling_policy)
         self.eos_ids = {i for i in (self.tokenizer.eos_id, self.runner.eos_token_id) if i is not None}
         self._requests: dict = {}        # request id -> its Sequences (one per choice)
         self._done_outputs: list = []    # outputs of requests that finished without a step (max_tokens 0)
@@ -199,11 +200,16 @@ class Engine:
 
     def add_request(self, prompt: Union[str, Seq[int]], params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None, n: int = 1, add_bos: Optional[bool] = None,
-                    **options) -> str:
-        """Queue a request (a prompt string or token ids) with n choices; returns its id. Raises
-        ConfigError for a request that can never run and QueueFullError when max_queue requests wait."""
+                    priority: int = 0, **options) -> str:
+        """Queue a request (a prompt string or token ids) with n choices; returns its id. `priority`
+        (scheduling_policy "priority" only; lower runs first). Raises ConfigError for a request that
+        can never run and QueueFullError when max_queue requests wait."""
         params = params if params is not None else SamplingParams.from_options(**options)
         V.integer("n", n, 1, max(1, self.config.max_queue))
+        V.integer("priority", priority, -(1 << 31), (1 << 31) - 1)
+        if priority and self.config.scheduling_policy != "priority":
+            raise ConfigError(f"priority {priority} needs scheduling_policy 'priority' (this engine serves "
+                              f"requests in arrival order: 'fcfs')")
         ids = self.encode_prompt(prompt, add_bos)
         self.check_request(ids, params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -216,7 +222,7 @@ class Engine:
                                  f"{self.config.max_queue}); retry later")
         seqs = []
         for i in range(n):
-            seq = Sequence(ids, params, request_id=rid, index=i)
+            seq = Sequence(ids, params, request_id=rid, index=i, priority=priority)
             seq.detok = Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
             seqs.append(seq)
         self.constraints.attach(seqs, params)      # a schema that does not compile is a ConfigError here

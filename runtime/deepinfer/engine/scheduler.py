@@ -12,6 +12,11 @@ prompt runs through the prefill path (mla_prefill) as it would alone:
   sequence's next position, the most recently admitted sequence is preempted: its blocks are given
   back and it goes to the front of the queue, to be recomputed from its tokens later (nothing is
   lost: a Sequence keeps its prompt and every token generated so far).
+
+Policies: "fcfs" as above; "priority" keeps `waiting` ordered by (priority, arrival), preempts the
+running sequence of the lowest priority (latest arrival among equals) instead of the latest admitted,
+and lets a waiting sequence of a higher priority than a running one take its place when the batch is
+full or the cache has no room for it.
 """
 from __future__ import annotations
 
@@ -37,8 +42,10 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "fcfs"):
         self.bm = block_manager
+        self.priority = policy == "priority"
         self.max_num_seqs = int(max_num_seqs)
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.waiting: deque = deque()
@@ -48,7 +55,21 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
-        self.waiting.append(seq)
+        if self.priority:
+            self._enqueue(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Insert into `waiting` by rank (priority policy): after every sequence that ranks before it."""
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].rank > seq.rank:
+            i -= 1
+        self.waiting.insert(i, seq)
+
+    def _victim(self) -> Sequence:
+        """The running sequence a preemption takes: the latest admitted, or (priority) the lowest ranked."""
+        return max(self.running, key=lambda q: q.rank) if self.priority else self.running[-1]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -81,12 +102,16 @@ class Scheduler:
                 self.bm.grow(seq, seq.num_computed + n)
                 batch.append(ScheduledSeq(seq, seq.num_computed, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if len(self.running) >= self.max_num_seqs and not self._make_room(seq, batch):
+                break
             self.bm.allocate(seq)                       # prefix-cache hits: those tokens are done
             n = min(seq.num_pending, budget)
             if not self.bm.can_grow(seq, seq.num_computed + n):
                 self.bm.release(seq)
+                if self._make_room(seq, batch):
+                    continue
                 if not self.running and not batch:
                     # nothing runs that could ever free a block: the cache is too small for it
                     raise_cache_too_small(self.bm, seq)
@@ -105,7 +130,7 @@ class Scheduler:
         while i < len(self.running):
             seq = self.running[i]
             while not self.bm.can_grow(seq, len(seq)):
-                victim = self.running[-1]
+                victim = self._victim()
                 self._preempt(victim)
                 if victim is seq:
                     break
@@ -117,11 +142,25 @@ class Scheduler:
             break       # seq itself was preempted: it was the last running one
         return batch
 
+    def _make_room(self, seq: Sequence, batch: list) -> bool:
+        """Priority policy: preempt the lowest-ranked running sequence for `seq` when it ranks after
+        `seq` and is not in this step's batch; whether one was."""
+        if not self.priority or not self.running:
+            return False
+        victim = self._victim()
+        if victim.rank <= seq.rank or any(s.seq is victim for s in batch):
+            return False
+        self._preempt(victim)
+        return True
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.release(seq)
         seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        if self.priority:
+            self._enqueue(seq)
+        else:
+            self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
 

@@ -22,8 +22,9 @@ class Status(enum.Enum):
 
 class Sequence:
     def __init__(self, prompt_ids: list, params=None, request_id: Optional[str] = None, index: int = 0,
-                 cacheable: bool = True):
+                 cacheable: bool = True, priority: int = 0):
         self.seq_id = next(_ids)
+        self.priority = priority            # the scheduler's priority policy: lower runs first
         self.request_id = request_id if request_id is not None else f"seq-{self.seq_id}"
         self.index = index                  # which of a request's n choices (feeds the sampling seed)
         self.params = params
@@ -49,6 +50,11 @@ class Sequence:
         self.draft_probs: list = []         # their draft probabilities (the scheduler's confidence)
         self.draft_q = False                # drafted by sampling: their logits are kept for spec_verify
         self.draft_len = -1                 # len(self) when drafted: drafts are stale once it moved on
+
+    @property
+    def rank(self) -> tuple:
+        """Order under the priority policy: priority, then arrival (seq_id grows with it)."""
+        return (self.priority, self.seq_id)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -155,7 +155,7 @@ def create_app(aengine: AsyncEngine, model_name: str, limits: Optional[ServerLim
         for x in ids:
             calls.check_prompt(x, params, "prompt", names)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        sub_ids, q = await calls.submit_all(rid, ids, params, req.n, names)
+        sub_ids, q = await calls.submit_all(rid, ids, params, req.n, names, req.priority)
         index = {s: i for i, s in enumerate(sub_ids)}
         n_prompt = sum(len(x) for x in ids) * req.n
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
@@ -213,7 +213,7 @@ def create_app(aengine: AsyncEngine, model_name: str, limits: Optional[ServerLim
         params = chat_params(params, plan, names)
         calls.check_prompt(ids, params, "messages", names)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        sub_ids, q = await calls.submit_all(rid, [ids], params, req.n, names)
+        sub_ids, q = await calls.submit_all(rid, [ids], params, req.n, names, req.priority)
         base = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name}
         n_prompt = len(ids) * req.n
 

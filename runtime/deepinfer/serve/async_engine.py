@@ -34,6 +34,7 @@ class _Submitted:
     arrival: float = field(default_factory=time.monotonic)
     last_token: dict = field(default_factory=dict)    # choice -> time of its last token (per-token latency)
     done: set = field(default_factory=set)
+    priority: int = 0
 
 
 class EngineStopped(RuntimeError):
@@ -53,13 +54,15 @@ class AsyncEngine:
         self._thread.start()
 
     # ------------------------------------------------------------------ called from asyncio handlers
-    async def submit(self, request_id: str, prompt_ids: list, params: SamplingParams, n: int = 1) -> asyncio.Queue:
+    async def submit(self, request_id: str, prompt_ids: list, params: SamplingParams, n: int = 1,
+                     priority: int = 0) -> asyncio.Queue:
         """Queue a request; returns the asyncio.Queue its RequestOutputs arrive on (None after the last
         choice finished). Raises QueueFullError or EngineStopped."""
         if self._stopping or self._draining or self.error is not None:
             raise EngineStopped("the server is shutting down" if self.error is None else f"engine failed: {self.error}")
         loop = asyncio.get_running_loop()
-        sub = _Submitted(request_id, prompt_ids, params, n, loop, asyncio.Queue(), loop.create_future())
+        sub = _Submitted(request_id, prompt_ids, params, n, loop, asyncio.Queue(), loop.create_future(),
+                         priority=priority)
         self._commands.put(("add", sub))
         await sub.accepted
         return sub.outputs
@@ -119,7 +122,8 @@ class AsyncEngine:
         if cmd == "add":
             sub = arg
             try:
-                eng.add_request(sub.prompt_ids, sub.params, request_id=sub.request_id, n=sub.n)
+                eng.add_request(sub.prompt_ids, sub.params, request_id=sub.request_id, n=sub.n,
+                                priority=sub.priority)
             except BaseException as e:      # QueueFullError, ConfigError: the handler answers
                 sub.loop.call_soon_threadsafe(_set_exception, sub.accepted, e)
                 return

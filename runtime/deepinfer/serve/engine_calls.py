@@ -73,16 +73,19 @@ class EngineCalls:
         return max(min(self.max_seq - n_prompt, self.max_tokens_cap), 0)
 
     async def submit_all(self, rid: str, prompts: list, params: SamplingParams, n: int,
-                         names: Optional[dict] = None) -> tuple[list, asyncio.Queue]:
+                         names: Optional[dict] = None, priority: int = 0) -> tuple[list, asyncio.Queue]:
         """Submit one engine request per prompt, all feeding one queue; undo on failure. `names`: see
         refusal; a refusal naming no field is taken to be about the output constraint, if any (what
         the engine checks only when it adds a request)."""
+        if priority and self.engine.config.scheduling_policy != "priority":
+            raise APIError(400, f"priority {priority} needs a server started with scheduling_policy 'priority'; this "
+                                f"one serves requests in arrival order", param="priority")
         q: Optional[asyncio.Queue] = None
         ids = []
         try:
             for i, p in enumerate(prompts):
                 sub_id = f"{rid}-{i}"
-                got = await self.aengine.submit(sub_id, p, params, n)
+                got = await self.aengine.submit(sub_id, p, params, n, priority)
                 ids.append(sub_id)
                 if q is None:
                     q = got

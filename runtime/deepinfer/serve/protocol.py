@@ -4,7 +4,7 @@ legacy guided_* fields).
 
 Types are strict: "0.5" is not a number and "true" not a bool (an int where a float belongs is
 fine), so a client's typo is a 400 naming the field, never a guess. Parameters the engine does not
-implement are accepted only at their neutral value (echo false, best_of equal to n, priority 0); any
+implement are accepted only at their neutral value (echo false, best_of equal to n); any
 other value is a 400 that names the parameter, never a silently different computation. Unknown
 fields are a 400 too."""
 from __future__ import annotations
@@ -112,9 +112,6 @@ class _Sampling(BaseModel):
 
     def unsupported(self) -> Optional[tuple[str, str]]:
         """(parameter, message) for a value the engine would not honour."""
-        if self.priority:
-            return "priority", ("priority other than 0 is not supported: the scheduler serves requests in "
-                                "arrival order")
         return None
 
     def stops(self) -> list[str]:

@@ -176,6 +176,6 @@ def large_spec_verify(s):
 
 OPS = {
     "sample": OpCases(gen_sample, lambda: sample(1, 2, 8, "greedy"), large_sample,
-                      full=lambda: sample(1, 3, 8, "mixed", probs=True)),
+                      full=lambda: sample_controls(1, 3, 8, "mixed", probs=True)),
     "spec_verify": OpCases(gen_spec_verify, lambda: spec_verify(1, 2, 8, "greedy", "greedy"), large_spec_verify),
 }
