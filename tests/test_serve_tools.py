@@ -65,6 +65,7 @@ def family(request, tmp_path_factory):
     d = family_model(tmp_path_factory.mktemp("fam"), request.param)
     s = FamilyServer(d)
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=300)
+    client.server_url = s.url
     yield request.param, client, Tokenizer(d)
     s.server.should_exit = True
 
@@ -193,3 +194,62 @@ def test_v31_thinking_switch_reaches_the_template(family):
     v4 = client.chat.completions.create(model=NAME, messages=ASK, max_tokens=8, temperature=0,
                                         extra_body={"thinking": {"type": "enabled"}})
     assert v4.choices[0].message.reasoning_content == on.choices[0].message.reasoning_content
+
+
+# ----------------------------------------------------------------------------- Anthropic's /v1/messages
+A_TOOLS = [{"name": t["function"]["name"], "description": t["function"].get("description", ""),
+            "input_schema": t["function"]["parameters"]} for t in TOOLS]
+
+
+def _anthropic(client):
+    anthropic = pytest.importorskip("anthropic")
+    return anthropic.Anthropic(base_url=client.server_url, api_key="none", max_retries=0, timeout=300)
+
+
+def _a_kw(fam, tok, **kw):
+    """R1 opens <think> in the prompt: Anthropic's prefill (a last assistant message) closes it."""
+    msgs = [*ASK, {"role": "assistant", "content": "</think>"}] if fam == "r1" else ASK
+    return dict(model=NAME, max_tokens=160, messages=msgs, tools=A_TOOLS, extra_body={"temperature": 0.7}, **kw)
+
+
+def test_anthropic_tool_use_blocks_validate(family):
+    fam, client, tok = family
+    a = _anthropic(client)
+    r = a.messages.create(tool_choice={"type": "any", "disable_parallel_tool_use": True}, **_a_kw(fam, tok))
+    uses = [b for b in r.content if b.type == "tool_use"]
+    assert r.stop_reason == "tool_use" and len(uses) == 1, r.content
+    tool = next(t for t in A_TOOLS if t["name"] == uses[0].name)
+    jsonschema.validate(uses[0].input, tool["input_schema"])
+    assert uses[0].id.startswith("toolu_")
+    # the same streamed: the SDK rebuilds the block from input_json_delta events
+    with a.messages.stream(tool_choice={"type": "tool", "name": "get_time", "disable_parallel_tool_use": True},
+                           **_a_kw(fam, tok)) as st:
+        final = st.get_final_message()
+    uses = [b for b in final.content if b.type == "tool_use"]
+    assert final.stop_reason == "tool_use" and uses and all(u.name == "get_time" for u in uses)
+    jsonschema.validate(uses[0].input, A_TOOLS[1]["input_schema"])
+
+
+def test_anthropic_tool_result_round_trip(family):
+    """A conversation carrying the call and its tool_result renders through the family's template."""
+    fam, client, tok = family
+    a = _anthropic(client)
+    msgs = [*ASK, {"role": "assistant", "content": [
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris", "unit": "celsius"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C, sunny"}]}]
+    n = a.messages.count_tokens(model=NAME, messages=msgs, tools=A_TOOLS).input_tokens
+    assert n > a.messages.count_tokens(model=NAME, messages=ASK, tools=A_TOOLS).input_tokens
+    r = a.messages.create(model=NAME, max_tokens=8, messages=msgs, tools=A_TOOLS, tool_choice={"type": "none"})
+    assert r.stop_reason in ("end_turn", "max_tokens") and not any(b.type == "tool_use" for b in r.content)
+
+
+def test_anthropic_thinking_block(family):
+    fam, client, tok = family
+    if fam != "v31":
+        pytest.skip("V3.1's template switches thinking on and off")
+    a = _anthropic(client)
+    r = a.messages.create(model=NAME, max_tokens=8, messages=ASK, thinking={"type": "enabled", "budget_tokens": 1024},
+                          extra_body={"temperature": 0})
+    assert r.content[0].type == "thinking" and r.content[0].thinking
+    off = a.messages.create(model=NAME, max_tokens=8, messages=ASK, extra_body={"temperature": 0})
+    assert [b.type for b in off.content] == ["text"]

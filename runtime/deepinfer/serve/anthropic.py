@@ -2,19 +2,24 @@
 sequence message_start, content_block_start, ping, content_block_delta..., content_block_stop,
 message_delta, message_stop) and POST /v1/messages/count_tokens.
 
-One text content block per reply. stop_reason: "end_turn" (the model's eos), "max_tokens" or
-"stop_sequence" (with the one that matched in stop_sequence). Errors take Anthropic's shape (see
-serve.api_errors)."""
+A reply's content: a thinking block (a reasoning model's <think> text), a text block, tool_use blocks
+(serve.anthropic_blocks, on serve.chat_output's parsers and grammars). stop_reason: "end_turn" (the
+model's eos), "tool_use", "max_tokens" or "stop_sequence" (with the one that matched in
+stop_sequence). Errors take Anthropic's shape (see serve.api_errors)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from .anthropic_blocks import ReplyBlocks
 from .anthropic_protocol import CountTokensRequest, MessagesRequest
-from .api_errors import anthropic_error_body
+from .api_errors import APIError, anthropic_error_body
+from .chat_output import ChatOutput, plan_chat
+from .tool_calls import detect_tool_format
 from .engine_calls import EngineCalls
 from .request_params import check_common, make_params, random_seed
 
@@ -53,46 +58,67 @@ class _Reply:
 def add_messages_routes(app: FastAPI, calls: EngineCalls) -> None:
     tok = calls.tokenizer
 
-    def prompt_ids(req) -> list:
+    def prompt(req) -> tuple:
+        """(prompt ids, the chat plan: reasoning, tool format, the grammar a tool_choice forces)."""
         calls.check_model(req.model)
-        req.check_supported()
+        tools, choice, parallel, kwargs = req.tool_setup()
         messages, prefill = req.chat()
-        return calls.encode(calls.render_chat(messages) + prefill, add_bos=False, param="messages")
+        if any(m["role"] == "tool" or m.get("tool_calls") for m in messages) and \
+                detect_tool_format(tok.chat_template) is None:
+            raise APIError(400, "this model's chat template renders no tool calls, so a conversation with tool_use / "
+                                "tool_result blocks cannot be given to it", param="messages")
+        text = calls.render_chat(messages, tools=tools, template_kwargs=kwargs) + prefill
+        plan = plan_chat(tok, text, tools, choice, parallel)
+        if kwargs.get("thinking") and not plan.reasoning:
+            raise APIError(400, "thinking: this model's chat template has no reasoning block (<think>)",
+                           param="thinking")
+        return calls.encode(text, add_bos=False, param="messages"), plan
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(req: CountTokensRequest):
-        return {"input_tokens": len(prompt_ids(req))}
+        return {"input_tokens": len(prompt(req)[0])}
 
     @app.post("/v1/messages")
     async def messages(req: MessagesRequest, request: Request):
-        ids = prompt_ids(req)
+        ids, plan = prompt(req)
         stops = list(req.stop_sequences or [])
         check_common(1, stops, req.max_tokens, calls.limits, calls.max_tokens_cap, stop_param="stop_sequences")
         params = make_params(dict(max_new_tokens=req.max_tokens, temperature=1.0 if req.temperature is None else
                                   req.temperature, top_p=req.top_p, top_k=req.top_k or 0, seed=random_seed(),
                                   stop=tuple(stops)),
                              NAMES)
+        params = dataclasses.replace(params, structured=plan.structured, skip_special_tokens=not plan.keep_special)
         calls.check_prompt(ids, params, "messages", NAMES)
         mid = f"msg_{uuid.uuid4().hex}"
         sub_ids, q = await calls.submit_all(mid, [ids], params, 1, NAMES)
         reply = _Reply(tok, stops)
+        parser, blocks = ChatOutput(plan), ReplyBlocks()
         head = {"id": mid, "type": "message", "role": "assistant", "model": calls.model_name}
+
+        def stop_reason():
+            reason, seq = reply.stop()
+            return ("tool_use", None) if blocks.used_tools and reason == "end_turn" else (reason, seq)
+
+        def feed(o) -> list:
+            reply.add(o)
+            ev = blocks.add(parser.feed(o.text)) if o.text else []
+            if o.finished:
+                ev += blocks.add(parser.finish()) + blocks.finish()
+            return ev
 
         if not req.stream:
             for o in await calls.collect(request, sub_ids, q):
-                reply.add(o)
-            reason, seq = reply.stop()
-            return {**head, "content": [{"type": "text", "text": reply.text}], "stop_reason": reason,
+                feed(o)
+            reason, seq = stop_reason()
+            return {**head, "content": blocks.blocks, "stop_reason": reason,
                     "stop_sequence": seq, "usage": {"input_tokens": len(ids), "output_tokens": reply.output_tokens}}
 
         async def events():
-            done = False
+            done, pinged = False, False
             try:
                 yield _event("message_start", {"message": {**head, "content": [], "stop_reason": None,
                                                            "stop_sequence": None,
                                                            "usage": {"input_tokens": len(ids), "output_tokens": 0}}})
-                yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-                yield _event("ping", {})
                 while True:
                     o = await q.get()
                     if o is None:
@@ -101,13 +127,13 @@ def add_messages_routes(app: FastAPI, calls: EngineCalls) -> None:
                         done = True
                         yield _event("error", anthropic_error_body(500, str(o)))
                         return
-                    reply.add(o)
-                    if o.text:
-                        yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta",
-                                                                                    "text": o.text}})
+                    for name, data in feed(o):
+                        yield _event(name, data)
+                        if name == "content_block_start" and not pinged:
+                            pinged = True
+                            yield _event("ping", {})
                 done = True
-                reason, seq = reply.stop()
-                yield _event("content_block_stop", {"index": 0})
+                reason, seq = stop_reason()
                 yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
                                                "usage": {"output_tokens": reply.output_tokens}})
                 yield _event("message_stop", {})

@@ -1,16 +1,17 @@
 """Anthropic Messages request bodies (pydantic) for /v1/messages and /v1/messages/count_tokens, and
 their conversation as the chat messages the model's template renders.
 
-Text is all this server takes: text content blocks (string content is one), a system prompt as a
-string or text blocks, and a last assistant message as the start of the reply (Anthropic's
-prefill). Tools, images, documents and thinking are a 400 that says they are not supported yet,
-never dropped. Types are strict and unknown fields a 400, as on the OpenAI routes."""
+Text content blocks (string content is one), a system prompt as a string or text blocks, a last
+assistant message as the start of the reply (Anthropic's prefill), tools with tool_use / tool_result
+blocks, and thinking (serve.anthropic_blocks). Images and documents are a 400 that says they are not
+supported, never dropped. Types are strict and unknown fields a 400, as on the OpenAI routes."""
 from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, Field
 
+from .anthropic_blocks import chat_messages, openai_tool_choice, openai_tools, thinking_kwargs
 from .api_errors import APIError
 from .protocol import STRICT
 
@@ -48,13 +49,13 @@ class _Conversation(BaseModel):
     tool_choice: Optional[dict] = None
     thinking: Optional[dict] = None
 
-    def check_supported(self) -> None:
-        if self.tools:
-            raise APIError(400, "tools are not supported yet on /v1/messages", param="tools")
-        if self.tool_choice is not None:
-            raise APIError(400, "tool_choice is not supported yet on /v1/messages (no tools)", param="tool_choice")
-        if self.thinking is not None and self.thinking.get("type") != "disabled":
-            raise APIError(400, "thinking is not supported yet on /v1/messages", param="thinking")
+    def tool_setup(self) -> tuple:
+        """(OpenAI tools for the template or None, tool_choice, parallel_tool_calls, template kwargs)."""
+        tools = openai_tools(self.tools)
+        choice, parallel = openai_tool_choice(self.tool_choice, tools)
+        if choice != "none" and choice != "auto" and not tools:
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        return (tools if choice != "none" else None), choice, parallel, thinking_kwargs(self.thinking)
 
     def chat(self) -> tuple[list, str]:
         """(chat messages for the template, the reply's prefill: a last assistant message's text or "")."""
@@ -63,9 +64,12 @@ class _Conversation(BaseModel):
             text = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system)
             out.append({"role": "system", "content": text})
         for i, m in enumerate(self.messages):
-            out.append({"role": m.role, "content": _text(m.content, f"messages.{i}.content")})
+            out += chat_messages(m.role, m.content, f"messages.{i}.content", _text)
         prefill = ""
         if self.messages[-1].role == "assistant":
+            if out[-1].get("tool_calls"):
+                raise APIError(400, "the last message calls tools: give their tool_result blocks in a user message",
+                               param=f"messages.{len(self.messages) - 1}.content")
             prefill = out.pop()["content"]
             if prefill != prefill.rstrip():
                 raise APIError(400, "final assistant content cannot end with trailing whitespace",
@@ -96,9 +100,8 @@ def _text(content, param: str) -> str:
     for j, block in enumerate(content):
         where = f"{param}.{j}"
         kind = block.get("type")
-        if kind in ("tool_use", "tool_result", "server_tool_use"):
-            raise APIError(400, f"{kind} blocks are not supported yet on /v1/messages (tools are not supported yet)",
-                           param=where)
+        if kind in ("tool_use", "tool_result", "server_tool_use", "thinking", "redacted_thinking"):
+            raise APIError(400, f"a {kind} block cannot stand in a message of this role", param=where)
         if kind != "text":
             raise APIError(400, f"content blocks of type {kind!r} are not supported yet on /v1/messages (only text)",
                            param=where)
