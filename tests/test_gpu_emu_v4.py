@@ -60,6 +60,7 @@ def _write_v4_case(path, case):
     return layout
 
 
+@pytest.mark.slow
 def test_v4_kernels_against_the_reference_on_conformance_cases(tmp_path):
     """Every default-profile conformance case of the six 1.3 ops through the emulated kernels (the
     launches of sparse.cu, with more splits than a GPU would get for these sizes so the merges run),
