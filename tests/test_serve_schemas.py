@@ -89,3 +89,21 @@ def test_every_schema_yields_valid_json(client, compiler, stream):
             bad.append(f"{entry['name']}: {type(e).__name__} {str(e)[:120]} in {text[:160]!r} ({reason})")
     assert not bad, "\n".join(bad)
     assert len(cut) <= len(CORPUS) // 10, f"{len(cut)} of {len(CORPUS)} ran to max_tokens: {cut}"
+
+
+@pytest.mark.parametrize("fmt, param, fragment", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "strng"}}}},
+     "response_format", "strng"),
+    ({"extra_body": {"structured_outputs": {"regex": "([a-z]"}}}, "structured_outputs.regex", "regex"),
+    ({"extra_body": {"structured_outputs": {"grammar": "root ::= ("}}}, "structured_outputs.grammar", "grammar"),
+    ({"extra_body": {"guided_json": {"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}},
+     "guided_json", "uniqueItems"),
+])
+def test_bad_constraints_are_a_400_that_names_the_problem(client, fmt, param, fragment):
+    import time
+    t0 = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=4, **fmt)
+    assert time.monotonic() - t0 < 10             # compiles are bounded: never a hang
+    body = e.value.body
+    assert body["param"] == param and fragment in body["message"], body
