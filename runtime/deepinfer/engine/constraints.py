@@ -59,7 +59,6 @@ class Constraints:
             return None
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-masks")
-        out[...] = -1
         self.stats["masks"] += 1
         return self._pool.submit(fill_masks, matchers, out, self.vocab_size)
 
