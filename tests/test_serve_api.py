@@ -348,3 +348,17 @@ def test_a_lobechat_payload(server, penalties):
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert chunks[-1]["usage"]["completion_tokens"] <= 8
     assert any(c["choices"] and c["choices"][0]["finish_reason"] in ("stop", "length") for c in chunks)
+
+
+def test_logprob_bytes_are_each_tokens_raw_bytes(tokenizer):
+    """A character split over tokens shows as U+FFFD in each token's text; the bytes join into it."""
+    from deepinfer.serve.logprob_shapes import chat_logprobs
+
+    class Out:
+        token_ids = tokenizer.encode("héllo 世界", add_bos=False)
+        logprobs = [(-0.5, [(t, -0.5)]) for t in token_ids]
+
+    entries = chat_logprobs(tokenizer, Out)
+    assert any(e["token"] == "\ufffd" for e in entries)
+    assert bytes(b for e in entries for b in e["bytes"]).decode() == "héllo 世界"
+    assert entries[0]["top_logprobs"][0]["bytes"] == entries[0]["bytes"]

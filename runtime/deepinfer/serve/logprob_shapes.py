@@ -4,6 +4,8 @@ tokens, logprobs, top-alternative maps and text offsets) and the chat one (a lis
 each token's text, UTF-8 bytes and top alternatives)."""
 from __future__ import annotations
 
+import functools
+
 
 def completion_logprobs(tok, o, offset: int) -> dict:
     """/v1/completions' logprobs of one output; `offset`: characters of the choice before it."""
@@ -25,7 +27,40 @@ def chat_logprobs(tok, o) -> list:
 
 
 def _token(tok, token_id: int, logprob: float) -> dict:
-    # a token that is part of a multi-byte character decodes to U+FFFD on its own; its bytes are
-    # then those of U+FFFD, not the raw piece (the Tokenizer does not expose a token's bytes)
+    # a token that is part of a multi-byte character decodes to U+FFFD on its own; `bytes` are its raw
+    # bytes (OpenAI's point of the field: the client joins them into the character)
     text = tok.decode([token_id])
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    raw = token_bytes(tok, token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(raw if raw is not None else text.encode("utf-8"))}
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_table() -> dict:
+    """GPT-2's byte-level alphabet (which ByteLevel tokenizers, DeepSeek's among them, write pieces in):
+    printable bytes stand for themselves, the others for the code points from 256 on, in order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+def token_bytes(tok, token_id: int):
+    """The raw bytes of one token of a byte-level tokenizer (None where it cannot tell: then the text's)."""
+    hf = getattr(tok, "_tok", None)
+    if hf is None or type(hf.decoder).__name__ != "ByteLevel":
+        return None
+    piece = hf.id_to_token(int(token_id))
+    if piece is None:
+        return None
+    if int(token_id) in hf.get_added_tokens_decoder():
+        return piece.encode("utf-8")        # added tokens are plain text, not byte-level pieces
+    table = _byte_level_table()
+    try:
+        return bytes(table[c] for c in piece)
+    except KeyError:
+        return None
