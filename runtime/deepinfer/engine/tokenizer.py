@@ -1,5 +1,6 @@
 """The tokenizer (tokenizer.json through `tokenizers`, the chat template from tokenizer_config.json,
-rendered in jinja2's sandbox) and the incremental detokenizer that turns sampled ids into text deltas."""
+rendered in jinja2's sandbox, or DeepSeek's own encoder for the releases that ship no template) and the
+incremental detokenizer that turns sampled ids into text deltas."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,13 @@ from typing import Optional, Sequence
 
 from .. import validate as V
 from ..errors import CheckpointError, ConfigError, InputTypeError
+from . import dsml_encoding
 from .chat_template import ChatTemplate, RenderLimits
+
+# Releases that ship a Python encoder instead of a chat template (by config.json's model_type or
+# architectures), and the dsml_encoding version that renders their chats
+_ENCODER_OF = {"deepseek_v32": "v32", "DeepseekV32ForCausalLM": "v32",
+               "deepseek_v4": "v4", "DeepseekV4ForCausalLM": "v4"}
 
 
 class Tokenizer:
@@ -26,6 +33,8 @@ class Tokenizer:
         self.eos_token, self.eos_id = self._special_token("eos_token")
         self.add_bos = self._add_bos()
         self.chat_template = _chat_template_source(self.config, self.config_path)
+        # a template wins: V3.2-Exp is a deepseek_v32 model with V3.1's template
+        self.chat_encoder = None if self.chat_template else _builtin_encoder(model_dir)
         self._compiled_template = None
 
     def _special_token(self, key: str) -> tuple[Optional[str], Optional[int]]:
@@ -50,6 +59,18 @@ class Tokenizer:
             raise CheckpointError(f"{self.config_path}: add_bos_token is true but there is no bos_token; "
                                   "set bos_token or make add_bos_token false")
         return add
+
+    @property
+    def chat_format(self) -> Optional[str]:
+        """"dsml" where DeepSeek's encoder renders the chats (its tool calls are DSML); None where the
+        chat template decides, and its text says (serve.tool_calls.detect_tool_format)."""
+        return "dsml" if self.chat_encoder else None
+
+    @property
+    def chat_markers(self) -> Optional[str]:
+        """Text holding the markers this model's chat prompts use (<think>, the tool-call tokens), for
+        code that learns the format from them: the chat template, or the encoder's marker list."""
+        return self.chat_template or (dsml_encoding.MARKERS if self.chat_encoder else None)
 
     @property
     def vocab_size(self) -> int:
@@ -82,15 +103,17 @@ class Tokenizer:
         (a chat_template.RenderLimits, default RenderLimits()) bounds what rendering may cost. `tools`
         (OpenAI's tool list) and `template_kwargs` (a request's chat_template_kwargs, e.g. V3.1's
         {"thinking": true}) are the template's variables as in transformers' apply_chat_template; they
-        cannot replace the ones set here.
+        cannot replace the ones set here. A model with DeepSeek's encoder instead of a template
+        (chat_encoder) reads `thinking` (or `enable_thinking`) and V4's `reasoning_effort` from them.
         InputTypeError / ConfigError for bad messages or a template that fails on them;
         CheckpointError for a template that does not compile."""
-        if not self.chat_template:
+        if not self.chat_template and not self.chat_encoder:
             raise ConfigError("this model's tokenizer_config.json has no chat_template")
         _check_messages(messages)
         if not isinstance(add_generation_prompt, bool):
             raise InputTypeError(f"add_generation_prompt must be a bool, not {type(add_generation_prompt).__name__}")
-        if self._compiled_template is None:     # compiled at first use: a model with a broken template still generates
+        if self._compiled_template is None and not self.chat_encoder:
+            # compiled at first use: a model with a broken template still generates
             self._compiled_template = ChatTemplate(self.chat_template, str(self.config_path))
         own = {"messages": messages, "add_generation_prompt": add_generation_prompt,
                "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
@@ -98,9 +121,25 @@ class Tokenizer:
         clash = sorted(set(extra) & (set(own) | {"tools"}))
         if clash:
             raise ConfigError(f"chat_template_kwargs may not set {', '.join(clash)} (the request's own fields do)")
+        limits = limits or RenderLimits()
+        if self.chat_encoder:
+            return self._encode_chat(messages, add_generation_prompt, limits, tools, extra)
         if tools is not None:
             extra["tools"] = tools
-        return self._compiled_template.render(limits or RenderLimits(), **own, **extra)
+        return self._compiled_template.render(limits, **own, **extra)
+
+    def _encode_chat(self, messages, add_generation_prompt, limits, tools, kwargs) -> str:
+        thinking = kwargs.get("thinking", kwargs.get("enable_thinking", False))
+        if not isinstance(thinking, bool):
+            raise InputTypeError(f"chat_template_kwargs' thinking must be true or false, not {type(thinking).__name__}")
+        effort = kwargs.get("reasoning_effort")
+        text = dsml_encoding.encode_messages(messages, tools=tools, thinking=thinking,
+                                             add_generation_prompt=add_generation_prompt,
+                                             bos_token=self.bos_token or "", version=self.chat_encoder,
+                                             reasoning_effort=effort if isinstance(effort, str) else None)
+        if len(text) > limits.max_chars:
+            raise ConfigError(f"the chat prompt is {len(text)} characters long, over the limit of {limits.max_chars}")
+        return text
 
 
 def _check_messages(messages) -> None:
@@ -156,6 +195,22 @@ def _load_config(path: Path) -> dict:
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: must hold a JSON object, not {_json_kind(config)}; fix it or re-download it")
     return config
+
+
+def _builtin_encoder(model_dir: Path) -> Optional[str]:
+    """The dsml_encoding version for a model whose release ships DeepSeek's encoder instead of a
+    chat template, from its config.json; None for any other model, or with no config.json."""
+    path = model_dir / "config.json"
+    if not _exists(path):
+        return None
+    config = V.read_json(path, "config.json", err=CheckpointError, fix="fix config.json or download it again")
+    if not isinstance(config, dict):
+        return None         # the model config's own reader says what is wrong with it
+    model_type = config.get("model_type")
+    names = [model_type] if model_type is not None else config.get("architectures")   # as model.config reads them
+    if not isinstance(names, list):
+        return None
+    return next((_ENCODER_OF[n] for n in names if isinstance(n, str) and n in _ENCODER_OF), None)
 
 
 def _chat_template_source(config: dict, path: Path) -> Optional[str]:

@@ -64,7 +64,7 @@ def add_messages_routes(app: FastAPI, calls: EngineCalls) -> None:
         tools, choice, parallel, kwargs = req.tool_setup()
         messages, prefill = req.chat()
         if any(m["role"] == "tool" or m.get("tool_calls") for m in messages) and \
-                detect_tool_format(tok.chat_template) is None:
+                detect_tool_format(tok.chat_markers) is None:
             raise APIError(400, "this model's chat template renders no tool calls, so a conversation with tool_use / "
                                 "tool_result blocks cannot be given to it", param="messages")
         text = calls.render_chat(messages, tools=tools, template_kwargs=kwargs) + prefill

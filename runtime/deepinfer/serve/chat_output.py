@@ -41,7 +41,7 @@ def special_markers(tokenizer) -> list:
 
 
 def plan_chat(tokenizer, prompt: str, tools: Optional[list], tool_choice, parallel: bool) -> ChatPlan:
-    template = tokenizer.chat_template or ""
+    template = tokenizer.chat_markers or ""
     reasoning = THINK_END in template or THINK_START in template
     opens = reasoning and prompt_opens_reasoning(prompt)
     fmt, structured = None, None
