@@ -32,8 +32,8 @@ def _config():
 
 
 class LiveServer:
-    def __init__(self, config, limits=None):
-        self.app, self.aengine = build(None, config, limits, NAME, drain_timeout=5)
+    def __init__(self, config, limits=None, model=None):
+        self.app, self.aengine = build(model, config, limits, NAME, drain_timeout=5)
         s = socket.socket()
         s.bind(("127.0.0.1", 0))
         self.port = s.getsockname()[1]

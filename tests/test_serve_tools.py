@@ -16,7 +16,7 @@ jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("uvicorn")
 
 from family_chat_models import family_model  # noqa: E402
-from test_serve import NAME, _config  # noqa: E402
+from test_serve import NAME, LiveServer, _config  # noqa: E402
 
 from deepinfer.engine.tokenizer import Tokenizer  # noqa: E402
 
@@ -33,41 +33,14 @@ TOOLS = [WEATHER, TIME]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-class FamilyServer:
-    def __init__(self, model_dir):
-        import socket
-        import threading
-        import time
-
-        import uvicorn
-
-        self.app, self.aengine = app_module_build(model_dir)
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning"))
-        threading.Thread(target=self.server.run, daemon=True).start()
-        t0 = time.time()
-        while not self.server.started:
-            assert time.time() - t0 < 60, "server did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{port}"
-
-
-def app_module_build(model_dir):
-    from deepinfer.serve import build
-    return build(str(model_dir), {**_config(), "max_seq_len": 1024}, None, NAME, drain_timeout=5)
-
-
 @pytest.fixture(scope="module", params=["r1", "v31"])
 def family(request, tmp_path_factory):
     d = family_model(tmp_path_factory.mktemp("fam"), request.param)
-    s = FamilyServer(d)
+    s = LiveServer({**_config(), "max_seq_len": 1024}, model=str(d))
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=300)
     client.server_url = s.url
     yield request.param, client, Tokenizer(d)
-    s.server.should_exit = True
+    s.stop()
 
 
 def _think_end_bias(tok) -> dict:
