@@ -5,6 +5,9 @@ small and random (the model never learned them; the tests force them through gra
 
     family_model(tmp_dir, "r1") -> model dir     ("r1": DeepSeek-R1's template, think + tool tokens;
                                                   "v31": DeepSeek-V3.1's, thinking switch + tool tokens)
+    family_model(tmp_dir, "v32", weights_from=DIR)       (a tiny V3.2 checkpoint (tests/tiny_checkpoints.py)
+                                                  with the embedded tokenizer, no template: the DSML
+                                                  encoder of engine.dsml_encoding renders its prompts)
 """
 from __future__ import annotations
 
@@ -23,21 +26,25 @@ TOOL_TOKENS = ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<�
                "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
                "<｜tool▁output▁end｜>"]
 THINK_TOKENS = ["<think>", "</think>"]
-FAMILIES = {"r1": "deepseek-r1.jinja", "v31": "deepseek-v3.1.jinja"}
-VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight", "model.layers.5.embed_tokens.weight",
-              "model.layers.5.shared_head.head.weight")
+FAMILIES = {"r1": "deepseek-r1.jinja", "v31": "deepseek-v3.1.jinja", "v32": None}
+VOCAB_ROWS = ("embed_tokens.weight", "lm_head.weight", "shared_head.head.weight")
 
 
-def family_model(tmp_dir: Path, family: str) -> Path:
+def family_model(tmp_dir: Path, family: str, weights_from: Path = None) -> Path:
+    """weights_from: the checkpoint whose weights to use (default: the embedded model); its tokenizer is
+    replaced by the embedded model's with the family's tokens added."""
     src = default_model_dir()
     out = Path(tmp_dir) / f"nano-{family}"
     if (out / "config.json").exists():
         return out
-    shutil.copytree(src, out)
+    shutil.copytree(weights_from or src, out)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, out / f)
     tok = json.loads((out / "tokenizer.json").read_text())
     base = max(t["id"] for t in tok["added_tokens"]) + 1
     base = max(base, len(tok["model"]["vocab"]))
     # DeepSeek's tokenizers mark the think tokens as ordinary added tokens and the tool tokens as special
+    # (V3.2's DSML markup stays plain text: `<｜DSML｜invoke name=...>` is written in ordinary tokens)
     new = [(t, False) for t in THINK_TOKENS] + [(t, True) for t in TOOL_TOKENS]
     for i, (content, special) in enumerate(new):
         tok["added_tokens"].append({"id": base + i, "content": content, "single_word": False, "lstrip": False,
@@ -53,8 +60,8 @@ def family_model(tmp_dir: Path, family: str) -> Path:
     for f in sorted(out.glob("*.safetensors")):
         ws = load_file(str(f))
         changed = False
-        for name in VOCAB_ROWS:
-            if name in ws and ws[name].shape[0] == old:
+        for name in [n for n in ws if n.endswith(VOCAB_ROWS)]:
+            if ws[name].shape[0] == old:
                 w = ws[name]
                 extra = (rng.standard_normal((vocab - old, w.shape[1])) * 0.02).astype(ml_dtypes.bfloat16)
                 ws[name] = np.concatenate([w, extra.astype(w.dtype)])
@@ -62,6 +69,9 @@ def family_model(tmp_dir: Path, family: str) -> Path:
         if changed:
             save_file(ws, str(f), metadata={"format": "pt"})
     tc = json.loads((out / "tokenizer_config.json").read_text())
-    tc["chat_template"] = (TEMPLATES / FAMILIES[family]).read_text()
+    if FAMILIES[family] is None:
+        tc.pop("chat_template", None)       # V3.2 ships an encoder, not a template
+    else:
+        tc["chat_template"] = (TEMPLATES / FAMILIES[family]).read_text()
     (out / "tokenizer_config.json").write_text(json.dumps(tc, ensure_ascii=False, indent=1))
     return out

@@ -1,6 +1,7 @@
 """Tool calling and reasoning through a live server and the official openai client (issue 46 items 3 and
 4), on tiny models that carry DeepSeek-R1's and DeepSeek-V3.1's published chat templates and special
-tokens (tests/family_chat_models.py): tool_choice "required" and a named function always yield calls
+tokens, and a tiny V3.2 checkpoint whose prompts DeepSeek's DSML encoding renders
+(tests/family_chat_models.py, engine.dsml_encoding): tool_choice "required" and a named function always yield calls
 whose arguments validate against the tool's parameters, streamed or not (the grammar forces them even
 though the model never learned tools); reasoning_content is split from content, also when the
 template opened <think> in the prompt; a response_format applies after the reasoning; V3.1's
@@ -33,9 +34,11 @@ TOOLS = [WEATHER, TIME]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module", params=["r1", "v31"])
-def family(request, tmp_path_factory):
-    d = family_model(tmp_path_factory.mktemp("fam"), request.param)
+@pytest.fixture(scope="module", params=["r1", "v31", "v32"])
+def family(request, tmp_path_factory, tiny_checkpoint):
+    # V3.2: a tiny V3.2 checkpoint with no template; the DSML encoder renders its prompts
+    weights = tiny_checkpoint("v32")[0] if request.param == "v32" else None
+    d = family_model(tmp_path_factory.mktemp("fam"), request.param, weights_from=weights)
     s = LiveServer({**_config(), "max_seq_len": 1024}, model=str(d))
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=300)
     client.server_url = s.url
@@ -155,10 +158,10 @@ def test_r1_reasoning_is_split_from_the_answer(family):
     assert reasoning == m.reasoning_content and text == "" and "<think>" not in reasoning
 
 
-def test_v31_thinking_switch_reaches_the_template(family):
+def test_thinking_switch_reaches_the_template(family):
     fam, client, tok = family
-    if fam != "v31":
-        pytest.skip("V3.1's template reads `thinking`")
+    if fam == "r1":
+        pytest.skip("R1 always thinks")
     on = client.chat.completions.create(model=NAME, messages=ASK, max_tokens=8, temperature=0,
                                         extra_body={"chat_template_kwargs": {"thinking": True}})
     off = client.chat.completions.create(model=NAME, messages=ASK, max_tokens=8, temperature=0)
@@ -218,8 +221,8 @@ def test_anthropic_tool_result_round_trip(family):
 
 def test_anthropic_thinking_block(family):
     fam, client, tok = family
-    if fam != "v31":
-        pytest.skip("V3.1's template switches thinking on and off")
+    if fam == "r1":
+        pytest.skip("R1 always thinks")
     a = _anthropic(client)
     r = a.messages.create(model=NAME, max_tokens=8, messages=ASK, thinking={"type": "enabled", "budget_tokens": 1024},
                           extra_body={"temperature": 0})

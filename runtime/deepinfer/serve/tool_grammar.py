@@ -147,14 +147,14 @@ def _v31_calls(w: _Writer, functions, parallel: bool) -> None:
 
 def _dsml_calls(w: _Writer, functions, parallel: bool) -> None:
     """<DSML>block\\n <DSML>invoke name="NAME">\\n (<DSML>parameter name=.. string=..>V</DSML>parameter>\\n)*
-    </DSML>invoke> (joined by "\\n") \\n</DSML>block>; runs of newlines are accepted where one is written."""
+    </DSML>invoke> (joined by "\\n") \\n</DSML>block>; one newline where the encoders write one."""
     blocks = []
     for block in _DSML_BLOCK_NAMES:
         w.rule(f"block_{block}", f"{w.lit(DSML_OPEN + block + '>')} NL {_repeat('invoke', 'NL', parallel)} "
                                  f"NL {w.lit(DSML_CLOSE + block + '>')}")
         blocks.append(f"block_{block}")
     w.rule("calls", " | ".join(blocks))
-    w.rule("NL", r"/\n+/")
+    w.rule("NL", r"/\n/")     # one newline, as the encoders write: a weak model would spend its tokens on runs
     close_param = DSML_CLOSE + "parameter>"
     w.rule("string_value[lazy]", "/(?s:.*)" + _regex_text(close_param) + "/")
     w.rule("invoke", " | ".join(f"invoke_{i}" for i in range(len(functions))))
@@ -177,6 +177,7 @@ def _dsml_parameters(w: _Writer, i: int, params: dict) -> list[str]:
                                                f"({as_text} string_value | {as_json} any_value {close})")
         return [f"({any_param} NL)*"]
     required = set(params.get("required") or ())
+    close_param = DSML_CLOSE + "parameter>"
     items = []
     for j, (key, schema) in enumerate(properties.items()):
         schema = schema if isinstance(schema, dict) else {}
@@ -184,6 +185,12 @@ def _dsml_parameters(w: _Writer, i: int, params: dict) -> list[str]:
         open_tag = f'{DSML_OPEN}parameter name="{key}" string="{"true" if is_string else "false"}">'
         if is_string and strings is not None:
             value = "(" + " | ".join(w.lit(s) for s in strings) + f") {close}"
+        elif is_string and ("maxLength" in schema or "minLength" in schema):
+            # raw text between the tags, its length bounded as the schema says
+            lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
+            span = f"{{{lo},{'' if hi is None else int(hi)}}}"
+            value = w.shared_rule(f"string_{i}_{j}[lazy]", "/(?s:." + span + ")" + _regex_text(close_param) + "/")
+            value = value.split("[")[0]
         elif is_string:
             value = "string_value"
         else:
