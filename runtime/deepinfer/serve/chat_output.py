@@ -52,6 +52,13 @@ def plan_chat(tokenizer, prompt: str, tools: Optional[list], tool_choice, parall
             raise APIError(400, "this model's chat template renders no tool calls (no DeepSeek tool-call markers "
                                 "in it), so tools cannot be used with it", param="tools")
         if tool_choice in ("required",) or isinstance(tool_choice, dict):
+            split = [t for t in special_markers(tokenizer) if DSML_TOKEN in t and t.startswith(DSML_TOKEN)]
+            if fmt == "dsml" and split:
+                # llguidance never matches an added token's text, and DSML's tags hold this one inside
+                # text (`<｜DSML｜invoke name=...>`): the grammar would admit no output at all
+                raise APIError(400, f"tool_choice {tool_choice if isinstance(tool_choice, str) else 'naming a function'} "
+                                    f"cannot be forced with this tokenizer (its added token {split[0]!r} sits inside "
+                                    "the DSML tags); use tool_choice auto", param="tool_choice")
             try:
                 grammar = tool_call_grammar(fmt, tools, tool_choice, parallel, reasoning=opens,
                                             special_tokens=special_markers(tokenizer))
