@@ -95,3 +95,13 @@ def test_the_engine_takes_priority_only_under_the_priority_policy():
     assert order == [first, late]                    # the urgent one took the only slot and finished first
     with pytest.raises(ConfigError, match="scheduling_policy"):
         Engine.from_pretrained(default_model_dir(), config={"backend": "reference", "scheduling_policy": "sjf"})
+
+
+def test_serve_takes_the_policy_on_the_command_line():
+    from deepinfer.cli import _serve_overrides, build_parser
+
+    args = build_parser().parse_args(["serve", "--scheduling-policy", "priority"])
+    assert _serve_overrides(args)["scheduling_policy"] == "priority"
+    assert "scheduling_policy" not in _serve_overrides(build_parser().parse_args(["serve"]))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--scheduling-policy", "sjf"])

@@ -173,7 +173,7 @@ def _cmd_serve(args) -> int:
 def _serve_overrides(args) -> dict:
     return {k: v for k, v in dict(backend=args.backend, precision=args.precision, revision=args.revision,
                                   max_batch=args.max_batch, max_seq_len=args.max_seq_len, max_queue=args.max_queue,
-                                  tensor_parallel=args.tensor_parallel,
+                                  scheduling_policy=args.scheduling_policy, tensor_parallel=args.tensor_parallel,
                                   expert_parallel=args.expert_parallel).items() if v is not None}
 
 
@@ -326,6 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=_int_in(1), help="sequences running together")
     s.add_argument("--max-seq-len", type=_int_in(1), help="longest prompt + completion")
     s.add_argument("--max-queue", type=_int_in(0), help="requests waiting before new ones get 503 (default 1024)")
+    s.add_argument("--scheduling-policy", choices=("fcfs", "priority"),
+                   help="fcfs (default): arrival order; priority: requests' `priority` (lower first), then arrival")
     s.add_argument("--max-body-bytes", type=_int_in(1), default=1 << 20, help="larger request bodies get 413")
     s.add_argument("--max-prompt-tokens", type=_int_in(1), help="longer prompts get 400 (default max_seq_len - 1)")
     s.add_argument("--max-tokens", type=_int_in(1), help="largest max_tokens a request may ask (default max_seq_len)")
