@@ -39,7 +39,7 @@ def family(request, tmp_path_factory, tiny_checkpoint):
     # V3.2: a tiny V3.2 checkpoint with no template; the DSML encoder renders its prompts
     weights = tiny_checkpoint("v32")[0] if request.param == "v32" else None
     d = family_model(tmp_path_factory.mktemp("fam"), request.param, weights_from=weights)
-    s = LiveServer({**_config(), "max_seq_len": 1024}, model=str(d))
+    s = LiveServer({**_config(), "max_seq_len": 1536}, model=str(d))
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=300)
     client.server_url = s.url
     yield request.param, client, Tokenizer(d)
@@ -58,7 +58,7 @@ def _kw(fam, tok, **kw):
     V3.1's chat mode (thinking off, its default) has no reasoning."""
     if fam == "r1":
         kw["logit_bias"] = _think_end_bias(tok)
-    return dict(model=NAME, messages=ASK, max_tokens=160, temperature=0.7, **kw)
+    return dict(model=NAME, messages=ASK, max_tokens=400, temperature=0.7, **kw)
 
 
 def _check_calls(calls, allowed):
@@ -185,7 +185,7 @@ def _anthropic(client):
 def _a_kw(fam, tok, **kw):
     """R1 opens <think> in the prompt: Anthropic's prefill (a last assistant message) closes it."""
     msgs = [*ASK, {"role": "assistant", "content": "</think>"}] if fam == "r1" else ASK
-    return dict(model=NAME, max_tokens=160, messages=msgs, tools=A_TOOLS, extra_body={"temperature": 0.7}, **kw)
+    return dict(model=NAME, max_tokens=400, messages=msgs, tools=A_TOOLS, extra_body={"temperature": 0.7}, **kw)
 
 
 def test_anthropic_tool_use_blocks_validate(family):
