@@ -13,6 +13,7 @@ tokens (a reasoning model's answer follows its reasoning; the reasoning itself i
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
@@ -53,8 +54,8 @@ class Constraints:
     def start(self, rows: list, out) -> Optional[Future]:
         """Fill out[b] (int32 mask words) for every row whose sequence has an active matcher, on the
         worker thread; the others are left all-allowed. None when no row has one."""
-        matchers = [s.matcher if s is not None and getattr(s, "matcher", None) is not None and s.matcher_active
-                    else None for s in rows]
+        matchers = [s.matcher if s is not None and s.matcher is not None and s.matcher_active else None
+                    for s in rows]
         if not any(m is not None for m in matchers):
             return None
         if self._pool is None:
@@ -62,14 +63,17 @@ class Constraints:
         self.stats["masks"] += 1
         return self._pool.submit(fill_masks, matchers, out, self.vocab_size)
 
-    def wait(self, fut: Future, waited_s: float) -> None:
+    def wait(self, fut: Future) -> None:
+        """Wait for a step's masks (after the forward), counting how long the fill took and how long
+        the step loop waited for it."""
+        t0 = time.perf_counter()
         self.stats["mask_s"] += fut.result()
-        self.stats["wait_s"] += waited_s
+        self.stats["wait_s"] += time.perf_counter() - t0
 
     def advance(self, seq, tok: int) -> Optional[str]:
         """Feed a sampled (non-eos) token to the sequence's matcher; a finish reason when the grammar is
         complete ("stop") or refused the token ("error"), else None."""
-        m = getattr(seq, "matcher", None)
+        m = seq.matcher
         if m is None:
             return None
         if not seq.matcher_active:

@@ -29,7 +29,7 @@ from ..parallel.group import ParallelGroup
 from .. import validate as V
 from .runner_factory import load_runner
 from .constraints import Constraints
-from .sample_controls import SampleControls, needed_groups
+from .sample_controls import SampleControls
 from .sampling import SamplingParams, step_seed
 from .scheduler import Scheduler
 from .speculative import Speculator
@@ -184,7 +184,7 @@ class Engine:
         bad = [t for t in (params.logit_bias or ()) if t >= vocab]
         if bad:
             raise ConfigError(f"logit_bias names token id {bad[0]}, outside the vocabulary [0, {vocab})")
-        if needed_groups(params) and self.backend.abi_minor < 7:
+        if params.has_controls and self.backend.abi_minor < 7:
             raise ConfigError(f"penalties, logit_bias, min_tokens and structured output need a backend library of "
                               f"ABI 1.7; {self.backend.name} implements ABI 1.{self.backend.abi_minor}")
         need = len(ids) + params.max_new_tokens
@@ -303,9 +303,7 @@ class Engine:
             top_p.append(p.top_p if p else 1.0)
             seeds.append(step_seed(p.seed, s.seq.index, s.seq.num_output_tokens) if p else 0)
         if masks is not None:
-            t0 = time.perf_counter()
-            masks.result()
-            self.constraints.wait(masks, time.perf_counter() - t0)
+            self.constraints.wait(masks)
         controls = self._controls(batch, want, masked=masks is not None)
         tokens = self.runner.sampler.sample(logits, temperature=temp, top_k=top_k, top_p=top_p, seeds=seeds,
                                             controls=controls)

@@ -17,22 +17,6 @@ import numpy as np
 
 from ..tensor import Tensor
 
-GROUPS = {"penalties": ("history", "prompt_lens", "penalties"), "bias": ("bias_ids", "bias"),
-          "mask": ("token_mask",)}
-
-
-def needed_groups(params) -> set:
-    """The control groups a request's SamplingParams need."""
-    g = set()
-    if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
-        g.add("penalties")
-    if params.logit_bias or params.min_tokens:
-        g.add("bias")
-    if params.structured is not None:
-        g.add("mask")
-    return g
-
-
 def _cap(n: int, floor: int) -> int:
     return max(floor, 1 << max(0, int(n - 1).bit_length()))
 
@@ -86,28 +70,27 @@ class SampleControls:
         return self._hist
 
     def _fill_history(self, rows: list) -> None:
-        def tokens(seq):
-            p = seq.params
-            return seq.token_ids if p.repetition_penalty != 1.0 else seq.output_ids
-        L = max((len(tokens(s)) for s in rows if s is not None and "penalties" in needed_groups(s.params)), default=1)
-        st = self._history_store(max(L, 1))
+        # per row: its sequence, and whether the prompt counts (a repetition penalty) or the output alone
+        use = [(s, s.params.repetition_penalty != 1.0) if s is not None and "penalties" in s.params.control_groups
+               else None for s in rows]
+        toks = [None if u is None else (u[0].token_ids if u[1] else u[0].output_ids) for u in use]
+        st = self._history_store(max((len(t) for t in toks if t is not None), default=0) or 1)
         h, pl, pen = st.np["history"], st.np["prompt_lens"], st.np["penalties"]
-        for b, seq in enumerate(rows):
-            if seq is None or "penalties" not in needed_groups(seq.params):
+        for b, (u, t) in enumerate(zip(use, toks)):
+            if u is None:
                 if self._hist_rows[b] is not None:
                     h[b] = -1
                     self._hist_rows[b] = None
                 pl[b], pen[b] = 0, (1.0, 0.0, 0.0)
                 continue
+            seq, with_prompt = u
             p = seq.params
-            with_prompt = p.repetition_penalty != 1.0
-            toks = tokens(seq)
             last = self._hist_rows[b]
-            start = last[2] if last is not None and last[:2] == (seq.seq_id, with_prompt) and last[2] <= len(toks) else 0
+            start = last[2] if last is not None and last[:2] == (seq.seq_id, with_prompt) and last[2] <= len(t) else 0
             if start == 0:
                 h[b] = -1
-            h[b, start:len(toks)] = toks[start:]
-            self._hist_rows[b] = (seq.seq_id, with_prompt, len(toks))
+            h[b, start:len(t)] = t[start:]
+            self._hist_rows[b] = (seq.seq_id, with_prompt, len(t))
             pl[b] = seq.num_prompt_tokens if with_prompt else 0
             pen[b] = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
 
@@ -149,7 +132,7 @@ class SampleControls:
         groups = set()
         for seq in rows:
             if seq is not None:
-                groups |= needed_groups(seq.params)
+                groups |= seq.params.control_groups
         if not masked:
             groups.discard("mask")
         kw = {}

@@ -80,10 +80,22 @@ class SamplingParams:
         return p
 
     @property
+    def control_groups(self) -> frozenset:
+        """The groups of ABI 1.7's sample fields this request needs: "penalties" (history, prompt_lens,
+        penalties), "bias" (bias_ids, bias: logit_bias and min_tokens' bans), "mask" (token_mask)."""
+        g = set()
+        if self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0:
+            g.add("penalties")
+        if self.logit_bias or self.min_tokens:
+            g.add("bias")
+        if self.structured is not None:
+            g.add("mask")
+        return frozenset(g)
+
+    @property
     def has_controls(self) -> bool:
         """Whether the sample op needs ABI 1.7's fields for this request (penalties, bias, bans, a mask)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens or self.structured is not None)
+        return bool(self.control_groups)
 
 
 # the sample op reads top_k as int32; longer outputs than this are not a request but a mistake
