@@ -8,25 +8,11 @@ import math
 
 import pytest
 
-import deepinfer
-from deepinfer.engine import Engine, default_model_dir
+from test_engine import engine  # noqa: F401  (the embedded model on the reference and the CPU backend)
+
 from deepinfer.errors import ConfigError
 
-MODEL = default_model_dir()
 PROMPT = "def add(a, b):\n    return a + b\n\ndef"
-
-
-def _backends():
-    out = [pytest.param("reference", id="reference")]
-    cpu = [c for c in deepinfer.candidates() if c.ok and c.name == "cpu"]
-    out.append(pytest.param("cpu", id="cpu", marks=pytest.mark.skipif(not cpu, reason="libdeepinfer_cpu.so not built")))
-    return out
-
-
-@pytest.fixture(scope="module", params=_backends())
-def engine(request):
-    return Engine.from_pretrained(MODEL, config={"backend": request.param, "precision": "f32", "max_batch": 4,
-                                                 "max_seq_len": 512})
 
 
 def _outputs(engine, **opts):

@@ -188,8 +188,9 @@ static DI_Status check_top_k(VC* v, const DI_Tensor* tk, int64_t B) {
  * Row b's logits adjusted in f32 (README section 8): logit bias added, then each token of the history
  * divided (positive) or multiplied by the repetition penalty, count * frequency and then presence
  * subtracted from each token of the output, and the mask's banned tokens set to -inf. Each token's
- * adjustment depends only on that token, so they run token by token. cnt: V int32 of scratch, zeroed
- * here: the low 30 bits count the output's occurrences, bit 30 says "in the prompt". */
+ * adjustment depends only on that token, so they run token by token. cnt: V int32 of scratch of which
+ * only the history's entries are zeroed and read (a row costs O(L) there, not O(V)): the low 30 bits
+ * count the output's occurrences, bit 30 says "in the prompt". */
 #define SEEN_IN_PROMPT (1 << 30)
 
 static int has_controls(const DI_SampleArgs* a) { return a->history.data || a->bias_ids.data || a->token_mask.data; }
@@ -207,7 +208,10 @@ static int control_row(const DI_SampleArgs* a, int64_t b, int64_t V, float* x, i
         const int64_t pl = AT(a->prompt_lens, const int32_t, b);
         const float rep = AT2(a->penalties, const float, b, 0), freq = AT2(a->penalties, const float, b, 1),
                     pres = AT2(a->penalties, const float, b, 2);
-        memset(cnt, 0, (size_t)V * sizeof(int32_t));
+        for (int64_t i = 0; i < L; i++) {
+            int32_t t = AT2(a->history, const int32_t, b, i);
+            if (t >= 0 && t < V) cnt[t] = 0;
+        }
         for (int64_t i = 0; i < L; i++) {
             int32_t t = AT2(a->history, const int32_t, b, i);
             if (t < 0 || t >= V) continue;

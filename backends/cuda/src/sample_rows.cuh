@@ -236,7 +236,7 @@ struct SampleControls {
 constexpr int SEEN_IN_PROMPT = 1 << 30;   // cnt's flag; the low 30 bits count the output's occurrences
 
 // Row b's logits (element offset ro of lg) after the controls, into x (V f32); cnt: V int32 of
-// scratch (with a history). In f32 with explicit roundings (no FMA), in the README's order: the mask
+// scratch (with a history), of which only the history's entries are zeroed and read. In f32 with explicit roundings (no FMA), in the README's order: the mask
 // first (a banned token is -inf whatever the rest adds), bias, then each history token once, claimed
 // by the thread whose atomicExch takes its count. Returns 1 if some token is left. flag: one int of
 // smem.
@@ -250,7 +250,13 @@ __device__ int control_row(const DTensor& lg, int64_t ro, const SampleControls& 
             if (!((w >> (i & 31)) & 1u)) v = -INFINITY;
         }
         x[i] = v;
-        if (hist) cnt[i] = 0;
+    }
+    if (hist) {
+        const int64_t L = c.hist.shape[1], h0 = b * c.hist.strides[0];
+        for (int64_t i = threadIdx.x; i < L; i += blockDim.x) {
+            const int64_t t = load_i(c.hist.dt, c.hist.base, h0 + i * c.hist.strides[1]);
+            if (t >= 0 && t < V) cnt[t] = 0;
+        }
     }
     __syncthreads();
     if (c.bids.base) {

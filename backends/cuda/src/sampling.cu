@@ -137,12 +137,13 @@ static DI_Status take_controls(DI_Context* ctx, OpMode* mode, const char* op, co
     return need_shape(ctx, op, "seeds", seeds->q, 0, n, "logits.shape[0]");
 }
 
-// whether the caller passed any of 1.7's controls (op_query: data may be NULL, ndim says)
+// whether the caller passed an optional tensor (op_query: data may be NULL, ndim says)
+static bool given(const DI_Tensor& t) { return t.data != nullptr || t.ndim > 0; }
+
+// whether the caller passed any of 1.7's controls
 static bool has_sample_controls(const DI_SampleArgs* a) {
-    const DI_Tensor* ts[] = {&a->history, &a->prompt_lens, &a->penalties, &a->bias_ids, &a->bias, &a->token_mask};
-    for (const DI_Tensor* t : ts)
-        if (t->data || t->ndim > 0) return true;
-    return false;
+    return given(a->history) || given(a->prompt_lens) || given(a->penalties) || given(a->bias_ids) ||
+           given(a->bias) || given(a->token_mask);
 }
 
 // a contiguous [R, V] f32 matrix at p
@@ -171,7 +172,6 @@ static DI_Status take_sample_controls(DI_Context* ctx, OpMode* mode, const DI_Sa
     DI_TRY(take_tensor(ctx, mode, op, "bias_ids", a->bias_ids, 2, T_OPTIONAL, &ids));
     DI_TRY(take_tensor(ctx, mode, op, "bias", a->bias, 2, T_OPTIONAL, &bias));
     DI_TRY(take_tensor(ctx, mode, op, "token_mask", a->token_mask, 2, T_OPTIONAL, &mask));
-    auto given = [](const DI_Tensor& t) { return t.data != nullptr || t.ndim > 0; };
     const bool gh = given(a->history), gp = given(a->prompt_lens), gn = given(a->penalties);
     if (gh != gp || gh != gn)
         return set_error(ctx, DI_INVALID_ARGUMENT, "%s: history, prompt_lens and penalties go together (all present "
@@ -224,7 +224,7 @@ DI_Status op_sample(DI_Context* ctx, const DI_SampleArgs* a, OpMode* mode) {
     DI_TRY(need_shape(ctx, op, "out", out.q, 0, B, "logits.shape[0]"));
     // probs (1.2): absent when data is NULL (always, for a 1.1 caller: api.cu zeroes what it does not know)
     DI_TRY(take_tensor(ctx, mode, op, "probs", a->probs, 1, T_OPTIONAL, &probs));
-    if (a->probs.data || a->probs.ndim > 0) {
+    if (given(a->probs)) {
         DI_NEED_DT(ctx, op, "probs", probs.q.dt, DT_F32);
         DI_TRY(need_shape(ctx, op, "probs", probs.q, 0, B, "logits.shape[0]"));
     }
@@ -233,10 +233,10 @@ DI_Status op_sample(DI_Context* ctx, const DI_SampleArgs* a, OpMode* mode) {
         return set_error(ctx, DI_UNIMPLEMENTED, "%s: B*V=%lld exceeds 2^31", op, (long long)(B * V));
     SampleControls c;
     DI_TRY(take_sample_controls(ctx, mode, a, B, V, &c));
-    const bool controlled = c.hist.base || c.bids.base || c.mask.base || has_sample_controls(a);
+    const bool controlled = has_sample_controls(a);
     // with controls: the adjusted rows, the history's counts (with a history) and dead[B] after the sort's
     const uint64_t adj_bytes = align256((uint64_t)(B * V) * 4),
-                   cnt_bytes = a->history.data || a->history.ndim > 0 ? align256((uint64_t)(B * V) * 4) : 0;
+                   cnt_bytes = given(a->history) ? align256((uint64_t)(B * V) * 4) : 0;
     const SortLayout L(B, V, controlled ? adj_bytes + cnt_bytes + (uint64_t)B * 4 : 0);
     mode->workspace = L.total;
     if (!mode->launch || B == 0) return DI_OK;
@@ -276,7 +276,7 @@ DI_Status op_spec_verify(DI_Context* ctx, const DI_SpecVerifyArgs* a, OpMode* mo
     DI_NEED_DT(ctx, op, "logits", lg.q.dt, DT_F32);
     const int64_t T = lg.q.shape[0], V = lg.q.shape[1];
     DI_TRY(take_tensor(ctx, mode, op, "draft_logits", a->draft_logits, 2, T_OPTIONAL, &dlg));
-    const bool has_draft = a->draft_logits.data || a->draft_logits.ndim > 0;   // (op_query: data may be NULL)
+    const bool has_draft = given(a->draft_logits);
     if (has_draft) {
         DI_NEED_DT(ctx, op, "draft_logits", dlg.q.dt, DT_F32);
         DI_TRY(need_shape(ctx, op, "draft_logits", dlg.q, 0, T, "logits.shape[0]"));
