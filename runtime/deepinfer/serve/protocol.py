@@ -175,11 +175,6 @@ class ChatCompletionRequest(_Sampling):
             return "top_logprobs", "top_logprobs needs logprobs: true"
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             return "tool_choice", "tool_choice needs tools"
-        if isinstance(self.tool_choice, NamedToolChoice):
-            names = [t.function.name for t in self.tools or ()]
-            if self.tool_choice.function.name not in names:
-                return "tool_choice", (f"tool_choice names function {self.tool_choice.function.name!r}, which is not "
-                                       f"in tools ({', '.join(map(repr, names))})")
         return super().unsupported()
 
     def template_kwargs(self) -> dict:
